@@ -1,0 +1,243 @@
+"""The contract between the public API and the backends.
+
+The API modules check the user's arguments, then hand a backend plain data:
+at ``plan()`` an `AttentionParams` (or `MLAParams`), at ``run()`` an `AttentionInputs`
+(or `MLAInputs`) whose ``out``/``lse`` tensors the backend fills in place.
+
+Conventions every backend follows (DESIGN.md, "Semantics"):
+- q rows are ragged by ``qo_indptr``; decode has ``q_len_per_req`` rows per request.
+- lse is written in base 2 (``log2 sum 2^(s*log2e)``), float32; rows that see no key get
+  output 0 and lse -inf.
+- ``sm_scale`` already contains nothing but the softmax scale; run-time ``q_scale`` and
+  ``k_scale`` multiply it, ``v_scale`` multiplies the output.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..dispatch.caps import Caps, check_caps
+from ..dispatch.problem import Device, Problem
+from ..dispatch.reasons import Reason
+
+Scale = float | torch.Tensor | None
+
+
+@dataclass
+class PagedKV:
+    """A paged cache as two 4-D views (any strides): NHD ``[pages, page_size, kv_heads, dim]``,
+    HND ``[pages, kv_heads, page_size, dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: str
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+
+@dataclass
+class RaggedKV:
+    """Ragged keys/values: ``k [total_kv, kv_heads, head_dim_qk]``, ``v [total_kv, kv_heads, head_dim_vo]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class AttentionParams:
+    """Plan-time data of a batch attention problem (decode, paged or ragged prefill).
+
+    Index tensors are int32 on the run device; the ``*_host`` lists are the same lengths
+    on the host, read once at plan time.
+    qo_indptr:        [batch + 1] query row offsets.
+    kv_indptr:        [batch + 1] page offsets (paged) or token offsets (ragged).
+    kv_indices:       page ids (paged only).
+    kv_last_page_len: [batch] entries in each request's last page (paged only).
+    kv_lens:          [batch] KV length of each request.
+    packed_mask:      uint8 custom mask, per request the row-major [qo_len, kv_len] bits
+                      packed with ``bitorder="little"``, requests concatenated.
+    mask_indptr:      [batch + 1] byte offsets of each request's bits in packed_mask.
+    workspace:        the user's float workspace buffer (uint8), for split-KV partials.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    qo_lens_host: list[int]
+    kv_lens_host: list[int]
+    sm_scale: float
+    kv_indices: torch.Tensor | None = None
+    kv_last_page_len: torch.Tensor | None = None
+    packed_mask: torch.Tensor | None = None
+    mask_indptr: torch.Tensor | None = None
+    rope_scale: float = 1.0
+    rope_theta: float = 1e4
+    fixed_split_size: int | None = None
+    disable_split_kv: bool = False
+    workspace: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens_host)
+
+
+@dataclass
+class AttentionInputs:
+    """Run-time tensors. The backend writes ``out`` ([total_q, qo_heads, head_dim_vo]) and,
+    when not None, ``lse`` ([total_q, qo_heads], float32, base 2).
+
+    sinks: [qo_heads] float32 logits (natural-log units, like scaled scores) that join each
+    row's softmax denominator without a value.
+    """
+
+    q: torch.Tensor
+    kv: PagedKV | RaggedKV
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+    q_scale: Scale = None
+    k_scale: Scale = None
+    v_scale: Scale = None
+    sinks: torch.Tensor | None = None
+
+
+@dataclass
+class MLAParams:
+    """Plan-time data of MLA paged attention (kv_indptr counts pages, kv_lens tokens)."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_lens: torch.Tensor
+    qo_lens_host: list[int]
+    kv_lens_host: list[int]
+    sm_scale: float
+    causal: bool = False
+    workspace: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens_host)
+
+
+@dataclass
+class MLAInputs:
+    """Run-time MLA tensors: q_nope [total_q, heads, ckv], q_pe [total_q, heads, kpe],
+    ckv_cache [pages, page_size, ckv], kpe_cache [pages, page_size, kpe]. The backend writes
+    ``out`` [total_q, heads, ckv] and ``lse`` (base 2) when not None; ``v_scale`` multiplies
+    the output."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    ckv_cache: torch.Tensor
+    kpe_cache: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+    v_scale: Scale = None
+
+
+@dataclass
+class MergeInputs:
+    """merge_states: v [seq, num_states, heads, dim], s [seq, num_states, heads] (base-2 lse);
+    the backend writes v_out [seq, heads, dim] and s_out [seq, heads]."""
+
+    v: torch.Tensor
+    s: torch.Tensor
+    v_out: torch.Tensor
+    s_out: torch.Tensor
+
+
+DEFAULT_TOLERANCE = {
+    torch.float32: 1e-4,
+    torch.float16: 4e-3,
+    torch.bfloat16: 2e-2,
+    torch.float8_e4m3fn: 8e-2,
+    torch.float8_e5m2: 1.5e-1,
+}
+
+
+class Backend:
+    """A backend: capabilities as class data, plus plan() and run().
+
+    Subclasses set ``name``, ``caps``, ``packages`` (importable module names it needs) and
+    may override ``tolerance`` (max ||out - ref|| / ||ref|| per KV dtype),
+    ``_availability()`` and ``extra_checks()``.
+    """
+
+    name: ClassVar[str]
+    caps: ClassVar[Caps | dict[str, Caps]]
+    packages: ClassVar[tuple[str, ...]] = ()
+    tolerance: ClassVar[dict[torch.dtype, float]] = DEFAULT_TOLERANCE
+
+    @classmethod
+    @functools.cache
+    def availability(cls) -> tuple[Reason, ...]:
+        """Reasons this backend cannot run at all on this machine (cached; empty: available)."""
+        for pkg in cls.packages:
+            try:
+                importlib.import_module(pkg)
+            except Exception as e:  # ImportError, or a library that fails to load
+                return (Reason("package", f"{pkg} not importable: {type(e).__name__}: {e}",
+                               f"pip install 'flashdispatch[{cls.name}]'"),)
+        return tuple(cls._availability())
+
+    @classmethod
+    def _availability(cls) -> list[Reason]:
+        return []
+
+    @classmethod
+    def version(cls) -> str | None:
+        """Version of the library behind the backend, if any."""
+        return None
+
+    @classmethod
+    def extra_checks(cls, problem: Problem, device: Device) -> list[Reason]:
+        """Checks of combinations that `Caps` cannot express."""
+        return []
+
+    @classmethod
+    def caps_for(cls, op: str) -> Caps:
+        """The declared capabilities for ``op``: ``caps`` is one `Caps` or a dict op -> Caps."""
+        if isinstance(cls.caps, dict):
+            return cls.caps.get(op, Caps(ops=frozenset()))
+        return cls.caps
+
+    @classmethod
+    def supports(cls, problem: Problem, device: Device) -> list[Reason]:
+        """All reasons this backend cannot run ``problem`` on ``device`` (empty: it can)."""
+        reasons = list(cls.availability())
+        reasons += check_caps(cls.caps_for(problem.op), problem, device)
+        if not reasons:
+            reasons += cls.extra_checks(problem, device)
+        return reasons
+
+    @classmethod
+    def tolerance_for(cls, dtype: torch.dtype) -> float:
+        return cls.tolerance.get(dtype, 2e-2)
+
+    # --- computing -----------------------------------------------------------------------
+    def plan(self, problem: Problem, device: Device, params: AttentionParams | MLAParams) -> Any:
+        """Build this backend's plan object (grids, split-KV partition, graphs). Called once
+        per wrapper.plan(); run() must not decide anything that plan() could."""
+        raise NotImplementedError(f"{self.name} does not plan {problem.op}")
+
+    def run(self, plan: Any, inputs: AttentionInputs | MLAInputs) -> None:
+        """Compute into inputs.out (and inputs.lse when not None)."""
+        raise NotImplementedError(f"{self.name} has no run for this plan")
+
+    def merge_states(self, inputs: MergeInputs) -> None:
+        """Combine partial attention states by their lse (op ``merge``)."""
+        raise NotImplementedError(f"{self.name} does not merge states")
+
+
+def package_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None

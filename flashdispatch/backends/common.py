@@ -1,0 +1,25 @@
+"""Small pieces every backend shares: ALiBi slopes, the Triton-interpreter switch."""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+# Triton kernels run on CPU tensors only when this is set before they are defined (tests).
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _alibi_slopes_list(num_heads: int) -> tuple[float, ...]:
+    m = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * (i + 1) / m) for i in range(m)]
+    slopes += [2.0 ** (-4.0 * (2 * k + 1) / m) for k in range(num_heads - m)]
+    return tuple(slopes)
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The standard ALiBi slope of each head, float32 [num_heads] (geometric series; for a
+    head count that is not a power of two, the odd terms of the next series fill the rest)."""
+    return torch.tensor(_alibi_slopes_list(num_heads), dtype=torch.float32, device=device)

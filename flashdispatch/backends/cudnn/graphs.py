@@ -1,0 +1,201 @@
+"""cuDNN SDPA graphs: the key that identifies one, its construction, and the process-wide cache.
+
+A graph is built for a shape *bucket* (batch, page-table width, max query/KV length rounded up
+to powers of two) plus the exact layout of the tensors it reads (strides, cache pages), so
+any batch that fits the bucket reuses it: the real lengths travel in device tensors
+(seq_len_q/seq_len_kv, ragged offsets, page table), never in the graph.
+
+Layouts handed to cuDNN (its dims are always [batch, heads, seq, dim]):
+- q/o/lse are *ragged* (decode too, with one row per request): one row per token, the start
+  of each request given by a ragged offset tensor in elements ([batch + 1, 1, 1, 1] int32),
+  so batches padded up to the bucket (length 0) can never be read or written.
+- paged K/V are a container [pages, kv_heads, page_size, dim] (NHD views just have other
+  strides) read through a block table [batch, 1, max_pages, 1] int32.
+- ragged K/V (prefill_ragged) are ragged like q.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+LOG2E = 1.0 / math.log(2.0)
+
+# Variant-pack uids of the graph's tensors.
+UID_Q, UID_K, UID_V, UID_O, UID_STATS, UID_SCALE = 1, 2, 3, 4, 5, 6
+UID_SEQ_Q, UID_SEQ_KV, UID_TABLE_K, UID_TABLE_V = 7, 8, 9, 10
+UID_Q_OFF, UID_O_OFF, UID_STATS_OFF, UID_K_OFF, UID_V_OFF = 11, 12, 13, 14, 15
+
+GRAPH_CACHE_SIZE = 64
+
+
+def pow2_bucket(n: int) -> int:
+    """``n`` rounded up to a power of two, at least 1."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """What a plan decides: everything about a graph except the tensors' run-time layout."""
+
+    device_index: int
+    dtype: torch.dtype
+    paged: bool                # paged container + block table vs ragged K/V
+    batch: int                 # bucketed batch size
+    max_q: int                 # bucketed max query rows per request (1 for decode)
+    max_pages: int             # bucketed page-table width (paged), 0 otherwise
+    max_kv: int                # bucketed max KV length (ragged K/V); max_pages * page_size if paged
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    page_size: int
+    causal: bool
+    window_left: int
+    return_lse: bool
+    cuda_graph: bool
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The run-time layout the graph is compiled against (element strides, cache size)."""
+
+    q_stride: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    k_stride: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    v_stride: tuple[int, ...]
+    o_stride: tuple[int, ...]
+    lse_stride: tuple[int, ...] | None
+    layout: str                # "NHD" / "HND" for paged caches, "ragged" otherwise
+
+
+@dataclass
+class BuiltGraph:
+    graph: object
+    workspace_size: int
+    build_seconds: float
+
+
+def _data_type(dtype: torch.dtype):
+    import cudnn
+
+    return {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[dtype]
+
+
+def _rows_bhsd(stride: tuple[int, ...], seq: int) -> list[int]:
+    """[batch, heads, seq, dim] strides of a [tokens, heads, dim] view (batch stride = seq rows)."""
+    tok, head, dim = stride
+    return [seq * tok, head, tok, dim]
+
+
+def _cache_bhsd(stride: tuple[int, ...], layout: str) -> list[int]:
+    """[pages, kv_heads, page_size, dim] strides of an NHD or HND page view."""
+    if layout == "NHD":
+        return [stride[0], stride[2], stride[1], stride[3]]
+    return list(stride)
+
+
+def _cache_dims(shape: tuple[int, ...], layout: str) -> list[int]:
+    if layout == "NHD":
+        return [shape[0], shape[2], shape[1], shape[3]]
+    return list(shape)
+
+
+def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
+    """Build (validate, plan, compile) one SDPA graph; raises cudnnGraphNotSupportedError or
+    RuntimeError from cuDNN if it cannot."""
+    import cudnn
+
+    t0 = time.perf_counter()
+    io = _data_type(opts.dtype)
+    f32, i32 = cudnn.data_type.FLOAT, cudnn.data_type.INT32
+    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle,
+                      is_cuda_graph_replay_expected=opts.cuda_graph)
+    B, Hq, Hk, S = opts.batch, opts.num_qo_heads, opts.num_kv_heads, opts.max_q
+    dqk, dvo = opts.head_dim_qk, opts.head_dim_vo
+
+    def offsets(name: str, uid: int):
+        return g.tensor(name=name, dim=[B + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32, uid=uid)
+
+    def lengths(name: str, uid: int):
+        return g.tensor(name=name, dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32, uid=uid)
+
+    q = g.tensor(name="q", dim=[B, Hq, S, dqk], stride=_rows_bhsd(geo.q_stride, S), data_type=io, uid=UID_Q)
+    q.set_ragged_offset(offsets("q_offsets", UID_Q_OFF))
+    if opts.paged:
+        k = g.tensor(name="k_cache", dim=_cache_dims(geo.k_shape, geo.layout),
+                     stride=_cache_bhsd(geo.k_stride, geo.layout), data_type=io, uid=UID_K)
+        v = g.tensor(name="v_cache", dim=_cache_dims(geo.v_shape, geo.layout),
+                     stride=_cache_bhsd(geo.v_stride, geo.layout), data_type=io, uid=UID_V)
+        table = dict(dim=[B, 1, opts.max_pages, 1], stride=[opts.max_pages, opts.max_pages, 1, 1], data_type=i32)
+        paging = dict(paged_attention_k_table=g.tensor(name="table_k", uid=UID_TABLE_K, **table),
+                      paged_attention_v_table=g.tensor(name="table_v", uid=UID_TABLE_V, **table),
+                      paged_attention_max_seq_len_kv=opts.max_kv)
+    else:
+        k = g.tensor(name="k", dim=[B, Hk, opts.max_kv, dqk], stride=_rows_bhsd(geo.k_stride, opts.max_kv),
+                     data_type=io, uid=UID_K)
+        v = g.tensor(name="v", dim=[B, Hk, opts.max_kv, dvo], stride=_rows_bhsd(geo.v_stride, opts.max_kv),
+                     data_type=io, uid=UID_V)
+        k.set_ragged_offset(offsets("k_offsets", UID_K_OFF))
+        v.set_ragged_offset(offsets("v_offsets", UID_V_OFF))
+        paging = {}
+    scale = g.tensor(name="attn_scale", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32,
+                     is_pass_by_value=True, uid=UID_SCALE)
+    masking = {}
+    if opts.causal or opts.window_left >= 0:
+        masking["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
+    if opts.causal:
+        masking["diagonal_band_right_bound"] = 0
+    if opts.window_left >= 0:
+        # cuDNN masks keys at or before row - left_bound: keeping j >= p - w means w + 1.
+        masking["diagonal_band_left_bound"] = opts.window_left + 1
+    o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=scale, generate_stats=opts.return_lse,
+                      use_padding_mask=True, seq_len_q=lengths("seq_len_q", UID_SEQ_Q),
+                      seq_len_kv=lengths("seq_len_kv", UID_SEQ_KV), compute_data_type=f32,
+                      **paging, **masking)
+    o.set_output(True).set_dim([B, Hq, S, dvo]).set_stride(_rows_bhsd(geo.o_stride, S)).set_uid(UID_O)
+    o.set_ragged_offset(offsets("o_offsets", UID_O_OFF))
+    if opts.return_lse:
+        lse_stride = [S * geo.lse_stride[0], geo.lse_stride[1], geo.lse_stride[0], 1]
+        stats.set_output(True).set_data_type(f32).set_dim([B, Hq, S, 1]).set_stride(lse_stride).set_uid(UID_STATS)
+        stats.set_ragged_offset(offsets("stats_offsets", UID_STATS_OFF))
+    g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    return BuiltGraph(g, int(g.get_workspace_size()), time.perf_counter() - t0)
+
+
+class GraphCache:
+    """Process-wide LRU cache of built graphs, keyed by (GraphOptions, Geometry)."""
+
+    def __init__(self, capacity: int = GRAPH_CACHE_SIZE):
+        self.capacity = capacity
+        self._graphs: OrderedDict[tuple[GraphOptions, Geometry], BuiltGraph] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, opts: GraphOptions, geo: Geometry) -> BuiltGraph | None:
+        with self._lock:
+            built = self._graphs.get((opts, geo))
+            if built is not None:
+                self._graphs.move_to_end((opts, geo))
+            return built
+
+    def put(self, opts: GraphOptions, geo: Geometry, built: BuiltGraph) -> None:
+        with self._lock:
+            self._graphs[(opts, geo)] = built
+            self._graphs.move_to_end((opts, geo))
+            while len(self._graphs) > self.capacity:
+                self._graphs.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._graphs.clear()
+
+
+GRAPHS = GraphCache()

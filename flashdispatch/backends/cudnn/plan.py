@@ -1,0 +1,287 @@
+"""The cudnn plan: bucket choice, device metadata (block table, lengths, ragged offsets) and run().
+
+plan() decides everything and writes the metadata on the device, stream-ordered and without a
+host sync. The metadata lives at fixed offsets at the front of the user's float workspace (the
+cuDNN workspace follows it), so a re-plan of the same bucket rewrites the same addresses and
+a captured CUDA graph stays valid. run() only binds pointers and launches; the single
+exception is the first run with a new tensor layout (strides, cache pages), which builds the
+graph for it, and must therefore happen before any CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...dispatch.problem import Device, Problem
+from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
+from . import graphs
+from .graphs import GRAPHS, Geometry, GraphOptions, pow2_bucket
+from .handles import handle_on_current_stream
+
+ALIGN = 256
+INT32_MAX = 2**31 - 1
+NEG_INF = float("-inf")
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _host_scale(x, name: str) -> float:
+    if x is None:
+        return 1.0
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.device.type != "cpu":
+            raise ValueError(f"cudnn: {name} must be a Python float or a one-element CPU tensor "
+                             f"(got a tensor of shape {tuple(x.shape)} on {x.device}); a device scale would need a host sync")
+        return float(x.item())
+    return float(x)
+
+
+def empty_rows(qo_lens: list[int], kv_lens: list[int], causal: bool) -> list[int]:
+    """Query rows that see no key: every row of a request with kv_len 0, and, when causal, the
+    rows of position p_i = i + kv_len - qo_len < 0."""
+    rows, start = [], 0
+    for q_len, kv_len in zip(qo_lens, kv_lens):
+        blind = q_len if kv_len == 0 else (max(0, q_len - kv_len) if causal else 0)
+        rows.extend(range(start, start + min(blind, q_len)))
+        start += q_len
+    return rows
+
+
+def graph_options(problem: Problem, device: Device, params: AttentionParams) -> GraphOptions:
+    """The bucket a plan's graph is built for."""
+    paged = problem.op != "prefill_ragged"
+    max_q = max(params.qo_lens_host, default=0)
+    max_kv = max(params.kv_lens_host, default=0)
+    max_pages = pow2_bucket(max(-(-k // problem.page_size) for k in params.kv_lens_host) if paged and max_kv else 1)
+    return GraphOptions(
+        device_index=device.index, dtype=problem.q_dtype, paged=paged,
+        batch=pow2_bucket(params.batch_size), max_q=pow2_bucket(max_q),
+        max_pages=max_pages if paged else 0,
+        max_kv=max_pages * problem.page_size if paged else pow2_bucket(max_kv),
+        num_qo_heads=problem.num_qo_heads, num_kv_heads=problem.num_kv_heads,
+        head_dim_qk=problem.head_dim_qk, head_dim_vo=problem.head_dim_vo,
+        page_size=problem.page_size if paged else 0, causal=problem.mask_mode == "causal",
+        window_left=problem.window_left, return_lse=problem.return_lse, cuda_graph=problem.use_cuda_graph)
+
+
+class _Metadata:
+    """int32 device slots carved from one byte buffer: lengths, block table, row offsets."""
+
+    def __init__(self, buf: torch.Tensor, opts: GraphOptions):
+        B, off = opts.batch, 0
+        sizes = {"seq_q": B, "seq_kv": B, "qo_indptr": B + 1, "q_off": B + 1, "o_off": B + 1, "lse_off": B + 1}
+        if opts.paged:
+            sizes["table"] = B * opts.max_pages
+        else:
+            sizes.update(kv_indptr=B + 1, k_off=B + 1, v_off=B + 1)
+        self.slots: dict[str, torch.Tensor] = {}
+        for name, n in sizes.items():
+            self.slots[name] = buf[off:off + 4 * n].view(torch.int32)
+            off += _aligned(4 * n)
+        self.nbytes = off
+        self.stride_of: dict[str, int] = {}   # the element stride each offset slot was computed for
+
+    @staticmethod
+    def size(opts: GraphOptions) -> int:
+        n = [opts.batch] * 2 + [opts.batch + 1] * 4
+        n += [opts.batch * opts.max_pages] if opts.paged else [opts.batch + 1] * 3
+        return sum(_aligned(4 * x) for x in n)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.slots[name]
+
+
+def _pad_indptr(dst: torch.Tensor, indptr: torch.Tensor, batch: int) -> None:
+    dst[:batch + 1].copy_(indptr)
+    dst[batch + 1:].copy_(indptr[batch:batch + 1].expand(dst.numel() - batch - 1))
+
+
+class CudnnPlan:
+    """A planned cuDNN SDPA call. ``build_seconds``: graph-build time spent for this plan (0.0
+    when every graph it used came from the cache)."""
+
+    def __init__(self, problem: Problem, device: Device, params: AttentionParams):
+        if not device.is_cuda:
+            raise ValueError(f"cudnn plans need a CUDA device, got {device.describe()}")
+        self.problem, self.device = problem, device
+        self.opts = graph_options(problem, device, params)
+        self.batch_size = params.batch_size
+        self.total_q = sum(params.qo_lens_host)
+        self.total_kv = sum(params.kv_lens_host)
+        self.sm_scale = params.sm_scale
+        self.build_seconds = 0.0
+        self._bound: tuple[Geometry, graphs.BuiltGraph] | None = None
+        dev = torch.device("cuda", device.index)
+
+        meta_bytes = _Metadata.size(self.opts)
+        if params.workspace is not None:
+            ws = params.workspace
+            if not ws.is_contiguous() or ws.device != dev:
+                raise ValueError(f"float_workspace_buffer must be a contiguous tensor on {dev}, got "
+                                 f"device {ws.device}, strides {tuple(ws.stride())}")
+            ws = ws.reshape(-1).view(torch.uint8)
+            if ws.numel() < meta_bytes:
+                raise ValueError(f"float_workspace_buffer too small for cudnn: {ws.numel()} bytes, the plan's metadata "
+                                 f"alone needs {meta_bytes} (batch bucket {self.opts.batch})")
+            self.meta = _Metadata(ws[:meta_bytes], self.opts)
+            self._graph_workspace: torch.Tensor | None = ws[meta_bytes:]
+        else:  # no user buffer (direct backend use): private metadata, cuDNN workspace sized at first run
+            self.meta = _Metadata(torch.empty(meta_bytes, dtype=torch.uint8, device=dev), self.opts)
+            self._graph_workspace = None
+        self._owns_workspace = params.workspace is None
+        self._fill_metadata(params)
+
+        rows = empty_rows(params.qo_lens_host, params.kv_lens_host, self.opts.causal)
+        self._empty_rows = torch.tensor(rows, dtype=torch.long, device=dev) if rows else None
+        self._scale_host = torch.empty((1, 1, 1, 1), dtype=torch.float32)
+
+    # --- plan time ------------------------------------------------------------------------
+    def _fill_metadata(self, params: AttentionParams) -> None:
+        m, B = self.meta, params.batch_size
+        qo = params.qo_indptr
+        m["seq_q"][:B].copy_(qo[1:] - qo[:-1])
+        m["seq_q"][B:].zero_()
+        m["seq_kv"][:B].copy_(params.kv_lens)
+        m["seq_kv"][B:].zero_()
+        _pad_indptr(m["qo_indptr"], qo, B)
+        p = self.problem
+        self._set_offsets("q_off", "qo_indptr", p.num_qo_heads * p.head_dim_qk, self.total_q)
+        self._set_offsets("o_off", "qo_indptr", p.num_qo_heads * p.head_dim_vo, self.total_q)
+        self._set_offsets("lse_off", "qo_indptr", p.num_qo_heads, self.total_q)
+        if self.opts.paged:
+            self._fill_block_table(params)
+        else:
+            _pad_indptr(m["kv_indptr"], params.kv_indptr, B)
+            self._set_offsets("k_off", "kv_indptr", p.num_kv_heads * p.head_dim_qk, self.total_kv)
+            self._set_offsets("v_off", "kv_indptr", p.num_kv_heads * p.head_dim_vo, self.total_kv)
+
+    def _fill_block_table(self, params: AttentionParams) -> None:
+        B, P = params.batch_size, self.opts.max_pages
+        table = self.meta["table"].view(self.opts.batch, P)
+        table.zero_()   # rows past the batch and columns past a request's pages read page 0, never used
+        indices = params.kv_indices
+        if B == 0 or indices is None or indices.numel() == 0:
+            return
+        indptr = params.kv_indptr.long()
+        counts = indptr[1:] - indptr[:-1]
+        cols = torch.arange(P, device=indptr.device)
+        gather = (indptr[:-1, None] + cols[None, :]).clamp_(max=indices.numel() - 1)
+        table[:B].copy_(torch.where(cols[None, :] < counts[:, None], indices[gather], 0))
+
+    def _set_offsets(self, slot: str, indptr: str, stride: int, total: int) -> None:
+        """offsets[b] = indptr[b] * stride, in elements, for the element stride of one row."""
+        if total * stride > INT32_MAX:
+            raise ValueError(f"cudnn: {slot.removesuffix('_off')} spans {total} rows of {stride} elements, "
+                             f"past cuDNN's int32 ragged offsets ({INT32_MAX})")
+        torch.mul(self.meta[indptr], stride, out=self.meta[slot])
+        self.meta.stride_of[slot] = stride
+
+    # --- run time ---------------------------------------------------------------------------
+    def _geometry(self, inputs: AttentionInputs) -> Geometry:
+        kv = inputs.kv
+        lse_stride = tuple(inputs.lse.stride()) if inputs.lse is not None and self.opts.return_lse else None
+        layout = kv.layout if isinstance(kv, PagedKV) else "ragged"
+        if self.opts.paged != isinstance(kv, PagedKV):
+            raise ValueError(f"cudnn plan for {self.problem.op} got {type(kv).__name__} inputs")
+        if isinstance(kv, PagedKV) and layout != self.problem.kv_layout:
+            raise ValueError(f"cudnn plan for kv_layout={self.problem.kv_layout} got a {layout} cache")
+        return Geometry(tuple(inputs.q.stride()), tuple(kv.k.shape), tuple(kv.k.stride()), tuple(kv.v.shape),
+                        tuple(kv.v.stride()), tuple(inputs.out.stride()), lse_stride, layout)
+
+    def _check_alignment(self, inputs: AttentionInputs) -> None:
+        """cuDNN reads with 16-byte vectors: base pointers and row strides must allow it."""
+        tensors = {"q": inputs.q, "k": inputs.kv.k, "v": inputs.kv.v, "out": inputs.out}
+        for name, t in tensors.items():
+            elems = 16 // t.element_size()
+            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % elems for s in t.stride()[:-1]):
+                raise ValueError(f"cudnn: {name} needs a contiguous last dim, a 16-byte aligned pointer and strides "
+                                 f"in multiples of {elems} elements; got strides {tuple(t.stride())}, "
+                                 f"pointer offset {t.data_ptr() % 16}")
+        if inputs.lse is not None and self.opts.return_lse and inputs.lse.stride(-1) != 1:
+            raise ValueError(f"cudnn: lse needs a contiguous last dim, got strides {tuple(inputs.lse.stride())}")
+
+    def _bind(self, geo: Geometry) -> graphs.BuiltGraph:
+        if self._bound is not None and self._bound[0] == geo:
+            return self._bound[1]
+        built = GRAPHS.get(self.opts, geo)
+        if built is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("cudnn: this tensor layout needs a new cuDNN graph, which cannot be built during "
+                                   "CUDA-graph capture; run once eagerly with the same tensors before capturing")
+            from .handles import handle_for
+
+            try:
+                built = graphs.build_graph(self.opts, geo, handle_for(self.device.index))
+            except Exception as e:  # cudnnGraphNotSupportedError, RuntimeError from the backend
+                raise RuntimeError(f"cudnn could not build an SDPA graph for {self.problem.describe()} "
+                                   f"(bucket {self.opts}, layout {geo}): {type(e).__name__}: {e}") from e
+            GRAPHS.put(self.opts, geo, built)
+            self.build_seconds += built.build_seconds
+        self._bound = (geo, built)
+        return built
+
+    def _cudnn_workspace(self, built: graphs.BuiltGraph) -> torch.Tensor:
+        need = built.workspace_size
+        if self._owns_workspace and (self._graph_workspace is None or self._graph_workspace.numel() < need):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("cudnn: the plan's private workspace must grow, which cannot happen during "
+                                   "CUDA-graph capture; run once eagerly before capturing")
+            self._graph_workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=self.meta["seq_q"].device)
+        if self._graph_workspace.numel() < need:
+            total = self._graph_workspace.numel() + self.meta.nbytes
+            raise ValueError(f"float_workspace_buffer too small for cudnn: {total} bytes, needs "
+                             f"{need + self.meta.nbytes} ({need} for the cuDNN graph "
+                             f"(graph.get_workspace_size()) + {self.meta.nbytes} of plan metadata)")
+        return self._graph_workspace[:need]
+
+    def _refresh_offsets(self, inputs: AttentionInputs) -> None:
+        """Recompute the offsets whose row stride differs from the one they hold (no allocation)."""
+        rows = [("q_off", "qo_indptr", inputs.q.stride(0), self.total_q),
+                ("o_off", "qo_indptr", inputs.out.stride(0), self.total_q)]
+        if inputs.lse is not None and self.opts.return_lse:
+            rows.append(("lse_off", "qo_indptr", inputs.lse.stride(0), self.total_q))
+        if not self.opts.paged:
+            rows += [("k_off", "kv_indptr", inputs.kv.k.stride(0), self.total_kv),
+                     ("v_off", "kv_indptr", inputs.kv.v.stride(0), self.total_kv)]
+        for slot, indptr, stride, total in rows:
+            if self.meta.stride_of[slot] != stride:
+                self._set_offsets(slot, indptr, stride, total)
+
+    def run(self, inputs: AttentionInputs) -> None:
+        """Write inputs.out (and inputs.lse, base 2). Capturable in a CUDA graph once warmed up."""
+        if self.total_q == 0:
+            return
+        if self.opts.return_lse != (inputs.lse is not None):
+            raise ValueError(f"cudnn plan made with return_lse={self.opts.return_lse} got lse="
+                             f"{'a tensor' if inputs.lse is not None else 'None'}")
+        self._check_alignment(inputs)
+        built = self._bind(self._geometry(inputs))
+        workspace = self._cudnn_workspace(built)
+        self._refresh_offsets(inputs)
+        self._scale_host.fill_(self.sm_scale * _host_scale(inputs.q_scale, "q_scale") * _host_scale(inputs.k_scale, "k_scale"))
+        m, G = self.meta, graphs
+        pack = {G.UID_Q: inputs.q, G.UID_K: inputs.kv.k, G.UID_V: inputs.kv.v, G.UID_O: inputs.out,
+                G.UID_SCALE: self._scale_host, G.UID_SEQ_Q: m["seq_q"], G.UID_SEQ_KV: m["seq_kv"],
+                G.UID_Q_OFF: m["q_off"], G.UID_O_OFF: m["o_off"]}
+        if self.opts.paged:
+            pack[G.UID_TABLE_K] = pack[G.UID_TABLE_V] = m["table"]
+        else:
+            pack[G.UID_K_OFF], pack[G.UID_V_OFF] = m["k_off"], m["v_off"]
+        if self.opts.return_lse:
+            pack[G.UID_STATS], pack[G.UID_STATS_OFF] = inputs.lse, m["lse_off"]
+        handle = handle_on_current_stream(self.device.index)
+        built.graph.execute(pack, workspace, handle=handle)
+        self._finish(inputs)
+
+    def _finish(self, inputs: AttentionInputs) -> None:
+        """Base-2 lse, v_scale, and out 0 / lse -inf on rows that see no key."""
+        if inputs.lse is not None:
+            inputs.lse.mul_(graphs.LOG2E)
+        if inputs.v_scale is not None and not (isinstance(inputs.v_scale, float | int) and inputs.v_scale == 1):
+            inputs.out.mul_(inputs.v_scale)
+        if self._empty_rows is not None:
+            inputs.out.index_fill_(0, self._empty_rows, 0.0)
+            if inputs.lse is not None:
+                inputs.lse.index_fill_(0, self._empty_rows, NEG_INF)
+

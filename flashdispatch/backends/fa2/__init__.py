@@ -1,0 +1,50 @@
+"""fa2: our Triton kernels (split-KV paged decode, FlashAttention-2 style prefill, state merge).
+
+Runs on CUDA GPUs from sm80 on; on the CPU only under TRITON_INTERPRET=1 (tests).
+Each module declares the `Caps` of its op; this class routes plan()/run() to them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...dispatch.reasons import Reason
+from ..common import TRITON_INTERPRETED
+from ..base import AttentionInputs, AttentionParams, Backend, MergeInputs, package_version
+from .decode import DECODE_CAPS, plan_decode
+from .merge import MERGE_CAPS, merge_states
+from .prefill import PREFILL_CAPS, plan_prefill
+
+class FA2Backend(Backend):
+    name = "fa2"
+    packages = ("triton",)
+    caps = {
+        "decode": DECODE_CAPS,
+        "prefill_paged": PREFILL_CAPS,
+        "prefill_ragged": PREFILL_CAPS,
+        "merge": MERGE_CAPS,
+    }
+
+    @classmethod
+    def _availability(cls) -> list[Reason]:
+        if not torch.cuda.is_available() and not TRITON_INTERPRETED:
+            return [Reason("device", "no CUDA device", "fa2 runs on the CPU only under TRITON_INTERPRET=1 (tests)")]
+        return []
+
+    @classmethod
+    def version(cls) -> str | None:
+        v = package_version("triton")
+        return f"triton {v}" if v else None
+
+    def plan(self, problem, device, params: AttentionParams):
+        if problem.op == "decode":
+            return plan_decode(problem, device, params)
+        return plan_prefill(problem, device, params)
+
+    def run(self, plan, inputs: AttentionInputs) -> None:
+        plan.run(inputs)
+
+    def merge_states(self, inputs: MergeInputs) -> None:
+        merge_states(inputs)
+
+
+BACKEND = FA2Backend

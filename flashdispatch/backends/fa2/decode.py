@@ -1,0 +1,296 @@
+"""fa2 paged batch decode: split-KV planning and the launcher (kernel in decode_kernel.py).
+
+plan() does all index work on the host with numpy: it clips each request's tokens to the
+window, cuts them into chunks so that (chunks x KV heads) fills the GPU, and copies one
+int32 array (work rows + merge rows) to the device. A request with one chunk is written to
+out/lse by the decode kernel; the partials of a split request go to the workspace and the
+merge kernel (merge.py) combines them. run() only launches.
+
+CUDA graphs: the grid is fixed by the batch size (batch x max_splits programs, idle ones
+exit) and the plan arrays live at fixed offsets of the user's workspace, updated in place,
+so a graph captured once replays correctly after a later plan() of the same batch size.
+
+Tuning: `DecodeConfig` fields can be overridden per plan (``plan_decode(..., config={...})``)
+or through FLASHDISPATCH_FA2_DECODE_CONFIG='{"block_n": 64, "num_stages": 3, ...}'.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from ...dispatch.caps import Caps
+from ...dispatch.problem import FP8_DTYPES, Device, Problem
+from ..base import AttentionInputs, AttentionParams
+from ..common import TRITON_INTERPRETED, alibi_slopes
+from .decode_kernel import LOG2E, WORK_COLS, decode_kernel
+from .merge import MERGE_INFO_COLS, launch_decode_merge
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+DECODE_CAPS = Caps(
+    ops=frozenset({"decode"}),
+    device_types=frozenset({"cuda", "cpu"}) if TRITON_INTERPRETED else frozenset({"cuda"}),
+    min_cc=(8, 0),
+    q_dtypes=_HALF,
+    kv_dtypes=_HALF | frozenset(FP8_DTYPES),
+    o_dtypes=_HALF | {torch.float32},
+    head_dims=frozenset({(64, 64), (128, 128), (256, 256)}),
+    page_sizes=None,
+    layouts=frozenset({"NHD", "HND"}),
+    features=frozenset({"causal", "sliding_window", "soft_cap", "alibi", "rope", "lse", "cuda_graph",
+                        "fp8_kv", "sinks", "q_len_per_req"}),
+    max_q_len_per_req=64,
+)
+
+CONFIG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
+_ALIGN = 256  # byte alignment of the workspace regions
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Kernel and split-policy knobs.
+
+    block_n: tokens per inner step; num_warps / num_stages: Triton launch options;
+    max_block_m: most query rows per program (more rows use several row blocks);
+    ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
+    worth a split; max_splits: most chunks of one request (CUDA-graph grids use it).
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    max_block_m: int = 64
+    ctas_per_sm: int = 4
+    min_chunk_tokens: int = 256
+    max_splits: int = 64
+
+
+def default_config(problem: Problem) -> DecodeConfig:
+    """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
+    d = problem.head_dim_qk
+    if d <= 64:
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+    if d <= 128:
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=32, num_warps=4, num_stages=3)
+
+
+def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeConfig:
+    cfg = default_config(problem)
+    env = os.environ.get(CONFIG_ENV)
+    for source in (json.loads(env) if env else None, overrides):
+        if source:
+            unknown = set(source) - {f.name for f in dataclasses.fields(DecodeConfig)}
+            if unknown:
+                raise ValueError(f"unknown fa2 decode config keys {sorted(unknown)}; "
+                                 f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
+            cfg = dataclasses.replace(cfg, **source)
+    return cfg
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
+                  units: int, sm_count: int) -> np.ndarray:
+    """Chunk length in tokens per request (a huge value: no split)."""
+    no_split = np.full_like(eff, 1 << 30)
+    if params.disable_split_kv or len(eff) == 0:
+        return no_split
+    if params.fixed_split_size is not None:
+        return np.full_like(eff, max(1, params.fixed_split_size) * problem.page_size)
+    target = max(sm_count, 1) * cfg.ctas_per_sm
+    if len(eff) * units >= target:
+        return no_split
+    chunk = max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
+    n = np.maximum(1, -(-eff // chunk))
+    n = np.minimum(n, cfg.max_splits)
+    per = -(-eff // n)  # balanced chunks inside a request, rounded up to whole blocks
+    return np.maximum(cfg.block_n, -(-per // cfg.block_n) * cfg.block_n)
+
+
+class DecodePlan:
+    """A planned decode: the work array on the device, the grid, and the launch options."""
+
+    def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: dict | None = None):
+        self.problem, self.config = problem, resolve_config(problem, config)
+        cfg, p = self.config, problem
+        self.q_len = p.q_len_per_req
+        self.group = p.num_qo_heads // p.num_kv_heads
+        rows = self.q_len * self.group
+        self.block_m = max(16, min(triton.next_power_of_2(rows), cfg.max_block_m))
+        self.row_blocks = -(-rows // self.block_m)
+        self.sm_scale = params.sm_scale
+        self.rope = (1.0 / params.rope_scale, math.log2(params.rope_theta))
+        self.kv_indices = params.kv_indices
+        run_device = params.kv_indices.device
+        self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
+        self._build(device, params, run_device)
+
+    # --- planning --------------------------------------------------------------------------
+    def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
+        p, cfg, ql = self.problem, self.config, self.q_len
+        lens = np.asarray(params.kv_lens_host, dtype=np.int64)
+        batch = len(lens)
+        pages = -(-lens // p.page_size)
+        page_base = np.cumsum(pages) - pages
+        lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros_like(lens)
+        eff = lens - lo
+        units = p.num_kv_heads * self.row_blocks
+        sm_count = device.sm_count or 8
+        chunk = _chunk_tokens(eff, p, params, cfg, units, sm_count)
+        nsplit = np.maximum(1, -(-eff // chunk))
+
+        if p.use_cuda_graph:
+            splits = self._graph_splits(batch, units, sm_count, params)
+            if nsplit.size and nsplit.max() > splits:
+                raise ValueError(f"use_cuda_graph: a request needs {int(nsplit.max())} chunks of "
+                                 f"fixed_split_size={params.fixed_split_size} pages, the graph grid holds "
+                                 f"{splits}; raise fixed_split_size")
+            if params.fixed_split_size is None and not params.disable_split_kv:
+                nsplit = np.minimum(np.maximum(1, -(-eff // cfg.min_chunk_tokens)), splits)
+                per = -(-eff // nsplit)
+                chunk = np.maximum(cfg.block_n, -(-per // cfg.block_n) * cfg.block_n)
+                nsplit = np.maximum(1, -(-eff // chunk))
+            n_work = batch * splits
+            n_partial = batch * splits if splits > 1 else 0
+            n_merge = batch if splits > 1 else 0
+            idx = (np.arange(batch) * splits)[:, None] + np.arange(splits)[None, :]
+            valid = np.arange(splits)[None, :] < nsplit[:, None]
+            items, sidx = idx[valid], np.broadcast_to(np.arange(splits), idx.shape)[valid]
+            req = np.repeat(np.arange(batch), nsplit)
+            slot_of = np.where(nsplit[req] > 1, items, -1)
+            merge_first = np.arange(batch) * splits
+            merge_rows = np.arange(batch)
+        else:
+            n_work = int(nsplit.sum())
+            req = np.repeat(np.arange(batch), nsplit)
+            sidx = np.arange(n_work) - np.repeat(np.cumsum(nsplit) - nsplit, nsplit)
+            items = np.arange(n_work)
+            split_item = nsplit[req] > 1
+            slot_of = np.where(split_item, np.cumsum(split_item) - 1, -1)
+            merge_rows = np.nonzero(nsplit > 1)[0]
+            n_merge = len(merge_rows)
+            n_partial = int(split_item.sum())
+            merge_first = np.cumsum(nsplit[merge_rows]) - nsplit[merge_rows]
+
+        work = np.zeros((n_work, WORK_COLS), dtype=np.int32)
+        work[:, 0] = -1
+        start = lo[req] + sidx * np.minimum(chunk[req], 1 << 30)
+        work[items, 0] = req
+        work[items, 1] = page_base[req]
+        work[items, 2] = start
+        work[items, 3] = np.minimum(start + chunk[req], lens[req])
+        work[items, 4] = lens[req]
+        work[items, 5] = slot_of
+        work[items, 6] = sidx == 0
+        info = np.zeros((n_merge, MERGE_INFO_COLS), dtype=np.int32)
+        info[:, 0] = merge_rows * ql
+        info[:, 1] = merge_first
+        info[:, 2] = nsplit[merge_rows]
+        self.n_work, self.n_merge = n_work, (n_merge if n_partial else 0)
+        self._place(np.concatenate([work.ravel(), info.ravel()]), n_work, n_merge, n_partial,
+                    params, run_device)
+
+    def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
+        """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""
+        if params.disable_split_kv:
+            return 1
+        target = sm_count * self.config.ctas_per_sm
+        return max(1, min(self.config.max_splits, -(-target // max(batch * units, 1))))
+
+    def _place(self, meta: np.ndarray, n_work: int, n_merge: int, n_partial: int,
+               params: AttentionParams, run_device: torch.device) -> None:
+        """Copy the plan arrays to the device and carve the partials out of the workspace."""
+        p, ql = self.problem, self.q_len
+        heads, d = p.num_qo_heads, p.head_dim_vo
+        graph = p.use_cuda_graph
+        meta_bytes = _align(meta.nbytes) if graph else 0
+        lse_bytes = _align(n_partial * ql * heads * 4)
+        need = meta_bytes + lse_bytes + n_partial * ql * heads * d * 4 if (graph or n_partial) else 0
+        ws = params.workspace
+        have = 0 if ws is None else ws.numel() * ws.element_size()
+        if need > have:
+            raise ValueError(f"float_workspace_buffer too small: {have} bytes, this decode plan needs {need} "
+                             f"bytes ({n_partial} split-KV partials of {ql}x{heads}x{d} float32)")
+        host = torch.from_numpy(meta)
+        if graph:
+            dst = ws.view(-1)[:meta.nbytes].view(torch.int32)
+            dst.copy_(host)
+        else:
+            dst = host.to(run_device)
+        self.work = dst[:n_work * WORK_COLS]
+        self.info = dst[n_work * WORK_COLS:]
+        if need:
+            self.plse = ws[meta_bytes:meta_bytes + n_partial * ql * heads * 4].view(torch.float32)
+            po_start = meta_bytes + lse_bytes
+            self.po = ws[po_start:po_start + n_partial * ql * heads * d * 4].view(torch.float32)
+        else:
+            self.plse = self.po = self.work  # never written: no request is split
+        self.workspace_bytes = need
+
+    # --- running ----------------------------------------------------------------------------
+    def run(self, inputs: AttentionInputs) -> None:
+        """Launch decode (and merge when some request is split) into inputs.out / inputs.lse."""
+        if self.n_work == 0:
+            return
+        p, cfg = self.problem, self.config
+        q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
+        k, v = kv.k, kv.v
+        if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
+            raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
+        if kv.layout == "NHD":
+            ks = (k.stride(0), k.stride(1), k.stride(2))
+            vs = (v.stride(0), v.stride(1), v.stride(2))
+        else:
+            ks = (k.stride(0), k.stride(2), k.stride(1))
+            vs = (v.stride(0), v.stride(2), v.stride(1))
+        qk_scale, q_t, k_t, v_t = self.sm_scale, None, None, None
+        v_scale = 1.0
+        if isinstance(inputs.q_scale, torch.Tensor):
+            q_t = inputs.q_scale
+        elif inputs.q_scale is not None:
+            qk_scale *= float(inputs.q_scale)
+        if isinstance(inputs.k_scale, torch.Tensor):
+            k_t = inputs.k_scale
+        elif inputs.k_scale is not None:
+            qk_scale *= float(inputs.k_scale)
+        if isinstance(inputs.v_scale, torch.Tensor):
+            v_t = inputs.v_scale
+        elif inputs.v_scale is not None:
+            v_scale = float(inputs.v_scale)
+        write_lse = lse is not None
+        lse_arg = lse if write_lse else self.plse
+        lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
+        dummy = self.plse
+        grid = (self.n_work, p.num_kv_heads * self.row_blocks)
+        decode_kernel[grid](
+            q, k, v, out, lse_arg, self.po, self.plse,
+            self.work, self.kv_indices, self.slopes if self.slopes is not None else dummy,
+            inputs.sinks if p.sinks else dummy, q_t if q_t is not None else dummy,
+            k_t if k_t is not None else dummy, v_t if v_t is not None else dummy,
+            qk_scale, v_scale, max(p.window_left, 0), p.logits_soft_cap or 1.0, *self.rope,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *lse_strides, *ks, *vs,
+            NUM_QO_HEADS=p.num_qo_heads, GROUP=self.group, QLEN=self.q_len, ROW_BLOCKS=self.row_blocks,
+            PAGE=p.page_size, HEAD_DIM=p.head_dim_qk, BLOCK_M=self.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=p.mask_mode == "causal" and self.q_len > 1, WINDOW=p.window_left >= 0,
+            SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
+            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, WRITE_LSE=write_lse,
+            Q_SCALE_T=q_t is not None, K_SCALE_T=k_t is not None, V_SCALE_T=v_t is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if self.n_merge:
+            launch_decode_merge(self.po, self.plse, out, lse, self.info, self.n_merge, self.q_len)
+
+
+def plan_decode(problem: Problem, device: Device, params: AttentionParams, config: dict | None = None) -> DecodePlan:
+    """Plan a paged batch decode (see the module docstring); ``config`` overrides `DecodeConfig`."""
+    return DecodePlan(problem, device, params, config)

@@ -1,0 +1,235 @@
+"""fa2 prefill (paged, ragged, single): capabilities, tile configs, the plan and its launch.
+
+plan_prefill() builds the work list once on the host (one item per BLOCK_M query rows of a
+request, heaviest first), copies it to the device and fixes the grid; PrefillPlan.run() only
+reads strides and launches. With ``use_cuda_graph`` the list lives at fixed offsets of the
+user's workspace and a fixed number of persistent programs stride over it, so a captured
+run() replays correctly after a re-plan of a same-shaped problem. The kernel is in
+prefill_kernels.py.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ...dispatch.caps import Caps
+from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
+from ...dispatch.reasons import Reason, Unsupported
+from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
+from ..common import TRITON_INTERPRETED, alibi_slopes
+from .prefill_kernels import fa2_prefill_kernel
+
+_HALF_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+PREFILL_CAPS = Caps(
+    ops=frozenset({"prefill_paged", "prefill_ragged"}),
+    device_types=frozenset({"cuda", "cpu"}) if TRITON_INTERPRETED else frozenset({"cuda"}),
+    min_cc=(8, 0),
+    q_dtypes=_HALF_DTYPES,
+    kv_dtypes=_HALF_DTYPES | frozenset(FP8_DTYPES),
+    o_dtypes=_HALF_DTYPES,
+    head_dims=frozenset({(64, 64), (128, 128), (256, 256), (192, 128)}),
+    page_sizes=frozenset(range(1, 129)),
+    layouts=frozenset({"NHD", "HND"}),
+    features=frozenset({"causal", "custom_mask", "sliding_window", "soft_cap", "alibi", "rope", "lse",
+                        "cuda_graph", "fp8_kv", "sinks"}),
+)
+
+CONFIG_ENV = "FLASHDISPATCH_FA2_PREFILL_CONFIG"
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# CUDA-graph mode: item count at byte 0 of the workspace, the items from byte _GRAPH_ITEMS_AT.
+_GRAPH_ITEMS_AT = 256
+_ITEM_INTS = 4
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile shape and launch parameters of the prefill kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def validate(self) -> "PrefillConfig":
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"fa2 prefill {name}={v}: must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"fa2 prefill config {self}: num_warps in {{1,2,4,8,16}}, num_stages >= 1")
+        return self
+
+
+def default_config(problem: Problem, device: Device) -> PrefillConfig:
+    """Tile sizes per head dim (measured on an H200, see docs/perf-notes.md "fa2 prefill")."""
+    if not device.is_cuda:  # interpreter: small tiles so tiny tests still cross tiles and pages
+        return PrefillConfig(32, 16, 4, 1)
+    if problem.q_dtype == torch.float32:
+        return PrefillConfig(32 if problem.head_dim_qk > 128 else 64, 32, 4, 1)
+    if problem.head_dim_qk <= 64:
+        return PrefillConfig(128, 64, 4, 3)
+    if problem.head_dim_qk <= 128:
+        return PrefillConfig(128, 64, 8, 3)
+    if problem.head_dim_qk <= 192:
+        return PrefillConfig(128, 64, 8, 2)
+    return PrefillConfig(64, 64, 4, 2)
+
+
+def config_from_env(base: PrefillConfig) -> PrefillConfig:
+    """Apply FLASHDISPATCH_FA2_PREFILL_CONFIG: ``block_m=128,block_n=64,num_warps=8,num_stages=3``
+    (any subset) or the four numbers ``128,64,8,3``."""
+    text = os.environ.get(CONFIG_ENV, "").strip()
+    if not text:
+        return base
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        if all("=" not in p for p in parts) and len(parts) == 4:
+            return PrefillConfig(*(int(p) for p in parts)).validate()
+        changes = {k.strip(): int(v) for k, v in (p.split("=", 1) for p in parts)}
+        return replace(base, **changes).validate()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{CONFIG_ENV}={text!r}: {e}; expected e.g. "
+                         "'block_m=128,block_n=64,num_warps=8,num_stages=3'") from e
+
+
+def prefill_extra_checks(problem: Problem, device: Device) -> list[Reason]:
+    """Combinations Caps cannot express: KV must be q's dtype or fp8."""
+    if problem.kv_dtype != problem.q_dtype and problem.kv_dtype not in FP8_DTYPES:
+        return [Reason("dtype", f"kv_dtype={dtype_name(problem.kv_dtype)} with q_dtype="
+                       f"{dtype_name(problem.q_dtype)}: KV must match q or be fp8")]
+    return []
+
+
+def build_work_list(qo_lens: list[int], kv_lens: list[int], block_m: int, causal: bool,
+                    window_left: int) -> list[tuple[int, int, int, int]]:
+    """(request, first row, qo_len, kv_len) per BLOCK_M query rows, most KV work first."""
+    items = []
+    for req, (q, k) in enumerate(zip(qo_lens, kv_lens)):
+        for m0 in range(0, q, block_m):
+            p_min, p_max = m0 + k - q, min(m0 + block_m, q) - 1 + k - q
+            hi = min(k, p_max + 1) if causal else k
+            lo = max(0, p_min - window_left) if window_left >= 0 else 0
+            items.append((max(hi - lo, 0), req, m0, q, k))
+    items.sort(key=lambda it: -it[0])
+    return [it[1:] for it in items]
+
+
+def _scale_arg(scale, dummy: torch.Tensor) -> tuple[float, torch.Tensor, bool]:
+    """(host factor, pointer, loaded in-kernel) for a float / 1-element tensor / None scale."""
+    if scale is None:
+        return 1.0, dummy, False
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"fa2 prefill: scale tensors must have 1 element, got shape {tuple(scale.shape)}")
+        return 1.0, scale, True
+    return float(scale), dummy, False
+
+
+class PrefillPlan:
+    """A planned prefill: work list on the device, constexpr features, grid, tile config."""
+
+    def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig):
+        self.problem, self.params, self.config = problem, params, config
+        self.paged = problem.op == "prefill_paged"
+        dev = params.qo_indptr.device
+        items = build_work_list(params.qo_lens_host, params.kv_lens_host, config.block_m,
+                                problem.mask_mode == "causal", problem.window_left)
+        self.num_items = len(items)
+        flat = torch.tensor([v for it in items for v in it] or [0], dtype=torch.int32)
+        if problem.use_cuda_graph:
+            self.work, self.num_work = self._graph_work_list(params.workspace, flat, dev)
+            self.grid = (max(device.sm_count, 4) * 2,)
+        else:
+            self.work = flat.to(dev)
+            self.num_work = self.work
+            self.grid = (self.num_items * problem.num_qo_heads,)
+        self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
+        if problem.mask_mode == "custom" and (params.packed_mask is None or params.mask_indptr is None):
+            raise ValueError("fa2 prefill: mask_mode='custom' needs packed_mask and mask_indptr")
+        if self.paged and params.kv_indices is None:
+            raise ValueError("fa2 prefill: paged KV needs kv_indices")
+
+    def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device):
+        """Write the item count and list at fixed offsets of the user's workspace."""
+        if workspace is None:
+            raise ValueError("fa2 prefill: use_cuda_graph needs the workspace buffer")
+        capacity = (workspace.numel() * workspace.element_size() - _GRAPH_ITEMS_AT) // (4 * _ITEM_INTS)
+        if self.num_items > capacity:
+            raise ValueError(f"fa2 prefill: {self.num_items} work items need "
+                             f"{_GRAPH_ITEMS_AT + 16 * self.num_items} workspace bytes, the workspace has "
+                             f"{workspace.numel() * workspace.element_size()}")
+        ws = workspace.view(torch.uint8).reshape(-1)
+        count = ws[:4].view(torch.int32)
+        work = ws[_GRAPH_ITEMS_AT:_GRAPH_ITEMS_AT + 4 * flat.numel()].view(torch.int32)
+        count.copy_(torch.tensor([self.num_items], dtype=torch.int32))
+        work.copy_(flat)
+        return work, count
+
+    def run(self, inputs: AttentionInputs) -> None:
+        p, prm, cfg = self.problem, self.params, self.config
+        q, out = inputs.q, inputs.out
+        if self.grid[0] == 0:
+            return
+        kv = inputs.kv
+        if self.paged:
+            if not isinstance(kv, PagedKV):
+                raise TypeError("fa2 prefill_paged plan run with ragged KV")
+            k, v = kv.k, kv.v
+            if kv.layout == "NHD":
+                sk = (k.stride(0), k.stride(1), k.stride(2), k.stride(3))
+                sv = (v.stride(0), v.stride(1), v.stride(2), v.stride(3))
+            else:
+                sk = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
+                sv = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+            kv_indices = prm.kv_indices
+        else:
+            if not isinstance(kv, RaggedKV):
+                raise TypeError("fa2 prefill_ragged plan run with paged KV")
+            k, v = kv.k, kv.v
+            sk = (k.stride(0), 0, k.stride(1), k.stride(2))
+            sv = (v.stride(0), 0, v.stride(1), v.stride(2))
+            kv_indices = prm.kv_indptr
+        lse = inputs.lse
+        q_f, q_ptr, q_t = _scale_arg(inputs.q_scale, prm.qo_indptr)
+        k_f, k_ptr, k_t = _scale_arg(inputs.k_scale, prm.qo_indptr)
+        v_f, v_ptr, v_t = _scale_arg(inputs.v_scale, prm.qo_indptr)
+        log2e = 1.0 / math.log(2.0)
+        custom = p.mask_mode == "custom"
+        head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
+        fa2_prefill_kernel[self.grid](
+            q, k, v, out, lse if lse is not None else out, self.work, self.num_work,
+            prm.qo_indptr, prm.kv_indptr, kv_indices,
+            prm.packed_mask if custom else prm.qo_indptr, prm.mask_indptr if custom else prm.qo_indptr,
+            inputs.sinks if inputs.sinks is not None else prm.qo_indptr,
+            self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
+            prm.sm_scale * q_f * k_f * log2e, v_f, p.logits_soft_cap * log2e,
+            1.0 / prm.rope_scale, math.log2(prm.rope_theta), p.window_left,
+            q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+            NUM_QO_HEADS=p.num_qo_heads, GROUP=p.num_qo_heads // p.num_kv_heads,
+            HEAD_QK_A=head_a, HEAD_QK_B=p.head_dim_qk - head_a, HEAD_VO=p.head_dim_vo,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=p.page_size if self.paged else 0,
+            DTYPE=_TL_DTYPES[q.dtype], DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            CAUSAL=p.mask_mode == "causal", CUSTOM_MASK=custom, WINDOW=p.window_left >= 0,
+            SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
+            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=inputs.sinks is not None,
+            HAS_LSE=lse is not None, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t,
+            PERSISTENT=p.use_cuda_graph, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def plan_prefill(problem: Problem, device: Device, params: AttentionParams,
+                 config: PrefillConfig | None = None) -> PrefillPlan:
+    """Plan a paged or ragged prefill. ``config`` (or FLASHDISPATCH_FA2_PREFILL_CONFIG) overrides
+    the per-head-dim tile sizes, e.g. for a benchmark sweep."""
+    reasons = prefill_extra_checks(problem, device)
+    if reasons:
+        raise Unsupported("fa2 prefill cannot run this problem", {"fa2": reasons})
+    cfg = (config or config_from_env(default_config(problem, device))).validate()
+    return PrefillPlan(problem, device, params, cfg)

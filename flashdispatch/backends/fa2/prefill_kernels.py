@@ -1,0 +1,307 @@
+"""Triton FlashAttention-2 style prefill kernel (paged or ragged KV), read top to bottom.
+
+One program computes one (work item, query head) pair: a tile of BLOCK_M query rows of one
+request against that request's KV, walked in BLOCK_N tiles with an online softmax in base 2
+(log2(e) is folded into the score scale, so only exp2 is used). A work item is four int32:
+(request id, first query row of the tile inside the request, qo_len, kv_len); plan() builds
+the list on the host. The KV range of a tile is split into three loops: masked tiles left of
+the fully visible band (sliding window), the unmasked band, masked tiles on the right
+(causal diagonal, KV end). Every feature is a tl.constexpr, so a feature that is off costs
+nothing on the hot path.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634  # log2(e)
+
+
+@triton.jit
+def _kv_page_slot(kv_indices_ptr, kv_start, start_n, offs_n, kv_len,
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(page, slot) of KV tokens ``offs_n`` of a request, int64. Ragged (PAGE_SIZE 0): the
+    token row ``kv_start + n`` and slot 0. Paged: page ``kv_indices[kv_start + n // PAGE_SIZE]``,
+    slot ``n % PAGE_SIZE`` (one page-id load per tile when a tile never crosses a page)."""
+    if PAGE_SIZE == 0:
+        return (kv_start + offs_n).to(tl.int64), tl.zeros_like(offs_n).to(tl.int64)
+    elif PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(kv_indices_ptr + kv_start + start_n // PAGE_SIZE).to(tl.int64)
+        slot = (start_n % PAGE_SIZE) + tl.arange(0, BLOCK_N)
+        return tl.zeros_like(offs_n).to(tl.int64) + page, slot.to(tl.int64)
+    else:
+        page = tl.load(kv_indices_ptr + kv_start + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
+        return page.to(tl.int64), (offs_n % PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _rope(x, x_partner, pos, offs_d, HALF: tl.constexpr, HEAD_QK: tl.constexpr,
+          rope_inv_scale, rope_log2_theta):
+    """Rotate-half RoPE of rows ``x`` (float32, columns ``offs_d``) at positions ``pos``;
+    ``x_partner`` holds column (c + HALF) % HEAD_QK of each column c."""
+    t = tl.where(offs_d < HALF, offs_d, offs_d - HALF).to(tl.float32)
+    inv_freq = tl.exp2(-(2.0 * t / HEAD_QK) * rope_log2_theta)
+    angle = (pos.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    return x * tl.cos(angle) + (sign[None, :] * x_partner) * tl.sin(angle)
+
+
+@triton.jit
+def _load_k_part(k_base, row_off, kv_len, offs_n, offs_d, stride_kd, pos_n, rope_inv_scale, rope_log2_theta,
+                 DTYPE: tl.constexpr, MASKED: tl.constexpr, ROPE: tl.constexpr,
+                 HALF: tl.constexpr, HEAD_QK: tl.constexpr):
+    """One column part of a K tile [BLOCK_N, len(offs_d)] in the compute dtype (RoPE applied)."""
+    ptrs = k_base + row_off[:, None] + offs_d[None, :] * stride_kd
+    if MASKED:
+        k = tl.load(ptrs, mask=(offs_n < kv_len)[:, None], other=0.0)
+    else:
+        k = tl.load(ptrs)
+    if ROPE:
+        partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        pptrs = k_base + row_off[:, None] + partner[None, :] * stride_kd
+        if MASKED:
+            kp = tl.load(pptrs, mask=(offs_n < kv_len)[:, None], other=0.0)
+        else:
+            kp = tl.load(pptrs)
+        k = _rope(k.to(tl.float32), kp.to(tl.float32), pos_n, offs_d, HALF, HEAD_QK,
+                  rope_inv_scale, rope_log2_theta)
+    return k.to(DTYPE)
+
+
+@triton.jit
+def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
+                K, V, kv_indices_ptr, mask_ptr, kv_start, kv_len, kvh, mask_off,
+                offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd,
+                stride_vp, stride_vs, stride_vh, stride_vd,
+                qk_scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
+                DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
+                CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
+                SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr):
+    """Online-softmax update over KV tiles [lo, hi); MASKED tiles apply every mask."""
+    HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
+    offs_da = tl.arange(0, HEAD_QK_A)
+    offs_dv = tl.arange(0, HEAD_VO)
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        page, slot = _kv_page_slot(kv_indices_ptr, kv_start, start_n, offs_n, kv_len, PAGE_SIZE, BLOCK_N)
+        k_rows = page * stride_kp + slot * stride_ks
+        k = _load_k_part(k_base, k_rows, kv_len, offs_n, offs_da, stride_kd, offs_n,
+                         rope_inv_scale, rope_log2_theta, DTYPE, MASKED, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
+        qk = tl.dot(q_a, tl.trans(k), input_precision=DOT_PREC)
+        if HEAD_QK_B > 0:
+            offs_db = HEAD_QK_A + tl.arange(0, HEAD_QK_B)
+            kb = _load_k_part(k_base, k_rows, kv_len, offs_n, offs_db, stride_kd, offs_n,
+                              rope_inv_scale, rope_log2_theta, DTYPE, MASKED, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
+            qk = tl.dot(q_b, tl.trans(kb), qk, input_precision=DOT_PREC)
+        # scores in log2 units
+        if SOFT_CAP:
+            s = qk * qk_scale
+            if ALIBI:
+                s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
+            # cap * tanh(s / cap), with s and cap both in log2 units; tanh through exp2
+            e = tl.exp2(s * (2.0 * LOG2E / soft_cap))
+            s = soft_cap * (1.0 - 2.0 / (e + 1.0))
+        else:
+            s = qk * qk_scale
+            if ALIBI:
+                s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
+        if MASKED:
+            keep = (offs_n < kv_len)[None, :]
+            if CUSTOM_MASK:
+                bit = offs_m.to(tl.int64)[:, None] * kv_len + offs_n[None, :]
+                in_bounds = (offs_m < qo_len)[:, None] & keep
+                byte = tl.load(mask_ptr + mask_off + (bit >> 3), mask=in_bounds, other=0)
+                keep = keep & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
+            elif CAUSAL:
+                keep = keep & (offs_n[None, :] <= pos_m[:, None])
+            if WINDOW:
+                keep = keep & (offs_n[None, :] >= pos_m[:, None] - window_left)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v_rows = page * stride_vp + slot * stride_vs
+        v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(offs_n < kv_len)[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(DTYPE), v.to(DTYPE), acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _load_q_part(Q, q_row_off, offs_m, qo_len, offs_d, stride_qd, pos_m, rope_inv_scale, rope_log2_theta,
+                 DTYPE: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, HEAD_QK: tl.constexpr):
+    """One column part of the Q tile [BLOCK_M, len(offs_d)] in the compute dtype (RoPE applied)."""
+    row_ok = (offs_m < qo_len)[:, None]
+    q = tl.load(Q + q_row_off[:, None] + offs_d[None, :] * stride_qd, mask=row_ok, other=0.0)
+    if ROPE:
+        partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        qp = tl.load(Q + q_row_off[:, None] + partner[None, :] * stride_qd, mask=row_ok, other=0.0)
+        q = _rope(q.to(tl.float32), qp.to(tl.float32), pos_m, offs_d, HALF, HEAD_QK,
+                  rope_inv_scale, rope_log2_theta)
+    return q.to(DTYPE)
+
+
+@triton.jit
+def _prefill_one(pid, Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+                 mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                 qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
+                 stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
+                 stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                 stride_lt, stride_lh,
+                 NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                 HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+                 CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
+                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
+                 HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
+                 V_SCALE_T: tl.constexpr):
+    """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head."""
+    head = pid % NUM_QO_HEADS
+    item = pid // NUM_QO_HEADS
+    req = tl.load(work_ptr + item * 4)
+    m0 = tl.load(work_ptr + item * 4 + 1)
+    qo_len = tl.load(work_ptr + item * 4 + 2)
+    kv_len = tl.load(work_ptr + item * 4 + 3)
+    q_start = tl.load(qo_indptr_ptr + req)
+    kv_start = tl.load(kv_indptr_ptr + req)
+    mask_off = 0
+    if CUSTOM_MASK:
+        mask_off = tl.load(mask_indptr_ptr + req).to(tl.int64)
+    kvh = head // GROUP
+    HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    delta = kv_len - qo_len
+    pos_m = offs_m + delta
+    q_row_off = (q_start + offs_m).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q_a = _load_q_part(Q, q_row_off, offs_m, qo_len, tl.arange(0, HEAD_QK_A), stride_qd, pos_m,
+                       rope_inv_scale, rope_log2_theta, DTYPE, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
+    if HEAD_QK_B > 0:
+        q_b = _load_q_part(Q, q_row_off, offs_m, qo_len, HEAD_QK_A + tl.arange(0, HEAD_QK_B), stride_qd,
+                           pos_m, rope_inv_scale, rope_log2_theta, DTYPE, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
+    else:
+        q_b = q_a
+
+    scale = qk_scale
+    if Q_SCALE_T:
+        scale = scale * tl.load(q_scale_ptr).to(tl.float32)
+    if K_SCALE_T:
+        scale = scale * tl.load(k_scale_ptr).to(tl.float32)
+    alibi_log2 = 0.0
+    if ALIBI:
+        alibi_log2 = tl.load(alibi_ptr + head) * LOG2E
+
+    # KV tile ranges: masked [lo, b), unmasked [b, c), masked [c, hi)
+    p_min = m0 + delta
+    p_max = tl.minimum(m0 + BLOCK_M, qo_len) - 1 + delta
+    hi = kv_len
+    if CAUSAL and not CUSTOM_MASK:
+        hi = tl.minimum(hi, p_max + 1)
+    lo = 0
+    full_lo = 0
+    if WINDOW:
+        lo = (tl.maximum(p_min - window_left, 0) // BLOCK_N) * BLOCK_N
+        full_lo = ((tl.maximum(p_max - window_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_hi = kv_len
+    if CAUSAL and not CUSTOM_MASK:
+        full_hi = tl.minimum(full_hi, p_min + 1)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    if CUSTOM_MASK:
+        full_lo = hi
+    b = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
+    c = tl.minimum(tl.maximum(full_hi, b), tl.maximum(hi, b))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        l_i = l_i + 1.0
+    acc = tl.zeros([BLOCK_M, HEAD_VO], tl.float32)
+
+    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, K, V, kv_indices_ptr, mask_ptr, kv_start,
+                                kv_len, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh,
+                                stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
+                                soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True,
+                                BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
+                                WINDOW, SOFT_CAP, ALIBI, ROPE)
+    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, K, V, kv_indices_ptr, mask_ptr, kv_start,
+                                kv_len, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh,
+                                stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
+                                soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, False,
+                                BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
+                                WINDOW, SOFT_CAP, ALIBI, ROPE)
+    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, K, V, kv_indices_ptr, mask_ptr, kv_start,
+                                kv_len, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh,
+                                stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
+                                soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True,
+                                BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
+                                WINDOW, SOFT_CAP, ALIBI, ROPE)
+
+    seen = l_i > 0.0
+    out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
+    if V_SCALE_T:
+        out_scale = out_scale * tl.load(v_scale_ptr).to(tl.float32)
+    out = acc * out_scale[:, None]
+    row_ok = offs_m < qo_len
+    o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    offs_dv = tl.arange(0, HEAD_VO)
+    tl.store(O + o_rows[:, None] + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    if HAS_LSE:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        l_rows = (q_start + offs_m).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+        tl.store(LSE + l_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def fa2_prefill_kernel(Q, K, V, O, LSE, work_ptr, num_work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+                       mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                       qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
+                       stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
+                       stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                       stride_lt, stride_lh,
+                       NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                       HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+                       CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
+                       SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
+                       HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
+                       V_SCALE_T: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Grid: one program per (work item, head) or, PERSISTENT (CUDA-graph mode), a fixed
+    number of programs striding over item * heads with the item count read from memory."""
+    if PERSISTENT:
+        total = tl.load(num_work_ptr) * NUM_QO_HEADS
+        for pid in range(tl.program_id(0), total, tl.num_programs(0)):
+            _prefill_one(pid, Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+                         mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                         qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
+                         stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
+                         stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                         stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
+                         BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
+                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T)
+    else:
+        _prefill_one(tl.program_id(0), Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+                     mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                     qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
+                     stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
+                     stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                     stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
+                     BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
+                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T)

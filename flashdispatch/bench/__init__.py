@@ -1,0 +1,207 @@
+"""``python -m flashdispatch bench decode|prefill``: our backends against FlashInfer and PyTorch.
+
+`add_bench_parser` adds the ``bench`` command to an argparse subparsers object and
+`run_bench` runs it (exit code: 0 done, 1 CUDA context lost mid-run, 2 cannot run).
+See docs/benchmarks.md for the method and the columns.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import decode, prefill
+from .matrix import Column
+
+KINDS = {"decode": dict(reps=50, shapes=decode.DEFAULT_SHAPES),
+         "prefill": dict(reps=20, shapes=prefill.DEFAULT_SHAPES)}
+# Our extra column names beyond registered backends, per kind.
+EXTRA_COLUMNS = {"decode": ("auto", *decode.OUR_FUNCTION_COLUMNS), "prefill": ("auto",)}
+OPS = {"decode": ("decode",), "prefill": ("prefill_paged", "prefill_ragged")}
+
+
+def _csv(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``bench {decode,prefill}`` with its options; returns the ``bench`` parser."""
+    bench = subparsers.add_parser("bench", help="time attention backends against FlashInfer (GPU)",
+                                  description=__doc__.splitlines()[0])
+    kinds = bench.add_subparsers(dest="bench_kind", metavar="{decode,prefill}", required=True)
+    for kind, defaults in KINDS.items():
+        p = kinds.add_parser(kind, help=f"{kind} matrix (see docs/benchmarks.md)")
+        syntax = ("BATCHxKV_LEN[:fp8|:e5m2|:mha]" if kind == "decode"
+                  else "N (single), Q/K (single), BxQ/K (paged), each [:nc|:w<N>|:mask]")
+        p.add_argument("--shapes", default=defaults["shapes"],
+                       help=f"comma list of {syntax} (default: {defaults['shapes']})")
+        p.add_argument("--backends", type=_csv, default=None,
+                       help="our columns, comma list (default: auto + every available backend"
+                            + (" + cudnn-fn, xqa-fn" if kind == "decode" else "") + "; reference only on request)")
+        peers = decode.PEER_COLUMNS if kind == "decode" else prefill.PEER_COLUMNS
+        p.add_argument("--peers", type=_csv, default=None,
+                       help=f"peer columns from {', '.join(peers)} (default: all"
+                            + (" but fa3" if kind == "prefill" else "") + ")")
+        p.add_argument("--no-peer", action="store_true", help="run our backends only")
+        if kind == "prefill":
+            p.add_argument("--peer-fa3", action="store_true",
+                           help="add FlashInfer fa3 (its JIT compile takes 88-101 s)")
+        p.add_argument("--dtype", choices=sorted(decode.DTYPES), default="bf16",
+                       help="q/output dtype, and KV unless the row says fp8 (default: bf16)")
+        p.add_argument("--heads", type=decode.parse_heads, default=(32, 8), help="QO/KV heads (default: 32/8)")
+        p.add_argument("--head-dim", type=int, default=128, help="(default: 128)")
+        p.add_argument("--page-size", type=int, default=16, help="(default: 16)")
+        p.add_argument("--reps", type=int, default=defaults["reps"],
+                       help=f"timed calls per cell, median reported (default: {defaults['reps']})")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", metavar="PATH", help="write every cell as JSON (rewritten after each row)")
+        p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+        p.add_argument("--plain", action="store_true", help="plain-text tables even if rich is importable")
+        p.add_argument("--dry-run", action="store_true", help="list rows and columns, run nothing")
+    return bench
+
+
+def parse_shapes(args) -> list:
+    parse = decode.parse_decode_shapes if args.bench_kind == "decode" else prefill.parse_prefill_shapes
+    return parse(args.shapes, decode.DTYPES[args.dtype], args.heads, args.head_dim, args.page_size)
+
+
+def default_backends(kind: str) -> tuple[list[str], list[str]]:
+    """Our default columns for ``kind`` and a note for each registered backend left out."""
+    from ..dispatch import registry
+
+    names, notes = ["auto"], []
+    for name in registry.BACKEND_NAMES:
+        if name == "reference":
+            continue
+        failure = registry.load_failure(name)
+        if failure is not None:
+            notes.append(f"fd:{name} not run: {failure}")
+            continue
+        cls = registry.backend_class(name)
+        if not any(op in cls.caps_for(op).ops for op in OPS[kind]):
+            continue
+        reasons = cls.availability()
+        if reasons:
+            notes.append(f"fd:{name} not run: " + "; ".join(map(str, reasons)))
+            continue
+        names.append(name)
+    if kind == "decode":
+        names += [fn for fn, backend in decode.OUR_FUNCTION_COLUMNS.items() if backend in names]
+    return names, notes
+
+
+def check_backend_names(kind: str, names: list[str]) -> None:
+    from ..dispatch import registry
+
+    valid = set(registry.BACKEND_NAMES) | set(EXTRA_COLUMNS[kind])
+    bad = [n for n in names if n not in valid]
+    if bad:
+        raise ValueError(f"--backends: {', '.join(bad)} not valid for {kind}; valid: {', '.join(sorted(valid))}")
+
+
+def _failing_column(label: str, reason: str) -> Column:
+    def build(_data):
+        raise RuntimeError(reason)
+    return Column(label, build)
+
+
+def select_columns(args) -> tuple[list[Column], list[str]]:
+    """Our columns then the peers', and notes on what was left out and why."""
+    kind = args.bench_kind
+    mod = decode if kind == "decode" else prefill
+    notes: list[str] = []
+    if args.backends is None:
+        ours, notes = default_backends(kind)
+    else:
+        check_backend_names(kind, args.backends)
+        ours = args.backends
+    try:
+        import flashdispatch as fd
+        columns = [mod.our_column(fd, name) for name in ours]
+    except Exception as e:  # noqa: BLE001 - our package failing to import is shown per cell
+        columns = [_failing_column(f"fd:{n}", f"import flashdispatch: {type(e).__name__}: {e}") for n in ours]
+    if args.no_peer:
+        return columns, notes
+    peers = args.peers
+    if peers is None:
+        peers = list(decode.PEER_COLUMNS) if kind == "decode" else list(prefill.DEFAULT_PEERS)
+        if kind == "prefill" and args.peer_fa3:
+            peers.append("fa3")
+    bad = [p for p in peers if p not in mod.PEER_COLUMNS]
+    if bad:
+        raise ValueError(f"--peers: {', '.join(bad)} not valid; valid: {', '.join(mod.PEER_COLUMNS)}")
+    from .peers import import_flashinfer, torch_columns
+
+    fi_names = [p for p in peers if p in ("fa2-cc", "fa2-tc", "cudnn-fn", "xqa-fn", "fa2", "fa3")]
+    fi, why = import_flashinfer() if fi_names else (None, None)
+    if fi is not None:
+        columns += [mod.peer_column(fi, p) for p in fi_names]
+    elif fi_names:
+        notes.append(f"FlashInfer columns not run: {why}")
+    if kind == "prefill":
+        columns += torch_columns(peers)
+    return columns, notes
+
+
+def _work(kind: str):
+    if kind == "decode":
+        return lambda s: float(decode.kv_bytes(s))
+    return prefill.prefill_flops
+
+
+def dry_run(args, shapes, columns, notes) -> int:
+    unit, scale = ("GB of KV", 1e9) if args.bench_kind == "decode" else ("TFLOP", 1e12)
+    work = _work(args.bench_kind)
+    print(f"{args.bench_kind}: {len(shapes)} rows x {len(columns)} columns, {args.reps} timed calls per cell")
+    for s in shapes:
+        print(f"  {s.label:24s} {work(s) / scale:10.3f} {unit}")
+    print("columns: " + ", ".join(c.label for c in columns))
+    for n in notes:
+        print(f"note: {n}")
+    return 0
+
+
+def run_bench(args) -> int:
+    """Run ``bench decode|prefill`` as parsed by `add_bench_parser`; returns the exit code."""
+    try:
+        shapes = parse_shapes(args)
+        columns, notes = select_columns(args)
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(args, shapes, columns, notes)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU (no timing on the CPU); try --dry-run", file=sys.stderr)
+        return 2
+    from .matrix import run_matrix
+    from .peers import environment
+    from .report import Report, print_report, save_plot
+    from .timing import copy_rate_tbs, matmul_tflops
+
+    device = torch.device("cuda")
+    ceilings = {"copy TB/s (read+write)": copy_rate_tbs(device), "bf16 matmul 8192^3 TFLOP/s": matmul_tflops(device)}
+    if args.bench_kind == "decode":
+        ref_cols = [c.label for c in columns if c.label.startswith("fi:")]
+        report = Report("decode", "TB/s", "copy", ceilings["copy TB/s (read+write)"],
+                        {"FI best": ref_cols} if ref_cols else {})
+        make = lambda s: decode.make_decode_data(s, seed=args.seed)  # noqa: E731
+        baseline = decode.BASELINE_ORDER
+    else:
+        refs = {f"fi:{p}": [f"fi:{p}"] for p in ("fa2", "fa3") if any(c.label == f"fi:{p}" for c in columns)}
+        report = Report("prefill", "TFLOP/s", "bf16 matmul", ceilings["bf16 matmul 8192^3 TFLOP/s"], refs)
+        make = lambda s: prefill.make_prefill_data(s, seed=args.seed)  # noqa: E731
+        baseline = prefill.BASELINE_ORDER
+    report.env, report.ceilings, report.notes = environment(), ceilings, list(notes)
+    intact = run_matrix(report, shapes, columns, make, _work(args.bench_kind), args.reps, baseline,
+                        json_path=args.json)
+    print_report(report, use_rich=False if args.plain else None)
+    if args.json:
+        report.save_json(args.json)
+    if args.plot:
+        why = save_plot(report, args.plot)
+        if why:
+            print(why, file=sys.stderr)
+    return 0 if intact else 1

@@ -1,0 +1,213 @@
+"""Batch decode over a paged KV cache: shapes, inputs, and one job builder per API.
+
+Every builder takes the attention module (``flashdispatch`` or ``flashinfer``: the same
+API) and runs one call of it, so our backends and FlashInfer's run the same code path.
+TB/s counts the KV bytes read once: batch x kv_len x kv_heads x head_dim x 2 (K and V)
+x bytes per element.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .matrix import Column
+from .timing import Job
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+# ANCHORS.md's matrix (bf16, 32/8 heads, d128, page 16), then fp8 e4m3 KV and MHA (32/32).
+DEFAULT_SHAPES = (
+    "1x32768,16x8192,64x4096,128x2048,256x1024,64x16384,256x4096,"
+    "64x4096:fp8,256x4096:fp8,16x8192:mha,64x4096:mha"
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KV_MODS = {"fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+DTYPE_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1, torch.float8_e5m2: 1}
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """One decode row: ``batch`` requests of ``kv_len`` tokens each (one query token)."""
+
+    batch: int
+    kv_len: int
+    qo_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    dtype: torch.dtype = torch.bfloat16  # q and output
+    kv_dtype: torch.dtype = torch.bfloat16
+    mods: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def label(self) -> str:
+        return ":".join([f"{self.batch}x{self.kv_len}", *self.mods])
+
+    @property
+    def pages_per_request(self) -> int:
+        return math.ceil(self.kv_len / self.page_size)
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """``"32/8"`` -> (32, 8); the query heads must be a multiple of the KV heads."""
+    try:
+        qo, kv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"heads={text!r}: expected QO/KV, e.g. 32/8") from None
+    if qo <= 0 or kv <= 0 or qo % kv:
+        raise ValueError(f"heads={text!r}: query heads must be a positive multiple of KV heads")
+    return qo, kv
+
+
+def parse_decode_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: tuple[int, int] = (32, 8),
+                        head_dim: int = 128, page_size: int = 16) -> list[DecodeShape]:
+    """``"64x4096,256x1024:fp8,16x8192:mha"`` -> shapes. Modifiers after ``:``: ``fp8``
+    (= ``e4m3``) or ``e5m2`` KV, ``mha`` (as many KV heads as query heads)."""
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        head, *mods = item.split(":")
+        try:
+            batch, kv_len = (int(x) for x in head.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"decode shape {item!r}: expected BATCHxKV_LEN[:fp8|e5m2|mha], e.g. 64x4096") from None
+        if batch <= 0 or kv_len <= 0:
+            raise ValueError(f"decode shape {item!r}: batch and kv_len must be positive")
+        shape = DecodeShape(batch, kv_len, heads[0], heads[1], head_dim, page_size, dtype, dtype)
+        for mod in mods:
+            if mod in KV_MODS:
+                shape = replace(shape, kv_dtype=KV_MODS[mod])
+            elif mod == "mha":
+                shape = replace(shape, kv_heads=shape.qo_heads)
+            else:
+                raise ValueError(f"decode shape {item!r}: unknown modifier {mod!r} (fp8, e4m3, e5m2, mha)")
+        shapes.append(replace(shape, mods=tuple(mods)))
+    if not shapes:
+        raise ValueError(f"no decode shapes in {text!r}")
+    return shapes
+
+
+def kv_bytes(s: DecodeShape) -> int:
+    """Bytes of K and V a decode call must read."""
+    return s.batch * s.kv_len * s.kv_heads * s.head_dim * 2 * DTYPE_BYTES[s.kv_dtype]
+
+
+@dataclass
+class DecodeData:
+    """Inputs of one row on the GPU: NHD cache [pages, 2, page, kv_heads, dim] with pages in
+    random order, q [batch, qo_heads, dim], the page table in CSR and in block-table form."""
+
+    shape: DecodeShape
+    q: torch.Tensor
+    cache: torch.Tensor
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    _hnd: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.shape.head_dim)
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.indices.view(self.shape.batch, self.shape.pages_per_request)
+
+    def hnd(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous HND copies of K and V ([pages, kv_heads, page, dim]), made once."""
+        if self._hnd is None:
+            self._hnd = tuple(self.cache[:, i].transpose(1, 2).contiguous() for i in (0, 1))
+        return self._hnd
+
+
+def make_decode_data(s: DecodeShape, device: str = "cuda", seed: int = 0) -> DecodeData:
+    g = torch.Generator(device=device).manual_seed(seed)
+    num_pages = s.batch * s.pages_per_request
+    indices = torch.randperm(num_pages, generator=g, device=device).to(torch.int32)
+    indptr = (torch.arange(s.batch + 1, device=device) * s.pages_per_request).to(torch.int32)
+    last = s.kv_len - (s.pages_per_request - 1) * s.page_size
+    last_page_len = torch.full((s.batch,), last, dtype=torch.int32, device=device)
+    cache = torch.randn(num_pages, 2, s.page_size, s.kv_heads, s.head_dim, generator=g, device=device,
+                        dtype=s.dtype).to(s.kv_dtype)
+    q = torch.randn(s.batch, s.qo_heads, s.head_dim, generator=g, device=device, dtype=s.dtype)
+    return DecodeData(s, q, cache, indptr, indices, last_page_len)
+
+
+def api_function(mod, submodule: str, name: str):
+    """``mod.<name>`` or ``mod.<submodule>.<name>``; NotImplementedError if neither exists."""
+    fn = getattr(mod, name, None) or getattr(getattr(mod, submodule, None), name, None)
+    if fn is None:
+        raise NotImplementedError(f"{mod.__name__} has no {name}")
+    return fn
+
+
+def wrapper_job(mod, backend: str, d: DecodeData, **wrapper_kwargs) -> Job:
+    """``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", backend=...)``: plan, run."""
+    s = d.shape
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
+    wrapper = mod.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", backend=backend, **wrapper_kwargs)
+
+    def plan():
+        wrapper.plan(d.indptr, d.indices, d.last_page_len, s.qo_heads, s.kv_heads, s.head_dim,
+                     s.page_size, q_data_type=s.dtype, kv_data_type=s.kv_dtype)
+
+    return Job(run=lambda: wrapper.run(d.q, d.cache), plan=plan, info=lambda: selected_backend(wrapper))
+
+
+def selected_backend(wrapper) -> str:
+    """``"selected <name>"`` for our wrappers (they expose the plan's ``decision``), else ""."""
+    decision = getattr(wrapper, "decision", None)
+    return f"selected {decision.backend}" if decision is not None else ""
+
+
+def cudnn_fn_job(mod, d: DecodeData) -> Job:
+    """``cudnn_batch_decode_with_kv_cache`` on an HND cache (no plan)."""
+    fn = api_function(mod, "decode", "cudnn_batch_decode_with_kv_cache")
+    s = d.shape
+    k, v = d.hnd()
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
+    seq_lens = torch.full((s.batch, 1, 1, 1), s.kv_len, dtype=torch.int32, device=d.q.device)
+    tables = d.block_tables.contiguous()
+    return Job(run=lambda: fn(d.q, k, v, d.sm_scale, workspace, max_sequence_kv=s.kv_len,
+                              actual_seq_lens_kv=seq_lens, block_tables=tables))
+
+
+def xqa_fn_job(mod, d: DecodeData) -> Job:
+    """``trtllm_batch_decode_with_kv_cache(..., kv_layout="NHD", backend="xqa")`` (no plan)."""
+    fn = api_function(mod, "decode", "trtllm_batch_decode_with_kv_cache")
+    s = d.shape
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
+    seq_lens = torch.full((s.batch,), s.kv_len, dtype=torch.int32, device=d.q.device)
+    tables = d.block_tables.contiguous()
+    kv = (d.cache[:, 0], d.cache[:, 1])
+    return Job(run=lambda: fn(d.q, kv, workspace, tables, seq_lens, s.kv_len, bmm1_scale=d.sm_scale,
+                              bmm2_scale=1.0, kv_layout="NHD", backend="xqa"))
+
+
+# Our columns that call an API function instead of the wrapper, and the backend behind them.
+OUR_FUNCTION_COLUMNS = {"cudnn-fn": "cudnn", "xqa-fn": "xqa"}
+PEER_COLUMNS = ("fa2-cc", "fa2-tc", "cudnn-fn", "xqa-fn")
+# The baseline of the err column: FlashInfer's tensor-core decode when it ran.
+BASELINE_ORDER = ["fi:fa2-tc", "fi:fa2-cc", "fd:fa2", "fd:auto"]
+
+
+def our_column(fd, name: str) -> Column:
+    if name == "cudnn-fn":
+        return Column("fd:cudnn-fn", lambda d: cudnn_fn_job(fd, d))
+    if name == "xqa-fn":
+        return Column("fd:xqa-fn", lambda d: xqa_fn_job(fd, d))
+    return Column(f"fd:{name}", lambda d: wrapper_job(fd, name, d))
+
+
+def peer_column(fi, name: str) -> Column:
+    builders = {
+        "fa2-cc": lambda d: wrapper_job(fi, "fa2", d, use_tensor_cores=False),
+        "fa2-tc": lambda d: wrapper_job(fi, "fa2", d, use_tensor_cores=True),
+        "cudnn-fn": lambda d: cudnn_fn_job(fi, d),
+        "xqa-fn": lambda d: xqa_fn_job(fi, d),
+    }
+    if name not in builders:
+        raise ValueError(f"decode peer {name!r}: valid: {', '.join(builders)}")
+    return Column(f"fi:{name}", builders[name])

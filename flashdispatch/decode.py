@@ -1,0 +1,405 @@
+"""Decode attention (FlashInfer's ``flashinfer.decode``): single-request decode, the paged batch
+decode wrappers, and the cuDNN / TensorRT-LLM style batch decode entry points.
+
+Each function checks its arguments, builds a `Problem`, lets the registry pick a backend and runs
+it; see `explain()` for why a backend was chosen.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import checks
+from .backends.base import PagedKV
+from .dispatch.problem import Problem
+from .dispatch.reasons import Unsupported
+from .page import block_table_to_indptr
+from .planned import (WrapperBase, check_requested, fixed_buffer, paged_params, plan_problem, require_plan,
+                      run_attention)
+from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
+
+
+def _rope_defaults(rope_scale, rope_theta) -> tuple[float, float]:
+    return checks.check_scale(rope_scale, "rope_scale", 1.0), checks.check_scale(rope_theta, "rope_theta", 1e4)
+
+
+def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
+                                pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
+                                q_scale: float | None = None, k_scale: float | None = None,
+                                v_scale: float | None = None, window_left: int = -1,
+                                logits_soft_cap: float | None = None, sm_scale: float | None = None,
+                                rope_scale: float | None = None, rope_theta: float | None = None,
+                                return_lse: bool = False, backend: str = "auto"):
+    """Decode attention of one request against its KV cache.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[num_qo_heads, head_dim]``.
+    k, v : torch.Tensor
+        ``[kv_len, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]`` (HND).
+    kv_layout : str
+        ``"NHD"`` or ``"HND"``.
+    pos_encoding_mode : str
+        ``"NONE"``, ``"ROPE_LLAMA"`` or ``"ALIBI"``.
+    use_tensor_cores : bool
+        Accepted for compatibility; the kernel choice is the backend's.
+    q_scale, k_scale, v_scale : Optional[float]
+        fp8 calibration scales (default 1).
+    window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta :
+        As in `BatchDecodeWithPagedKVCacheWrapper.plan`.
+    return_lse : bool
+        Also return the base-2 logsumexp ``[num_qo_heads]``.
+    backend : str
+        ``"auto"`` or a backend name (flashdispatch extension).
+
+    Returns
+    -------
+    ``[num_qo_heads, head_dim]`` output, or ``(output, lse)``.
+    """
+    checks.check_layout(kv_layout)
+    checks.check_tensor(q, "q", ndim=2)
+    checks.check_tensor(k, "k", ndim=3, device=q.device)
+    checks.check_tensor(v, "v", ndim=3, device=q.device, dtypes=(k.dtype,))
+    if kv_layout == "NHD":
+        kv_len, num_kv_heads = k.shape[0], k.shape[1]
+        kv = PagedKV(k.unsqueeze(1), v.unsqueeze(1), "NHD")
+    else:
+        num_kv_heads, kv_len = k.shape[0], k.shape[1]
+        kv = PagedKV(k.permute(1, 0, 2).unsqueeze(2), v.permute(1, 0, 2).unsqueeze(2), "HND")
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} differ in their first two dimensions")
+    dev = q.device
+    indptr = torch.tensor([0, kv_len], dtype=torch.int32)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=dev), kv_layout,
+                                                 backend=backend)
+    wrapper.plan(indptr.to(dev), torch.arange(kv_len, dtype=torch.int32, device=dev),
+                 torch.tensor([1 if kv_len else 0], dtype=torch.int32, device=dev), q.shape[0], num_kv_heads,
+                 q.shape[1], 1, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                 logits_soft_cap=logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=sm_scale,
+                 rope_scale=rope_scale, rope_theta=rope_theta, head_dim_vo=v.shape[-1])
+    result = wrapper.run(q.unsqueeze(0), (kv.k, kv.v), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                         return_lse=return_lse)
+    if return_lse:
+        return result[0][0], result[1][0]
+    return result[0]
+
+
+class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
+    """Batch decode attention over a paged KV cache: ``plan()`` once per step, ``run()`` per layer.
+
+    Parameters
+    ----------
+    float_workspace_buffer : torch.Tensor
+        User-reserved workspace (128 MB recommended) on the device of the inputs.
+    kv_layout : str
+        ``"NHD"`` or ``"HND"``.
+    use_cuda_graph : bool
+        Keep the index arrays in the fixed ``paged_kv_*_buffer`` tensors so ``run()`` can be captured;
+        the batch size must then stay fixed.
+    use_tensor_cores : bool
+        Accepted for compatibility; the backend decides.
+    paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer : torch.Tensor
+        CUDA-graph buffers (``[batch + 1]``, ``[max_num_pages]``, ``[batch]``), needed with use_cuda_graph.
+    backend : str
+        ``"auto"`` or one of the backend names (``fa2``, ``cudnn``, ``reference``, ...).
+    jit_args : not supported (custom JIT variants); must be None.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto",
+                 jit_args=None) -> None:
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args)
+        self._use_tensor_cores = bool(use_tensor_cores)
+        self._graph_buffers = None
+        if use_cuda_graph:
+            bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            names = ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")
+            for buf, name in zip(bufs, names):
+                if buf is None:
+                    raise ValueError(f"use_cuda_graph=True needs {name}")
+                checks.check_tensor(buf, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+            self._graph_buffers = bufs
+        self._plan_args: dict | None = None
+        self._by_q_len: dict[int, object] = {}
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
+             window_left: int = -1, logits_soft_cap: float | None = None,
+             q_data_type: str | torch.dtype | None = "float16", kv_data_type: str | torch.dtype | None = None,
+             o_data_type: str | torch.dtype | None = None, data_type: str | torch.dtype | None = None,
+             sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+             non_blocking: bool = True, block_tables: torch.Tensor | None = None,
+             seq_lens: torch.Tensor | None = None, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False, head_dim_vo: int | None = None) -> None:
+        """Plan batch decode for a page table; see FlashInfer's documentation of each argument.
+
+        ``indptr`` [batch+1], ``indices`` [indptr[-1]] and ``last_page_len`` [batch] are int32.
+        ``block_tables`` [batch, max_pages] with ``seq_lens`` [batch] may be given instead of them.
+        ``data_type`` (deprecated) sets both q and kv dtypes. ``head_dim_vo`` (flashdispatch
+        extension) allows a value head dim other than ``head_dim``.
+        """
+        if indptr is None:
+            if block_tables is None or seq_lens is None:
+                raise ValueError("plan() needs indptr/indices/last_page_len, or block_tables with seq_lens")
+            indptr, indices, last_page_len, _ = block_table_to_indptr(block_tables, seq_lens, page_size)
+            indptr, indices, last_page_len = (t.to(self._device) for t in (indptr, indices, last_page_len))
+        if data_type is not None:
+            q_data_type = kv_data_type = data_type
+        q_dtype = checks.as_dtype(q_data_type if q_data_type is not None else "float16", "q_data_type")
+        kv_dtype = checks.as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
+        o_dtype = checks.as_dtype(o_data_type, "o_data_type") if o_data_type is not None else (
+            q_dtype if q_dtype.itemsize > 1 else torch.float16)
+        checks.check_heads(num_qo_heads, num_kv_heads)
+        checks.check_positive_int(head_dim, "head_dim")
+        checks.check_positive_int(page_size, "page_size")
+        if fixed_split_size is not None:
+            checks.check_positive_int(fixed_split_size, "fixed_split_size")
+        for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+        indptr_h = checks.host_indptr(indptr, "indptr")
+        kv_lens_h = checks.paged_kv_lengths(indptr_h, last_page_len, page_size)
+        max_page_index = checks.check_page_indices(indices, indptr_h)
+        if self._graph_buffers is not None and indptr_h.numel() != self._graph_buffers[0].numel():
+            raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
+                             f"(paged_kv_indptr_buffer), got indptr for batch_size={indptr_h.numel() - 1}")
+        rope_scale_v, rope_theta_v = _rope_defaults(rope_scale, rope_theta)
+        self._plan_args = dict(
+            indptr=indptr, indices=indices, last_page_len=last_page_len, indptr_h=indptr_h, kv_lens_h=kv_lens_h,
+            max_page_index=max_page_index,
+            problem=Problem(
+                "decode", q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim,
+                head_dim_vo or head_dim, page_size, self._kv_layout, "none", checks.check_window_left(window_left),
+                checks.check_soft_cap(logits_soft_cap), checks.check_pos_encoding(pos_encoding_mode),
+                use_cuda_graph=self._use_cuda_graph),
+            sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim)),
+            rope_scale=rope_scale_v, rope_theta=rope_theta_v, fixed_split_size=fixed_split_size,
+            disable_split_kv=bool(disable_split_kv))
+        self._by_q_len = {}
+        self._planned = self._plan_q_len(1)
+
+    def _plan_q_len(self, q_len: int):
+        """The plan for ``q_len`` query tokens per request (speculative decode: causal in the block)."""
+        if q_len in self._by_q_len:
+            return self._by_q_len[q_len]
+        a = self._plan_args
+        batch = a["indptr_h"].numel() - 1
+        qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
+        if bool((a["kv_lens_h"] < q_len).any()):
+            b = int(torch.nonzero(a["kv_lens_h"] < q_len)[0])
+            raise ValueError(f"q_len_per_req={q_len} exceeds the kv length {int(a['kv_lens_h'][b])} of request {b}")
+        problem = a["problem"].with_(q_len_per_req=q_len, mask_mode="causal" if q_len > 1 else "none")
+        indptr, indices, last = a["indptr"], a["indices"], a["last_page_len"]
+        if self._graph_buffers is not None:
+            indptr, indices, last = (fixed_buffer(b, t, n) for b, t, n in zip(
+                self._graph_buffers, (indptr, indices[: int(a["indptr_h"][-1])], last),
+                ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")))
+        params = paged_params(qo_indptr_h, indptr, indices, last, a["kv_lens_h"], self._device,
+                              sm_scale=a["sm_scale"], rope_scale=a["rope_scale"], rope_theta=a["rope_theta"],
+                              fixed_split_size=a["fixed_split_size"], disable_split_kv=a["disable_split_kv"],
+                              workspace=self._workspace())
+        planned = plan_problem(problem, self._device, params, self._backend, total_q=batch * q_len,
+                               max_page_index=a["max_page_index"])
+        self._by_q_len[q_len] = planned
+        return planned
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+            enable_pdl: bool | None = None, q_len_per_req: int | None = 1):
+        """Batch decode of ``q`` ``[batch * q_len_per_req, num_qo_heads, head_dim]`` against the cache.
+
+        ``paged_kv_cache`` is a 5-D ``[pages, 2, ...]`` tensor or a ``(k_cache, v_cache)`` tuple in
+        the wrapper's layout. ``q_scale``/``k_scale``/``v_scale`` are fp8 calibration scales
+        (float or 1-element tensor). ``enable_pdl`` is a launch hint with no effect on results.
+        Returns the output ``[batch * q_len_per_req, num_qo_heads, head_dim]`` and, with
+        ``return_lse``, the base-2 lse ``[batch * q_len_per_req, num_qo_heads]``.
+        """
+        checks.reject_extra_args(args, "run")
+        require_plan(self._planned, type(self).__name__)
+        q_len = checks.check_positive_int(q_len_per_req or 1, "q_len_per_req")
+        planned = self._plan_q_len(q_len)
+        self._planned = planned
+        kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        return run_attention(planned, q, kv, out=out, lse=lse, return_lse=return_lse,
+                             q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+
+    def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
+        """`run` with ``return_lse=True``."""
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    forward = run
+    forward_return_lse = run_return_lse
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        """Deprecated no-op kept for old FlashInfer code."""
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """`BatchDecodeWithPagedKVCacheWrapper` with ``use_cuda_graph=True`` and its fixed buffers.
+
+    ``plan()`` cannot be captured; ``run()`` can, and a captured run replays correctly after later
+    ``plan()`` calls with the same batch size.
+    """
+
+    def __init__(self, workspace_buffer: torch.Tensor, indptr_buffer: torch.Tensor, indices_buffer: torch.Tensor,
+                 last_page_len_buffer: torch.Tensor, kv_layout: str = "NHD", use_tensor_cores: bool = False) -> None:
+        super().__init__(workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+                         paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
+                         paged_kv_last_page_len_buffer=last_page_len_buffer)
+
+
+def _split_kv_cache(kv_cache, name: str = "kv_cache"):
+    """A (k, v) tuple, a 5-D [pages, 2, ...] tensor, or [pages, 1, ...] (k and v shared)."""
+    if isinstance(kv_cache, (tuple, list)):
+        return checks.unpack_paged_kv_cache(tuple(kv_cache), "NHD", name)
+    checks.check_tensor(kv_cache, name, ndim=5)
+    if kv_cache.shape[1] == 1:
+        return PagedKV(kv_cache[:, 0], kv_cache[:, 0], "NHD")
+    return checks.unpack_paged_kv_cache(kv_cache, "NHD", name)
+
+
+def _sinks_tensor(sinks):
+    if isinstance(sinks, (list, tuple)):
+        if len(sinks) != 1:
+            raise ValueError(f"sinks as a list must hold one tensor of [num_qo_heads], got {len(sinks)}")
+        sinks = sinks[0]
+    return sinks
+
+
+def _scale_split(scale, name: str):
+    """A float scale goes into sm_scale/plan; a tensor scale is applied at run time."""
+    if isinstance(scale, torch.Tensor):
+        return 1.0, scale
+    return checks.check_scale(scale, name, 1.0), None
+
+
+def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq_lens, *, kv_layout, qo_indptr_h,
+                                      bmm1_scale, bmm2_scale, window_left, out, out_dtype, sinks, backend,
+                                      causal, packed_mask=None, mask_indptr=None, spec_decode_mask=False,
+                                      return_lse=False, lse=None, op="decode"):
+    """The TensorRT-LLM style entry points: block tables + KV lengths, fused bmm1/bmm2 scales."""
+    check_requested(backend)
+    checks.check_layout(kv_layout)
+    checks.check_tensor(query, "query", ndim=3)
+    dev = query.device
+    kv = PagedKV(k_cache, v_cache, kv_layout)
+    if kv_layout == "NHD":
+        page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    else:
+        num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    checks.check_heads(query.shape[1], num_kv_heads)
+    sm_scale, q_scale = _scale_split(bmm1_scale, "bmm1_scale")
+    v_scale_f, v_scale_t = _scale_split(bmm2_scale, "bmm2_scale")
+    indptr, indices, last, kv_lens_h = block_table_to_indptr(block_tables, seq_lens, page_size)
+    qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
+    if int(qo_indptr_h[-1]) != query.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} rows, but the query lengths add up to {int(qo_indptr_h[-1])}")
+    if bool((qo_lens > kv_lens_h).any()):
+        b = int(torch.nonzero(qo_lens > kv_lens_h)[0])
+        raise ValueError(f"request {b} has {int(qo_lens[b])} query tokens but only {int(kv_lens_h[b])} KV tokens")
+    o_dtype = out.dtype if out is not None and out_dtype is None else (
+        checks.as_dtype(out_dtype, "out_dtype") if out_dtype is not None else query.dtype)
+    sinks = _sinks_tensor(sinks)
+    problem = Problem(op, query.dtype, k_cache.dtype, o_dtype, query.shape[1], num_kv_heads, query.shape[2],
+                      v_cache.shape[-1], page_size, kv_layout,
+                      "custom" if packed_mask is not None else ("causal" if causal else "none"),
+                      checks.check_window_left(window_left), return_lse=return_lse, sinks=sinks is not None,
+                      spec_decode_mask=spec_decode_mask,
+                      q_len_per_req=int(qo_lens.max()) if op == "decode" and qo_lens.numel() else 1)
+    params = paged_params(qo_indptr_h, indptr, indices, last, kv_lens_h, dev, sm_scale=sm_scale,
+                          packed_mask=None if packed_mask is None else packed_mask.to(dev),
+                          mask_indptr=None if mask_indptr is None else mask_indptr.to(dev))
+    planned = plan_problem(problem, dev, params, backend, total_q=query.shape[0],
+                           max_page_index=int(indices.max()) if indices.numel() else -1)
+    v_scale = v_scale_t if v_scale_t is not None else v_scale_f
+    return run_attention(planned, query, kv, out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
+                         v_scale=v_scale, sinks=sinks)
+
+
+def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_buffer: torch.Tensor,
+                                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                                      bmm1_scale=1.0, bmm2_scale=1.0, window_left: int = -1, out=None,
+                                      out_dtype=None, o_sf_scale=None, o_sf_vec_size=None, sinks=None,
+                                      kv_layout: str = "HND", enable_pdl=None, backend: str = "auto",
+                                      q_len_per_req: int | None = 1, o_scale: float | None = 1.0, mask=None,
+                                      max_q_len: int | None = None, cum_seq_lens_q: torch.Tensor | None = None):
+    """TensorRT-LLM style batch decode over a paged cache (FlashInfer signature).
+
+    ``query`` ``[num_tokens, num_qo_heads, head_dim]``; ``kv_cache`` a (k, v) tuple of 4-D tensors or
+    a 5-D ``[pages, 1 or 2, ...]`` tensor in ``kv_layout`` (default HND); ``block_tables``
+    ``[batch, max_pages]`` int32; ``seq_lens`` ``[batch]`` KV lengths. ``bmm1_scale`` is the whole
+    softmax scale (sm_scale x q_scale x k_scale), ``bmm2_scale`` x ``o_scale`` scales the output.
+    ``sinks`` ``[num_qo_heads]`` float32; ``mask`` the xqa speculative-decoding mask
+    ``[batch, q_len_per_req, ceil(q_len/32)*2]`` uint16. nvfp4 output is not supported.
+    """
+    if out_dtype == "nvfp4" or o_sf_scale is not None or o_sf_vec_size is not None:
+        raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
+    checks.check_tensor(query, "query", ndim=3)
+    kv = _split_kv_cache(kv_cache)
+    batch = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else 0
+    if cum_seq_lens_q is not None:
+        qo_indptr_h = checks.host_indptr(cum_seq_lens_q, "cum_seq_lens_q", batch + 1)
+    else:
+        q_len = checks.check_positive_int(q_len_per_req or 1, "q_len_per_req")
+        qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
+    packed = mask_indptr = None
+    if mask is not None:
+        packed, mask_indptr = spec_mask_to_custom(mask, qo_indptr_h, seq_lens, "mask")
+    bmm2 = bmm2_scale * (1.0 if o_scale is None else o_scale)
+    return paged_attention_from_block_tables(
+        query, kv.k, kv.v, block_tables, seq_lens, kv_layout=kv_layout, qo_indptr_h=qo_indptr_h,
+        bmm1_scale=bmm1_scale, bmm2_scale=bmm2, window_left=window_left, out=out, out_dtype=out_dtype,
+        sinks=sinks, backend=backend, causal=bool((qo_indptr_h[1:] - qo_indptr_h[:-1]).gt(1).any()),
+        packed_mask=packed, mask_indptr=mask_indptr, spec_decode_mask=mask is not None)
+
+
+def cudnn_batch_decode_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                                     workspace_buffer: torch.Tensor, *, max_sequence_kv: int,
+                                     actual_seq_lens_kv: torch.Tensor | None = None,
+                                     block_tables: torch.Tensor | None = None, is_cuda_graph_compatible: bool = False,
+                                     batch_offsets_q=None, batch_offsets_o=None, batch_offsets_k=None,
+                                     batch_offsets_v=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch decode through cuDNN (FlashInfer signature).
+
+    ``q`` ``[batch, num_qo_heads, head_dim]``; ``k_cache``/``v_cache`` HND
+    ``[pages, num_kv_heads, page_size, head_dim]``; ``block_tables`` ``[batch, max_pages]`` int32;
+    ``actual_seq_lens_kv`` ``[batch, 1, 1, 1]`` (or ``[batch]``) int32; ``scale`` the softmax scale.
+    Ragged ``batch_offsets_*`` are not supported.
+    """
+    if any(t is not None for t in (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v)):
+        raise Unsupported("batch_offsets_q/o/k/v (ragged q/o/kv offsets) are not supported")
+    checks.check_tensor(q, "q", ndim=3)
+    checks.check_tensor(k_cache, "k_cache", ndim=4, device=q.device)
+    checks.check_tensor(v_cache, "v_cache", ndim=4, device=q.device, dtypes=(k_cache.dtype,))
+    checks.check_positive_int(max_sequence_kv, "max_sequence_kv")
+    if block_tables is None or actual_seq_lens_kv is None:
+        raise ValueError("cudnn_batch_decode_with_kv_cache needs block_tables and actual_seq_lens_kv")
+    checks.check_tensor(actual_seq_lens_kv, "actual_seq_lens_kv", dtypes=(torch.int32,), device=q.device)
+    checks.check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)
+    _check_hnd_cache(k_cache, block_tables, max_sequence_kv, q.shape[1])
+    batch = q.shape[0]
+    qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64)
+    return paged_attention_from_block_tables(
+        q, k_cache, v_cache, block_tables, actual_seq_lens_kv, kv_layout="HND", qo_indptr_h=qo_indptr_h,
+        bmm1_scale=scale, bmm2_scale=1.0, window_left=-1, out=out, out_dtype=None, sinks=None, backend="cudnn",
+        causal=False)
+
+
+def _check_hnd_cache(k_cache: torch.Tensor, block_tables: torch.Tensor, max_sequence_kv: int, num_qo_heads: int):
+    """cuDNN's caches are HND [pages, kv_heads, page_size, dim]: catch an NHD cache before any launch."""
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"k_cache.shape[1]={num_kv_heads} (num_kv_heads in HND) does not divide "
+                         f"num_qo_heads={num_qo_heads}; cuDNN expects HND [pages, kv_heads, page_size, dim]")
+    if block_tables.shape[1] * page_size < max_sequence_kv:
+        raise ValueError(f"block_tables holds {block_tables.shape[1]} pages of page_size={page_size} "
+                         f"(k_cache.shape[2] in HND), fewer than max_sequence_kv={max_sequence_kv} tokens; "
+                         "is the cache NHD? cuDNN expects HND [pages, kv_heads, page_size, dim]")

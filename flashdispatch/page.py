@@ -1,0 +1,96 @@
+"""Paged-KV helpers: ``get_seq_lens``, ``get_batch_indices_positions``, ``append_paged_kv_cache``."""
+from __future__ import annotations
+
+import torch
+
+from .checks import check_layout, check_tensor, unpack_paged_kv_cache
+
+
+def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """KV length of each request: ``(num_pages - 1) * page_size + last_page_len`` (0 with no pages).
+
+    Parameters
+    ----------
+    kv_indptr : torch.Tensor
+        Page indptr, shape ``[batch_size + 1]``.
+    kv_last_page_len : torch.Tensor
+        Entries in each request's last page, shape ``[batch_size]``.
+    page_size : int
+        Tokens per page.
+    """
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    lens = (pages - 1).clamp(min=0) * page_size + kv_last_page_len
+    return torch.where(pages > 0, lens, torch.zeros_like(lens))
+
+
+def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int):
+    """For each of the ``nnz`` appended tokens: its request index and its position in the request
+    (after the append: ``seq_lens`` already counts the new tokens).
+
+    Returns ``(batch_indices, positions)``, both int32 of shape ``[nnz]``.
+    """
+    counts = (append_indptr[1:] - append_indptr[:-1]).to(torch.int64)
+    batch = torch.repeat_interleave(torch.arange(counts.numel(), device=append_indptr.device), counts, output_size=nnz)
+    offset = torch.arange(nnz, device=append_indptr.device) - append_indptr[batch].to(torch.int64)
+    positions = seq_lens.to(torch.int64)[batch] - counts[batch] + offset
+    return batch.to(torch.int32), positions.to(torch.int32)
+
+
+def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor,
+                          positions: torch.Tensor, paged_kv_cache, kv_indices: torch.Tensor,
+                          kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, kv_layout: str = "NHD") -> None:
+    """Write new keys/values into a paged cache in place.
+
+    Parameters
+    ----------
+    append_key, append_value : torch.Tensor
+        ``[nnz, num_kv_heads, head_dim]`` tokens to append.
+    batch_indices, positions : torch.Tensor
+        Request index and position of each token (see `get_batch_indices_positions`).
+    paged_kv_cache :
+        5-D ``[pages, 2, ...]`` tensor or ``(k_cache, v_cache)`` tuple, layout ``kv_layout``.
+    kv_indices, kv_indptr, kv_last_page_len : torch.Tensor
+        The page table after the append (``kv_last_page_len`` is unused by the write itself).
+    kv_layout : str
+        ``"NHD"`` or ``"HND"``.
+    """
+    check_layout(kv_layout)
+    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    check_tensor(append_key, "append_key", ndim=3)
+    check_tensor(append_value, "append_value", ndim=3, shape=list(append_key.shape[:2]) + [None])
+    page_size = kv.k.shape[1] if kv_layout == "NHD" else kv.k.shape[2]
+    pos = positions.to(torch.int64)
+    page = kv_indices.to(torch.int64)[kv_indptr.to(torch.int64)[batch_indices.to(torch.int64)] + pos // page_size]
+    slot = pos % page_size
+    if kv_layout == "NHD":
+        kv.k[page, slot] = append_key.to(kv.k.dtype)
+        kv.v[page, slot] = append_value.to(kv.v.dtype)
+    else:
+        kv.k.permute(0, 2, 1, 3)[page, slot] = append_key.to(kv.k.dtype)
+        kv.v.permute(0, 2, 1, 3)[page, slot] = append_value.to(kv.v.dtype)
+
+
+def block_table_to_indptr(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, *,
+                          seq_lens_name: str = "seq_lens"):
+    """Convert a ``[batch, max_pages]`` block table and KV lengths into (kv_indptr, kv_indices,
+    kv_last_page_len, kv_lens), all on the host (int32, last as int64 lengths), checking that each
+    request's pages fit in its row of the table."""
+    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,))
+    lens = seq_lens.detach().reshape(-1).to("cpu", torch.int64)
+    batch, max_pages = block_tables.shape
+    if lens.numel() != batch:
+        raise ValueError(f"{seq_lens_name} has {lens.numel()} entries, but block_tables has {batch} rows")
+    if bool((lens < 0).any()):
+        raise ValueError(f"{seq_lens_name} holds a negative length {int(lens.min())}")
+    pages = (lens + page_size - 1) // page_size
+    if batch and int(pages.max()) > max_pages:
+        b = int(pages.argmax())
+        raise ValueError(f"{seq_lens_name}[{b}]={int(lens[b])} needs {int(pages[b])} pages of page_size={page_size}, "
+                         f"but block_tables has only {max_pages} columns (is the cache layout right?)")
+    indptr = torch.zeros(batch + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(pages, 0)
+    table = block_tables.detach().to("cpu", torch.int64)
+    keep = torch.arange(max_pages)[None, :] < pages[:, None]
+    indices = table[keep]
+    last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
+    return indptr.to(torch.int32), indices.to(torch.int32), last.to(torch.int32), lens

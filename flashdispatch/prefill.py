@@ -1,0 +1,395 @@
+"""Prefill / append attention (FlashInfer's ``flashinfer.prefill``): single-request prefill, the
+paged and ragged batch prefill wrappers, and the cuDNN / TensorRT-LLM style entry points."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import checks
+from .backends.base import AttentionParams, RaggedKV
+from .decode import _split_kv_cache, _check_hnd_cache, paged_attention_from_block_tables
+from .dispatch.problem import Problem
+from .dispatch.reasons import Unsupported
+from .page import block_table_to_indptr
+from .planned import WrapperBase, fixed_buffer, paged_params, plan_problem, require_plan, run_attention
+from .quantization import segment_packbits
+
+
+def _mask_bytes_indptr(qo_lens: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(qo_lens.numel() + 1, dtype=torch.int64)
+    out[1:] = torch.cumsum((qo_lens * kv_lens + 7) // 8, 0)
+    return out
+
+
+def _packed_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, device):
+    """(packed uint8 mask, byte mask_indptr) from a flattened bool mask or an already packed one
+    (per-request segments packed with ``segment_packbits(..., bitorder="little")``)."""
+    byte_indptr = _mask_bytes_indptr(qo_lens, kv_lens)
+    if packed_custom_mask is not None:
+        checks.check_tensor(packed_custom_mask, "packed_custom_mask", ndim=1, dtypes=(torch.uint8,), device=device)
+        if packed_custom_mask.numel() < int(byte_indptr[-1]):
+            raise ValueError(f"packed_custom_mask has {packed_custom_mask.numel()} bytes, the lengths need "
+                             f"{int(byte_indptr[-1])} (sum of ceil(qo_len * kv_len / 8))")
+        return packed_custom_mask, byte_indptr.to(device=device, dtype=torch.int32)
+    checks.check_tensor(custom_mask, "custom_mask", device=device)
+    bits = int((qo_lens * kv_lens).sum())
+    if custom_mask.numel() != bits:
+        raise ValueError(f"custom_mask has {custom_mask.numel()} elements, expected sum(qo_len * kv_len) = {bits}")
+    bit_indptr = torch.zeros(qo_lens.numel() + 1, dtype=torch.int64)
+    bit_indptr[1:] = torch.cumsum(qo_lens * kv_lens, 0)
+    packed, indptr = segment_packbits(custom_mask.contiguous().view(-1), bit_indptr.to(device), bitorder="little")
+    return packed, indptr
+
+
+class _PrefillWrapper(WrapperBase):
+    """Plan logic shared by the paged and ragged prefill wrappers."""
+
+    _UNSUPPORTED_PLAN_ARGS = ("prefix_len_ptr", "token_pos_in_items_ptr", "max_item_len_ptr")
+
+    def _check_unsupported(self, kwargs: dict) -> None:
+        for name in self._UNSUPPORTED_PLAN_ARGS:
+            if kwargs.get(name) is not None:
+                raise Unsupported(f"{name}: multi-item scoring is not supported by flashdispatch")
+        if kwargs.get("token_pos_in_items_len", 0):
+            raise Unsupported("token_pos_in_items_len: multi-item scoring is not supported by flashdispatch")
+
+    def _problem_and_params(self, op, qo_indptr_h, kv_lens_h, *, num_qo_heads, num_kv_heads, head_dim_qk,
+                            head_dim_vo, page_size, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+                            sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type,
+                            kv_data_type, o_data_type, fixed_split_size, disable_split_kv, mask_bufs):
+        checks.check_heads(num_qo_heads, num_kv_heads)
+        checks.check_positive_int(head_dim_qk, "head_dim_qk")
+        head_dim_vo = checks.check_positive_int(head_dim_vo, "head_dim_vo") if head_dim_vo else head_dim_qk
+        if fixed_split_size is not None:
+            checks.check_positive_int(fixed_split_size, "fixed_split_size")
+        q_dtype = checks.as_dtype(q_data_type, "q_data_type")
+        kv_dtype = checks.as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
+        o_dtype = checks.as_dtype(o_data_type, "o_data_type") if o_data_type is not None else (
+            q_dtype if q_dtype.itemsize > 1 else torch.float16)
+        qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
+        packed = mask_indptr = None
+        if custom_mask is not None or packed_custom_mask is not None:
+            packed, mask_indptr = _packed_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens_h, self._device)
+            if mask_bufs is not None:
+                packed = fixed_buffer(mask_bufs[0], packed, "custom_mask_buf")
+                mask_indptr = fixed_buffer(mask_bufs[1], mask_indptr, "mask_indptr_buf")
+        mask_mode = "custom" if packed is not None else ("causal" if causal else "none")
+        problem = Problem(op, q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
+                          page_size, self._kv_layout, mask_mode, checks.check_window_left(window_left),
+                          checks.check_soft_cap(logits_soft_cap), checks.check_pos_encoding(pos_encoding_mode),
+                          use_cuda_graph=self._use_cuda_graph)
+        extra = dict(sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim_qk)),
+                     rope_scale=checks.check_scale(rope_scale, "rope_scale", 1.0),
+                     rope_theta=checks.check_scale(rope_theta, "rope_theta", 1e4), packed_mask=packed,
+                     mask_indptr=mask_indptr, fixed_split_size=fixed_split_size,
+                     disable_split_kv=bool(disable_split_kv), workspace=self._workspace())
+        return problem, extra
+
+    def run_return_lse(self, *args, **kwargs):
+        """`run` with ``return_lse=True``."""
+        return self.run(*args, return_lse=True, **kwargs)
+
+    def end_forward(self) -> None:
+        """Deprecated no-op kept for old FlashInfer code."""
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
+    """Batch prefill/append attention of ragged queries against a paged KV cache.
+
+    Parameters
+    ----------
+    float_workspace_buffer : torch.Tensor
+        User-reserved workspace (128 MB recommended).
+    kv_layout : str
+        ``"NHD"`` or ``"HND"``.
+    use_cuda_graph : bool
+        Keep index arrays in the fixed ``*_buf`` tensors so ``run()`` can be captured.
+    qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf : torch.Tensor
+        CUDA-graph buffers (int32), needed with use_cuda_graph.
+    custom_mask_buf, mask_indptr_buf : torch.Tensor
+        CUDA-graph buffers for a custom mask (uint8 packed bits, int32 byte offsets).
+    backend : str
+        ``"auto"`` or a backend name.
+    jit_args, jit_kwargs : not supported; must be None.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend: str = "auto", jit_args=None, jit_kwargs=None) -> None:
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, jit_kwargs)
+        self._graph_buffers = self._mask_bufs = None
+        if use_cuda_graph:
+            bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
+            for buf, name in zip(bufs, ("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
+                                        "paged_kv_last_page_len_buf")):
+                if buf is None:
+                    raise ValueError(f"use_cuda_graph=True needs {name}")
+            self._graph_buffers = bufs
+            if custom_mask_buf is not None:
+                self._mask_bufs = (custom_mask_buf, mask_indptr_buf)
+
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+             paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
+             page_size: int, head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
+             packed_custom_mask: torch.Tensor | None = None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, sm_scale: float | None = None, window_left: int = -1,
+             logits_soft_cap: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+             q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking: bool = True,
+             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
+             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
+             max_token_per_sequence: int | None = None, max_sequence_kv: int | None = None,
+             fixed_split_size: int | None = None, disable_split_kv: bool = False) -> None:
+        """Plan paged prefill; see FlashInfer's documentation of each argument.
+
+        ``custom_mask`` is the flattened bool mask (row-major [qo_len, kv_len] per request, True
+        keeps); ``packed_custom_mask`` the same packed per request with
+        ``segment_packbits(..., bitorder="little")``. A mask overrides ``causal``.
+        ``use_fp16_qk_reduction`` only permits lower precision; results keep float32 accumulation.
+        ``seq_lens``/``block_tables`` may replace the page-table arguments.
+        """
+        self._check_unsupported(dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+                                     token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr))
+        checks.check_positive_int(page_size, "page_size")
+        if paged_kv_indptr is None:
+            if block_tables is None or seq_lens is None:
+                raise ValueError("plan() needs paged_kv_indptr/indices/last_page_len, or block_tables with seq_lens")
+            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, _ = (
+                t.to(self._device) if isinstance(t, torch.Tensor) else t
+                for t in block_table_to_indptr(block_tables, seq_lens, page_size))
+        names = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+        tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        for name, t in zip(names, tensors):
+            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+        kv_indptr_h = checks.host_indptr(paged_kv_indptr, "paged_kv_indptr")
+        qo_indptr_h = checks.host_indptr(qo_indptr, "qo_indptr", kv_indptr_h.numel())
+        kv_lens_h = checks.paged_kv_lengths(kv_indptr_h, paged_kv_last_page_len, page_size)
+        max_page_index = checks.check_page_indices(paged_kv_indices, kv_indptr_h)
+        if self._graph_buffers is not None:
+            tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices[: int(kv_indptr_h[-1])], paged_kv_last_page_len)
+            qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len = (
+                fixed_buffer(b, t, n + "_buf") for b, t, n in zip(self._graph_buffers, tensors, names))
+        problem, extra = self._problem_and_params(
+            "prefill_paged", qo_indptr_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
+        params = paged_params(qo_indptr_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_lens_h,
+                              self._device, **extra)
+        self._planned = plan_problem(problem, self._device, params, self._backend, total_q=int(qo_indptr_h[-1]),
+                                     max_page_index=max_page_index)
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+            enable_pdl: bool | None = None):
+        """Prefill of ``q`` ``[qo_indptr[-1], num_qo_heads, head_dim_qk]`` against the paged cache
+        (5-D ``[pages, 2, ...]`` or a (k, v) tuple). Returns the output
+        ``[qo_indptr[-1], num_qo_heads, head_dim_vo]`` and, with ``return_lse``, the base-2 lse."""
+        checks.reject_extra_args(args, "run")
+        planned = require_plan(self._planned, type(self).__name__)
+        kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        return run_attention(planned, q, kv, out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
+                             k_scale=k_scale, v_scale=v_scale)
+
+    forward = run
+    begin_forward = plan
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
+    """Batch prefill/append attention of ragged queries against ragged (contiguous) keys/values.
+
+    Parameters as `BatchPrefillWithPagedKVCacheWrapper`; CUDA-graph buffers are ``qo_indptr_buf``,
+    ``kv_indptr_buf`` and, with a custom mask, ``custom_mask_buf``/``mask_indptr_buf``.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend: str = "auto", jit_args=None, jit_kwargs=None) -> None:
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, jit_kwargs)
+        self._graph_buffers = self._mask_bufs = None
+        if use_cuda_graph:
+            if qo_indptr_buf is None or kv_indptr_buf is None:
+                raise ValueError("use_cuda_graph=True needs qo_indptr_buf and kv_indptr_buf")
+            self._graph_buffers = (qo_indptr_buf, kv_indptr_buf)
+            if custom_mask_buf is not None:
+                self._mask_bufs = (custom_mask_buf, mask_indptr_buf)
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim_qk: int, head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
+             packed_custom_mask: torch.Tensor | None = None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap: float | None = None,
+             sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+             q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking: bool = True,
+             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
+             max_item_len_ptr=None, fixed_split_size: int | None = None, disable_split_kv: bool = False,
+             seq_lens=None, seq_lens_q=None, max_token_per_sequence: int | None = None,
+             max_sequence_kv: int | None = None, v_indptr=None, o_indptr=None) -> None:
+        """Plan ragged prefill: ``qo_indptr``/``kv_indptr`` [batch+1] int32 row offsets of q and k/v.
+        Masks and the other arguments as in `BatchPrefillWithPagedKVCacheWrapper.plan`.
+        ``v_indptr``/``o_indptr`` (cuDNN's separate offsets) must equal kv_indptr/qo_indptr."""
+        self._check_unsupported(dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+                                     token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr))
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+        kv_indptr_h = checks.host_indptr(kv_indptr, "kv_indptr")
+        qo_indptr_h = checks.host_indptr(qo_indptr, "qo_indptr", kv_indptr_h.numel())
+        for name, given, same in (("v_indptr", v_indptr, kv_indptr), ("o_indptr", o_indptr, qo_indptr)):
+            if given is not None and not torch.equal(given.to(same.device), same):
+                raise Unsupported(f"{name} different from {'kv' if name[0] == 'v' else 'qo'}_indptr is not supported")
+        if self._graph_buffers is not None:
+            qo_indptr = fixed_buffer(self._graph_buffers[0], qo_indptr, "qo_indptr_buf")
+            kv_indptr = fixed_buffer(self._graph_buffers[1], kv_indptr, "kv_indptr_buf")
+        kv_lens_h = kv_indptr_h[1:] - kv_indptr_h[:-1]
+        problem, extra = self._problem_and_params(
+            "prefill_ragged", qo_indptr_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=0, custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
+        params = AttentionParams(qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                                 kv_lens=kv_lens_h.to(device=self._device, dtype=torch.int32),
+                                 qo_lens_host=(qo_indptr_h[1:] - qo_indptr_h[:-1]).tolist(),
+                                 kv_lens_host=kv_lens_h.tolist(), **extra)
+        self._planned = plan_problem(problem, self._device, params, self._backend, total_q=int(qo_indptr_h[-1]),
+                                     total_kv=int(kv_indptr_h[-1]))
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None, k_scale=None,
+            v_scale=None, o_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False, enable_pdl: bool | None = None):
+        """Prefill of ``q`` ``[qo_indptr[-1], num_qo_heads, head_dim_qk]`` against ``k``
+        ``[kv_indptr[-1], num_kv_heads, head_dim_qk]`` and ``v`` ``[..., head_dim_vo]`` (NHD; HND:
+        heads first). ``o_scale`` multiplies the output. Returns the output and, with
+        ``return_lse``, the base-2 lse."""
+        checks.reject_extra_args(args, "run")
+        planned = require_plan(self._planned, type(self).__name__)
+        checks.check_tensor(k, "k", ndim=3)
+        checks.check_tensor(v, "v", ndim=3)
+        if self._kv_layout == "HND":
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if o_scale is not None:
+            v_scale = (1.0 if v_scale is None else v_scale) * o_scale
+        return run_attention(planned, q, RaggedKV(k, v), out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
+                             k_scale=k_scale, v_scale=v_scale)
+
+    forward = run
+    begin_forward = plan
+
+
+def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q=None, scale_k=None,
+                                 scale_v=None, o_dtype: torch.dtype | None = None,
+                                 custom_mask: torch.Tensor | None = None,
+                                 packed_custom_mask: torch.Tensor | None = None, causal: bool = False,
+                                 kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
+                                 use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
+                                 window_left: int = -1, logits_soft_cap: float | None = None,
+                                 rope_scale: float | None = None, rope_theta: float | None = None,
+                                 backend: str = "auto", return_lse: bool = False):
+    """Prefill/append attention of one request.
+
+    ``q`` ``[qo_len, num_qo_heads, head_dim_qk]``; ``k``/``v`` ``[kv_len, num_kv_heads, head_dim]``
+    (NHD) or ``[num_kv_heads, kv_len, head_dim]`` (HND). ``custom_mask`` ``[qo_len, kv_len]`` bool
+    (or flattened), ``packed_custom_mask`` its little-endian packed bits; a mask overrides
+    ``causal``. ``scale_q/k/v`` are fp8 calibration scales. Returns ``[qo_len, num_qo_heads,
+    head_dim_vo]`` and, with ``return_lse``, the base-2 lse ``[qo_len, num_qo_heads]``.
+    """
+    checks.check_tensor(q, "q", ndim=3)
+    checks.check_tensor(k, "k", ndim=3, device=q.device)
+    checks.check_tensor(v, "v", ndim=3, device=q.device)
+    checks.check_layout(kv_layout)
+    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
+    dev = q.device
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=dev), kv_layout,
+                                                   backend=backend)
+    wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev),
+                 torch.tensor([0, kv_len], dtype=torch.int32, device=dev), q.shape[1], num_kv_heads, q.shape[2],
+                 v.shape[2], custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
+                 packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+                 window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                 rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
+    return wrapper.run(q, k, v, q_scale=scale_q, k_scale=scale_k, v_scale=scale_v, return_lse=return_lse)
+
+
+def single_prefill_with_kv_cache_return_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs):
+    """`single_prefill_with_kv_cache` with ``return_lse=True``."""
+    kwargs["return_lse"] = True
+    return single_prefill_with_kv_cache(q, k, v, *args, **kwargs)
+
+
+def cudnn_batch_prefill_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                                      workspace_buffer: torch.Tensor, *, max_token_per_sequence: int,
+                                      max_sequence_kv: int, actual_seq_lens_q: torch.Tensor,
+                                      actual_seq_lens_kv: torch.Tensor, block_tables: torch.Tensor | None = None,
+                                      causal: bool, return_lse: bool, batch_offsets_q=None, batch_offsets_o=None,
+                                      batch_offsets_k=None, batch_offsets_v=None, batch_offsets_stats=None,
+                                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                                      is_cuda_graph_compatible: bool = False, backend: str | None = None):
+    """Batch prefill through cuDNN (FlashInfer signature).
+
+    ``q`` ``[total_q, num_qo_heads, head_dim]`` packed by ``actual_seq_lens_q`` ``[batch, 1, 1, 1]``;
+    with ``block_tables`` the caches are HND ``[pages, num_kv_heads, page_size, head_dim]``,
+    without they are ragged ``[total_kv, num_kv_heads, head_dim]`` packed by
+    ``actual_seq_lens_kv``. Returns ``(out, lse)`` (lse base 2, or None without ``return_lse``).
+    Ragged ``batch_offsets_*`` are not supported.
+    """
+    if any(t is not None for t in (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v,
+                                   batch_offsets_stats)):
+        raise Unsupported("batch_offsets_* (custom ragged offsets) are not supported")
+    checks.check_tensor(q, "q", ndim=3)
+    checks.check_positive_int(max_token_per_sequence, "max_token_per_sequence")
+    checks.check_positive_int(max_sequence_kv, "max_sequence_kv")
+    for name, t in (("actual_seq_lens_q", actual_seq_lens_q), ("actual_seq_lens_kv", actual_seq_lens_kv)):
+        checks.check_tensor(t, name, dtypes=(torch.int32,), device=q.device)
+    q_lens = actual_seq_lens_q.detach().reshape(-1).to("cpu", torch.int64)
+    qo_indptr_h = torch.zeros(q_lens.numel() + 1, dtype=torch.int64)
+    qo_indptr_h[1:] = torch.cumsum(q_lens, 0)
+    if q_lens.numel() and int(q_lens.max()) > max_token_per_sequence:
+        raise ValueError(f"actual_seq_lens_q holds {int(q_lens.max())} > max_token_per_sequence={max_token_per_sequence}")
+    requested = "cudnn" if backend in (None, "cudnn") else backend
+    if block_tables is not None:
+        checks.check_tensor(k_cache, "k_cache", ndim=4, device=q.device)
+        checks.check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)
+        _check_hnd_cache(k_cache, block_tables, max_sequence_kv, q.shape[1])
+        result = paged_attention_from_block_tables(
+            q, k_cache, v_cache, block_tables, actual_seq_lens_kv, kv_layout="HND", qo_indptr_h=qo_indptr_h,
+            bmm1_scale=scale, bmm2_scale=1.0, window_left=-1, out=out, out_dtype=None, sinks=None,
+            backend=requested, causal=causal, return_lse=return_lse, lse=lse, op="prefill_paged")
+    else:
+        checks.check_tensor(k_cache, "k_cache", ndim=3, device=q.device)
+        kv_lens = actual_seq_lens_kv.detach().reshape(-1).to("cpu", torch.int64)
+        kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(kv_lens, 0)
+        wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace_buffer, "NHD", backend=requested)
+        wrapper.plan(qo_indptr_h.to(device=q.device, dtype=torch.int32), kv_indptr.to(q.device), q.shape[1],
+                     k_cache.shape[1], q.shape[2], v_cache.shape[2], causal=causal, sm_scale=scale,
+                     q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        result = wrapper.run(q, k_cache, v_cache, out=out, lse=lse, return_lse=return_lse)
+    return result if return_lse else (result, None)
+
+
+def trtllm_batch_context_with_kv_cache(query: torch.Tensor, kv_cache, workspace_buffer: torch.Tensor,
+                                       block_tables: torch.Tensor, seq_lens: torch.Tensor, max_q_len: int,
+                                       max_kv_len: int, bmm1_scale, bmm2_scale, batch_size: int,
+                                       cum_seq_lens_q: torch.Tensor, cum_seq_lens_kv: torch.Tensor,
+                                       window_left: int = -1, out=None, out_dtype=None, o_sf_scale=None,
+                                       o_sf_vec_size=None, kv_layout: str = "HND", enable_pdl=None, sinks=None,
+                                       backend: str = "auto"):
+    """TensorRT-LLM style causal context (prefill) attention over a paged cache (FlashInfer signature).
+
+    ``query`` ``[total_q, num_qo_heads, head_dim]`` packed by ``cum_seq_lens_q`` ``[batch+1]``;
+    ``kv_cache`` a (k, v) tuple or 5-D ``[pages, 2, ...]`` in ``kv_layout`` (default HND);
+    ``block_tables`` ``[batch, max_pages]``; ``seq_lens`` ``[batch]`` KV lengths. ``bmm1_scale`` is
+    the whole softmax scale, ``bmm2_scale`` the output scale. nvfp4 output is not supported.
+    """
+    if out_dtype == "nvfp4" or o_sf_scale is not None or o_sf_vec_size is not None:
+        raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
+    checks.check_positive_int(batch_size, "batch_size")
+    kv = _split_kv_cache(kv_cache)
+    qo_indptr_h = checks.host_indptr(cum_seq_lens_q, "cum_seq_lens_q", batch_size + 1)
+    return paged_attention_from_block_tables(
+        query, kv.k, kv.v, block_tables, seq_lens, kv_layout=kv_layout, qo_indptr_h=qo_indptr_h,
+        bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, window_left=window_left, out=out, out_dtype=out_dtype,
+        sinks=sinks, backend=backend, causal=True, op="prefill_paged")

@@ -1,0 +1,82 @@
+"""Bit packing for custom masks: ``packbits`` and ``segment_packbits`` (FlashInfer's API).
+
+Masks are consumed with ``bitorder="little"``: bit ``i`` of byte ``k`` is element ``8k + i``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .checks import check_tensor
+
+_BITORDERS = ("big", "little")
+
+
+def _weights(bitorder: str, device) -> torch.Tensor:
+    if bitorder not in _BITORDERS:
+        raise ValueError(f"bitorder={bitorder!r} not in {list(_BITORDERS)}")
+    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=device)
+    return w if bitorder == "little" else w.flip(0)
+
+
+def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
+    """Pack the elements of a binary-valued 1-D tensor into bits of a uint8 tensor.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The 1-D binary-valued (bool or 0/1) tensor to pack.
+    bitorder : str
+        ``"big"`` (first element in the most significant bit, numpy's default) or ``"little"``.
+
+    Returns
+    -------
+    torch.Tensor
+        uint8 tensor of ``ceil(x.numel() / 8)`` bytes; the last byte is zero-padded.
+    """
+    check_tensor(x, "x")
+    w = _weights(bitorder, x.device)
+    flat = (x.reshape(-1) != 0).to(torch.int32)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8) * w).sum(-1).to(torch.uint8)
+
+
+def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack each segment ``x[indptr[i]:indptr[i+1]]`` separately into whole bytes.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The 1-D binary-valued tensor holding all segments.
+    indptr : torch.Tensor
+        int32/int64 offsets of the segments in ``x``, shape ``[num_segments + 1]``.
+    bitorder : str
+        ``"big"`` or ``"little"`` (see `packbits`).
+
+    Returns
+    -------
+    (y, new_indptr)
+        ``y``: uint8 concatenation of the packed segments; ``new_indptr``: int32 byte offsets of
+        each segment in ``y``, shape ``[num_segments + 1]``.
+    """
+    check_tensor(x, "x")
+    check_tensor(indptr, "indptr", ndim=1, dtypes=(torch.int32, torch.int64))
+    w = _weights(bitorder, x.device)
+    ip = indptr.to(device=x.device, dtype=torch.int64)
+    seg_len = ip[1:] - ip[:-1]
+    if bool((seg_len < 0).any()) or (ip.numel() and int(ip[-1]) > x.numel()):
+        raise ValueError("indptr must be non-decreasing and end within x")
+    seg_bytes = (seg_len + 7) // 8
+    new_indptr = torch.zeros_like(ip)
+    new_indptr[1:] = torch.cumsum(seg_bytes, 0)
+    total = int(new_indptr[-1]) if new_indptr.numel() else 0
+    seg_of_byte = torch.repeat_interleave(torch.arange(seg_len.numel(), device=x.device), seg_bytes)
+    byte_in_seg = torch.arange(total, device=x.device) - new_indptr[seg_of_byte]
+    bit = byte_in_seg[:, None] * 8 + torch.arange(8, device=x.device)
+    valid = bit < seg_len[seg_of_byte][:, None]
+    src = (ip[seg_of_byte][:, None] + bit).clamp(max=max(x.numel() - 1, 0))
+    flat = (x.reshape(-1) != 0).to(torch.int32)
+    bits = torch.where(valid, flat[src] if flat.numel() else torch.zeros_like(src, dtype=torch.int32), 0)
+    y = (bits * w).sum(-1).to(torch.uint8)
+    return y, new_indptr.to(torch.int32)

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# What to run on the GPU machine, in the project root (offline: no pip install of our package).
+#
+#   scripts/device_run.sh [tests] [bench-decode] [bench-prefill] [-- EXTRA BENCH ARGS]
+#
+# No step named: all three. Each step runs under `timeout`; together they share one deadline
+# (DEADLINE_S, default 570 s, so one call of at most 600 s returns with its logs). A step that
+# starts with too little time left is skipped and says so. Results go to $OUT, flat, at most
+# 8 files: env.txt tests.log bench_{decode,prefill}.{log,json,png}. The summary is printed last.
+# Per-step caps: TESTS_S (default 420), DECODE_S (240), PREFILL_S (330).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+
+steps=()
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --) shift; extra=("$@"); break ;;
+    tests|bench-decode|bench-prefill) steps+=("$1") ;;
+    *) echo "device_run.sh: unknown step '$1' (tests, bench-decode, bench-prefill)"; exit 2 ;;
+  esac
+  shift
+done
+[ ${#steps[@]} -eq 0 ] && steps=(tests bench-decode bench-prefill)
+
+if [ -f .whl/device_setup.sh ]; then
+  # shellcheck disable=SC1091
+  source .whl/device_setup.sh   # FlashInfer + cudnn-frontend wheels into /tmp/site, PYTHONPATH
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+DEADLINE_S=${DEADLINE_S:-570}
+declare -A rc
+
+# run_step NAME CAP_S LOG CMD...: the command under timeout, its output in LOG.
+run_step() {
+  local name=$1 cap=$2 log=$3; shift 3
+  local left=$((DEADLINE_S - SECONDS - 15))
+  local limit=$(( cap < left ? cap : left ))
+  if [ "$limit" -lt 30 ]; then
+    echo "$name: skipped, ${left}s left before the deadline" | tee "$log"
+    rc[$name]=skipped
+    return
+  fi
+  echo "== $name (limit ${limit}s) -> $log"
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  local r=$?
+  [ $r -eq 124 ] && echo "$name: stopped at its ${limit}s limit" >>"$log"
+  rc[$name]=$r
+}
+
+{
+  date -u
+  timeout 30 nvidia-smi || echo "nvidia-smi failed"
+  timeout 60 "$PY" - <<'PYEOF'
+import importlib, importlib.metadata as md, sys
+print("python", sys.version.split()[0])
+for dist in ("torch", "triton", "flashinfer-python", "nvidia-cudnn-frontend", "apache-tvm-ffi", "pytest",
+             "rich", "matplotlib"):
+    try:
+        print(dist, md.version(dist))
+    except md.PackageNotFoundError:
+        print(dist, "-")
+try:
+    import torch
+    print("cuda", torch.version.cuda, "available", torch.cuda.is_available(), "cudnn", torch.backends.cudnn.version())
+except Exception as e:
+    print("torch:", e)
+PYEOF
+} >"$OUT/env.txt" 2>&1
+head -n 3 "$OUT/env.txt"
+
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests)
+      if "$PY" -c "import pytest" 2>/dev/null; then
+        run_step tests "${TESTS_S:-420}" "$OUT/tests.log" "$PY" -m pytest -m gpu -x -q -p no:cacheprovider
+      else
+        echo "tests: pytest is not importable here (carry its wheel in .whl/)" | tee "$OUT/tests.log"
+        rc[tests]=skipped
+      fi ;;
+    bench-decode)
+      run_step bench-decode "${DECODE_S:-240}" "$OUT/bench_decode.log" "$PY" -m flashdispatch.bench decode \
+        --plain --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png" "${extra[@]}" ;;
+    bench-prefill)
+      run_step bench-prefill "${PREFILL_S:-330}" "$OUT/bench_prefill.log" "$PY" -m flashdispatch.bench prefill \
+        --plain --json "$OUT/bench_prefill.json" --plot "$OUT/bench_prefill.png" "${extra[@]}" ;;
+  esac
+done
+
+echo
+echo "===== summary"
+for step in "${steps[@]}"; do echo "$step: exit ${rc[$step]:-?}"; done
+if [ -f "$OUT/tests.log" ]; then
+  echo "--- tests.log (last lines)"
+  tail -n 8 "$OUT/tests.log"
+fi
+jsons=()
+for f in "$OUT"/bench_decode.json "$OUT"/bench_prefill.json; do [ -f "$f" ] && jsons+=("$f"); done
+if [ ${#jsons[@]} -gt 0 ]; then
+  "$PY" -m flashdispatch.bench.report "${jsons[@]}"
+fi

@@ -1,0 +1,192 @@
+"""fa2 split-KV paged decode under the Triton interpreter (CPU), against the float64 oracle.
+
+Small shapes, fp16 q/kv (the interpreter computes bf16 wrongly), every feature the decode
+Caps declare, split and unsplit plans, and the CUDA-graph re-plan contract.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashdispatch.backends.common import TRITON_INTERPRETED
+from flashdispatch.dispatch.caps import check_caps
+from flashdispatch.dispatch.problem import Device
+
+from oracle import assert_close, make_paged_case
+
+pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+
+if TRITON_INTERPRETED:
+    from flashdispatch.backends.fa2.decode import DECODE_CAPS, plan_decode
+
+F16 = torch.float16
+TOL = {F16: 4e-3, torch.float8_e4m3fn: 8e-2, torch.float8_e5m2: 1.5e-1}
+WORKSPACE_BYTES = 1 << 22
+
+
+def _run(case, *, fixed_split_size=None, disable_split_kv=False, config=None, workspace=None):
+    case.params.fixed_split_size = fixed_split_size
+    case.params.disable_split_kv = disable_split_kv
+    case.params.workspace = workspace if workspace is not None else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    case.inputs.out.fill_(float("nan"))
+    if case.inputs.lse is not None:
+        case.inputs.lse.fill_(float("nan"))
+    plan = plan_decode(case.problem, case.device, case.params, config)
+    plan.run(case.inputs)
+    return plan
+
+
+def _check(case, tol=None, **run_kw):
+    ref_out, ref_lse = case.oracle()
+    plan = _run(case, **run_kw)
+    tol = tol or TOL[case.problem.kv_dtype]
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
+    return plan
+
+
+def _case(kv_lens=(0, 1, 37, 300), **kw):
+    kw.setdefault("num_qo_heads", 8)
+    kw.setdefault("num_kv_heads", 2)
+    kw.setdefault("head_dim_qk", 64)
+    kw.setdefault("q_dtype", F16)
+    return make_paged_case("decode", kv_lens=list(kv_lens), **kw)
+
+
+@pytest.mark.parametrize("split", ["auto", "fixed1", "fixed3", "none"])
+@pytest.mark.parametrize("layout,storage", [("NHD", "5d"), ("HND", "tuple"), ("HND", "5d")])
+def test_layouts_and_splits(layout, storage, split):
+    case = _case(kv_layout=layout, kv_storage=storage, seed=1)
+    kw = {"auto": {}, "fixed1": {"fixed_split_size": 1}, "fixed3": {"fixed_split_size": 3},
+          "none": {"disable_split_kv": True}}[split]
+    plan = _check(case, **kw)
+    if split == "fixed1":
+        assert plan.n_merge > 0, "one-page chunks must split the long requests"
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1), (8, 2)])
+def test_page_sizes_and_groups(page_size, heads):
+    lens = (5, 70) if page_size == 1 else (0, 37, 300)
+    _check(_case(lens, page_size=page_size, num_qo_heads=heads[0], num_kv_heads=heads[1], seed=2),
+           fixed_split_size=max(1, 64 // page_size))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_head_dims_block_sizes(head_dim):
+    case = _case((3, 129), head_dim_qk=head_dim, num_qo_heads=4, seed=3)
+    for block_n in (16, 32):
+        _check(case, config={"block_n": block_n}, fixed_split_size=4)
+
+
+@pytest.mark.parametrize("feature", [
+    dict(window_left=20), dict(window_left=0), dict(logits_soft_cap=5.0), dict(pos_encoding_mode="ALIBI"),
+    dict(pos_encoding_mode="ROPE_LLAMA"), dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5),
+    dict(sm_scale=0.3), dict(sinks=True), dict(return_lse=False),
+    dict(logits_soft_cap=3.0, pos_encoding_mode="ALIBI", window_left=50, sinks=True),
+    dict(o_dtype=torch.float32),
+])
+def test_features(feature):
+    case = _case(seed=4, **feature)
+    _check(case)
+    _check(case, fixed_split_size=2)
+
+
+@pytest.mark.parametrize("mask_mode", ["causal", "none"])
+@pytest.mark.parametrize("q_len,heads", [(3, (8, 2)), (4, (4, 4)), (20, (8, 1))])
+def test_q_len_per_req(q_len, heads, mask_mode):
+    case = _case((0, 2, 40, 150), q_len_per_req=q_len, mask_mode=mask_mode, num_qo_heads=heads[0],
+                 num_kv_heads=heads[1], seed=5, window_left=60 if q_len == 4 else -1)
+    _check(case, fixed_split_size=3)
+    _check(case, config={"max_block_m": 16})
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("tensor_scales", [False, True])
+def test_fp8_kv_and_scales(kv_dtype, tensor_scales):
+    scales = (1.3, 0.7, 1.9)
+    if tensor_scales:
+        scales = tuple(torch.tensor([s]) for s in scales)
+    case = _case(kv_dtype=kv_dtype, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2], seed=6)
+    _check(case, fixed_split_size=2)
+
+
+def test_empty_and_sink_rows():
+    case = _case((0, 0, 3), sinks=True, seed=7)
+    _check(case)
+    case = _case((0, 5), window_left=2, seed=8)
+    _check(case, disable_split_kv=True)
+
+
+def test_cuda_graph_replan_in_place():
+    """Graph mode: fixed grid, plan arrays in the workspace. A plan made first and run after a
+    second plan (same batch size, other lengths and page table, same buffers) equals the second:
+    what a graph captured on the first plan replays."""
+    ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    first = _case((10, 200, 33), use_cuda_graph=True, seed=9)
+    buffer = torch.zeros(64, dtype=torch.int32)  # the wrapper's fixed kv_indices buffer
+    buffer[:first.params.kv_indices.numel()] = first.params.kv_indices
+    first.params.kv_indices = buffer
+    plan1 = _check(first, workspace=ws)
+    assert plan1.n_merge == 3, "graph grids split every request into a fixed number of slots"
+    second = _case((300, 0, 17), use_cuda_graph=True, seed=10)
+    # the wrapper copies new page tables into its fixed buffers: emulate that
+    buffer[:second.params.kv_indices.numel()] = second.params.kv_indices
+    second.params.kv_indices = buffer
+    plan2 = _check(second, workspace=ws)
+    assert (plan2.n_work, plan2.n_merge) == (plan1.n_work, plan1.n_merge)
+    assert plan2.work.data_ptr() == plan1.work.data_ptr()
+    ref = second.inputs.out.clone(), second.inputs.lse.clone()
+    second.inputs.out.fill_(float("nan"))
+    second.inputs.lse.fill_(float("nan"))
+    plan1.run(second.inputs)
+    assert torch.equal(second.inputs.out, ref[0]) and torch.equal(second.inputs.lse, ref[1])
+
+
+def test_batch_invariance_fixed_split():
+    """fixed_split_size: a request's output does not depend on the rest of the batch."""
+    big = _case((300, 0, 45, 129), seed=11)
+    _run(big, fixed_split_size=2)
+    out_big, lse_big = big.inputs.out.clone(), big.inputs.lse.clone()
+    for keep in ([0], [3, 0]):
+        sub = dataclasses.replace(big.inputs, q=big.inputs.q[keep], out=big.inputs.out[keep].clone(),
+                                  lse=big.inputs.lse[keep].clone())
+        params = big.params
+        lens = [params.kv_lens_host[b] for b in keep]
+        starts = params.kv_indptr.tolist()
+        idx = torch.cat([params.kv_indices[starts[b]:starts[b + 1]] for b in keep])
+        counts = [starts[b + 1] - starts[b] for b in keep]
+        sub_params = dataclasses.replace(
+            params, kv_lens_host=lens, qo_lens_host=[1] * len(keep), kv_indices=idx,
+            kv_indptr=torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32),
+            kv_lens=torch.tensor(lens, dtype=torch.int32))
+        sub_params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+        sub_params.fixed_split_size = 2
+        plan_decode(big.problem, big.device, sub_params).run(sub)
+        assert torch.equal(sub.out, out_big[keep]) and torch.equal(sub.lse, lse_big[keep])
+
+
+def test_workspace_too_small_names_the_buffer():
+    case = _case(seed=12)
+    with pytest.raises(ValueError, match="float_workspace_buffer.*bytes"):
+        _run(case, fixed_split_size=1, workspace=torch.zeros(64, dtype=torch.uint8))
+
+
+def test_config_override_and_unknown_key(monkeypatch):
+    case = _case((50,), seed=13)
+    monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"block_n": 16, "num_stages": 2}')
+    plan = _check(case)
+    assert (plan.config.block_n, plan.config.num_stages) == (16, 2)
+    with pytest.raises(ValueError, match="unknown fa2 decode config"):
+        _run(case, config={"blockn": 3})
+
+
+def test_caps():
+    cuda = Device("cuda", 0, (9, 0), "H200", 132)
+    case = _case()
+    assert check_caps(DECODE_CAPS, case.problem, cuda) == []
+    assert check_caps(DECODE_CAPS, case.problem, Device("cuda", 0, (7, 5), "T4", 40))
+    bad = case.problem.with_(head_dim_qk=96, head_dim_vo=96, mask_mode="custom", q_dtype=torch.float32)
+    codes = {r.code for r in check_caps(DECODE_CAPS, bad, cuda)}
+    assert {"head_dim", "feature.custom_mask", "dtype"} <= codes
