@@ -192,9 +192,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         a = self._plan_args
         batch = a["indptr_h"].numel() - 1
         qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
-        if bool((a["kv_lens_h"] < q_len).any()):
-            b = int(torch.nonzero(a["kv_lens_h"] < q_len)[0])
-            raise ValueError(f"q_len_per_req={q_len} exceeds the kv length {int(a['kv_lens_h'][b])} of request {b}")
         problem = a["problem"].with_(q_len_per_req=q_len, mask_mode="causal" if q_len > 1 else "none")
         indptr, indices, last = a["indptr"], a["indices"], a["last_page_len"]
         if self._graph_buffers is not None:
@@ -223,7 +220,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         """
         checks.reject_extra_args(args, "run")
         require_plan(self._planned, type(self).__name__)
-        q_len = checks.check_positive_int(q_len_per_req or 1, "q_len_per_req")
+        q_len = checks.check_positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req")
         planned = self._plan_q_len(q_len)
         self._planned = planned
         kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)

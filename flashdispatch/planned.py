@@ -59,7 +59,7 @@ def plan_problem(problem: Problem, torch_device: torch.device, params, requested
 
 def require_plan(planned: PlannedAttention | None, wrapper: str) -> PlannedAttention:
     if planned is None:
-        raise RuntimeError(f"{wrapper}.run() called before plan(): call plan() first")
+        raise ValueError(f"{wrapper}.run() called before plan(): call plan() first")
     return planned
 
 

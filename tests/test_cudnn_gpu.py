@@ -142,11 +142,27 @@ def test_without_lse_and_replan_reuses_graph():
     assert first.opts == second.opts and second.build_seconds == 0.0
 
 
-def test_cuda_graph_capture_and_replay():
+def _shorter_requests(params, page_size, new_lens):
+    """The same pages, each request cut to new_lens (<= its old length): a re-plan for replay."""
+    dev = params.kv_indptr.device
+    indptr, indices = params.kv_indptr.tolist(), params.kv_indices.tolist()
+    new_indptr, new_indices, last = [0], [], []
+    for b, n in enumerate(new_lens):
+        pages = -(-n // page_size)
+        new_indices += indices[indptr[b]:indptr[b] + pages]
+        new_indptr.append(new_indptr[-1] + pages)
+        last.append(0 if pages == 0 else n - (pages - 1) * page_size)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
+    return AttentionParams(qo_indptr=params.qo_indptr, kv_indptr=i32(new_indptr), kv_lens=i32(new_lens),
+                           qo_lens_host=params.qo_lens_host, kv_lens_host=list(new_lens), sm_scale=params.sm_scale,
+                           kv_indices=i32(new_indices), kv_last_page_len=i32(last), workspace=params.workspace)
+
+
+def test_cuda_graph_capture_replay_and_replan():
     problem, params, inputs = make_case("decode", [1] * 4, [50, 3, 0, 90], layout="HND")
     problem = problem.with_(use_cuda_graph=True)
-    backend = Cudnn()
-    plan = backend.plan(problem, device_of(inputs.q.device), params)
+    backend, device = Cudnn(), device_of(inputs.q.device)
+    plan = backend.plan(problem, device, params)
     backend.run(plan, inputs)          # warm-up: builds the graph for this layout
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -158,6 +174,15 @@ def test_cuda_graph_capture_and_replay():
     graph.replay()
     torch.cuda.synchronize()
     check(problem, params, inputs)
+    # re-plan in the same bucket (same workspace): the captured graph reads the new metadata
+    replanned = _shorter_requests(params, problem.page_size, [0, 2, 0, 77])
+    second = backend.plan(problem, device, replanned)
+    assert second.opts == plan.opts
+    inputs.out.fill_(float("nan"))
+    inputs.lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(problem, replanned, inputs)
 
 
 def test_workspace_too_small_names_the_buffer():

@@ -165,7 +165,8 @@ DEFAULT_TOLERANCE = {
 class Backend:
     """A backend: capabilities as class data, plus plan() and run().
 
-    Subclasses set ``name``, ``caps``, ``packages`` (importable module names it needs) and
+    Subclasses set ``name``, ``caps``, ``packages`` (importable module names it needs, installed
+    by the pyproject extra ``extra``) and
     may override ``tolerance`` (max ||out - ref|| / ||ref|| per KV dtype),
     ``_availability()`` and ``extra_checks()``.
     """
@@ -173,19 +174,21 @@ class Backend:
     name: ClassVar[str]
     caps: ClassVar[Caps | dict[str, Caps]]
     packages: ClassVar[tuple[str, ...]] = ()
+    extra: ClassVar[str | None] = None  # the pyproject extra that installs ``packages`` (default: name)
     tolerance: ClassVar[dict[torch.dtype, float]] = DEFAULT_TOLERANCE
 
     @classmethod
     @functools.cache
     def availability(cls) -> tuple[Reason, ...]:
         """Reasons this backend cannot run at all on this machine (cached; empty: available)."""
+        reasons = []
         for pkg in cls.packages:
             try:
                 importlib.import_module(pkg)
             except Exception as e:  # ImportError, or a library that fails to load
-                return (Reason("package", f"{pkg} not importable: {type(e).__name__}: {e}",
-                               f"pip install 'flashdispatch[{cls.name}]'"),)
-        return tuple(cls._availability())
+                reasons.append(Reason("package", f"{pkg} not importable: {type(e).__name__}: {e}",
+                                      f"pip install 'flashdispatch[{cls.extra or cls.name}]'"))
+        return tuple(reasons + cls._availability())
 
     @classmethod
     def _availability(cls) -> list[Reason]:

@@ -46,7 +46,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
             p.add_argument("--peer-fa3", action="store_true",
                            help="add FlashInfer fa3 (its JIT compile takes 88-101 s)")
         p.add_argument("--dtype", choices=sorted(decode.DTYPES), default="bf16",
-                       help="q/output dtype, and KV unless the row says fp8 (default: bf16)")
+                       help="q, output and K/V dtype" + (" (KV unless the row says fp8)" if kind == "decode" else "")
+                       + " (default: bf16)")
         p.add_argument("--heads", type=decode.parse_heads, default=(32, 8), help="QO/KV heads (default: 32/8)")
         p.add_argument("--head-dim", type=int, default=128, help="(default: 128)")
         p.add_argument("--page-size", type=int, default=16, help="(default: 16)")

@@ -60,7 +60,8 @@ def check_caps(caps: Caps, problem: Problem, device: Device) -> list[Reason]:
     reasons: list[Reason] = []
     add = lambda code, detail, hint="": reasons.append(Reason(code, detail, hint))  # noqa: E731
     if problem.op not in caps.ops:
-        add("op", f"op={problem.op} not in {_fmt_set(caps.ops)}")
+        add("op", f"op={problem.op} not in {_fmt_set(caps.ops)}" if caps.ops else f"op={problem.op} is not implemented")
+        return reasons
     if device.type not in caps.device_types:
         add("device", f"device={device.type} not in {_fmt_set(caps.device_types)}")
     elif device.cc is not None:

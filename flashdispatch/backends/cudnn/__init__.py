@@ -102,10 +102,6 @@ class CudnnBackend(Backend):
         if problem.op == "decode" and max(dims) > 128 and cc != (9, 0):
             reasons.append(Reason("head_dim", f"head_dim={max(dims)} > 128 in cuDNN decode on sm_{cc[0]}{cc[1]} "
                                   f"(only Hopper decodes up to 256)"))
-        if problem.window_left >= 0 and problem.mask_mode != "causal":
-            reasons.append(Reason("feature.sliding_window", f"window_left={problem.window_left} without causal: "
-                                  "cuDNN's band mask is only used here with the causal right bound",
-                                  "use causal=True with the window"))
         loaded = backend_version()
         if loaded is not None and loaded < MIN_CUDNN:
             reasons.append(Reason("version", f"cuDNN {_fmt(loaded)} < {_fmt(MIN_CUDNN)}"))

@@ -65,9 +65,9 @@ class Geometry:
     """The run-time layout the graph is compiled against (element strides, cache size)."""
 
     q_stride: tuple[int, ...]
-    k_shape: tuple[int, ...]
+    k_shape: tuple[int, ...] | None    # paged caches only: the container's extent
     k_stride: tuple[int, ...]
-    v_shape: tuple[int, ...]
+    v_shape: tuple[int, ...] | None
     v_stride: tuple[int, ...]
     o_stride: tuple[int, ...]
     lse_stride: tuple[int, ...] | None
@@ -161,7 +161,10 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
     o.set_output(True).set_dim([B, Hq, S, dvo]).set_stride(_rows_bhsd(geo.o_stride, S)).set_uid(UID_O)
     o.set_ragged_offset(offsets("o_offsets", UID_O_OFF))
     if opts.return_lse:
-        lse_stride = [S * geo.lse_stride[0], geo.lse_stride[1], geo.lse_stride[0], 1]
+        # With one row per request cuDNN's decode kernel packs the GQA group along the seq axis and
+        # steps it with the seq stride: give that (size-1) axis stride 1 so the rows land on heads.
+        row = geo.lse_stride[0]
+        lse_stride = [S * row, geo.lse_stride[1], row if S > 1 else 1, 1]
         stats.set_output(True).set_data_type(f32).set_dim([B, Hq, S, 1]).set_stride(lse_stride).set_uid(UID_STATS)
         stats.set_ragged_offset(offsets("stats_offsets", UID_STATS_OFF))
     g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])

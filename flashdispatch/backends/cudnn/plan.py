@@ -132,8 +132,11 @@ class CudnnPlan:
         self._owns_workspace = params.workspace is None
         self._fill_metadata(params)
 
+        # Rows that see no key come out of cuDNN as NaN/garbage: zero them (lse -inf). Eagerly only
+        # the rows this plan has (none, usually); under CUDA graphs, found on the device at each
+        # replay, since a re-plan replayed by the same graph may have others.
         rows = empty_rows(params.qo_lens_host, params.kv_lens_host, self.opts.causal)
-        self._empty_rows = torch.tensor(rows, dtype=torch.long, device=dev) if rows else None
+        self._empty_rows = torch.tensor(rows, dtype=torch.long, device=dev) if rows and not self.opts.cuda_graph else None
         self._scale_host = torch.empty((1, 1, 1, 1), dtype=torch.float32)
 
     # --- plan time ------------------------------------------------------------------------
@@ -186,8 +189,10 @@ class CudnnPlan:
             raise ValueError(f"cudnn plan for {self.problem.op} got {type(kv).__name__} inputs")
         if isinstance(kv, PagedKV) and layout != self.problem.kv_layout:
             raise ValueError(f"cudnn plan for kv_layout={self.problem.kv_layout} got a {layout} cache")
-        return Geometry(tuple(inputs.q.stride()), tuple(kv.k.shape), tuple(kv.k.stride()), tuple(kv.v.shape),
-                        tuple(kv.v.stride()), tuple(inputs.out.stride()), lse_stride, layout)
+        paged = isinstance(kv, PagedKV)
+        return Geometry(tuple(inputs.q.stride()), tuple(kv.k.shape) if paged else None, tuple(kv.k.stride()),
+                        tuple(kv.v.shape) if paged else None, tuple(kv.v.stride()), tuple(inputs.out.stride()),
+                        lse_stride, layout)
 
     def _check_alignment(self, inputs: AttentionInputs) -> None:
         """cuDNN reads with 16-byte vectors: base pointers and row strides must allow it."""
@@ -284,4 +289,21 @@ class CudnnPlan:
             inputs.out.index_fill_(0, self._empty_rows, 0.0)
             if inputs.lse is not None:
                 inputs.lse.index_fill_(0, self._empty_rows, NEG_INF)
+        elif self.opts.cuda_graph:
+            blind = self._blind_rows_on_device(inputs.out.shape[0])
+            inputs.out.masked_fill_(blind[:, None, None], 0.0)
+            if inputs.lse is not None:
+                inputs.lse.masked_fill_(blind[:, None], NEG_INF)
+
+    def _blind_rows_on_device(self, n_rows: int) -> torch.Tensor:
+        """bool [n_rows]: rows that see no key, from the lengths in the metadata slots."""
+        m = self.meta
+        indptr = m["qo_indptr"]
+        rows = torch.arange(n_rows, device=indptr.device, dtype=torch.int32)
+        req = (torch.searchsorted(indptr, rows, right=True) - 1).clamp_(0, self.opts.batch - 1)
+        kv_len = m["seq_kv"][req]
+        blind = kv_len == 0
+        if self.opts.causal:
+            blind |= rows - indptr[req] + kv_len - m["seq_q"][req] < 0
+        return blind & (rows < indptr[-1])
 

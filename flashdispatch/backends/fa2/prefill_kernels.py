@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634  # log2(e)
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 
 
 @triton.jit

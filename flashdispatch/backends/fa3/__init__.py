@@ -46,7 +46,7 @@ class FA3Backend(Backend):
         if not torch.cuda.is_available():
             reasons.append(Reason("device", "no CUDA device", "fa3 needs an sm90+ GPU"))
         reasons.append(Reason("not_implemented", "flashdispatch has no fa3 kernels yet",
-                              "use fa2 or cudnn (prefill), fa2 (MLA)"))
+                              "use cudnn or fa2 for prefill, fa2 for MLA"))
         return reasons
 
     @classmethod

@@ -57,6 +57,7 @@ MLA_CAPS = Caps(
 class TrtllmGenBackend(Backend):
     name = "trtllm-gen"
     packages = ("tensorrt_llm",)
+    extra = "trtllm"
     caps = {"decode": DECODE_CAPS, "prefill_paged": CONTEXT_CAPS, "mla": MLA_CAPS}
 
     @classmethod

@@ -1,0 +1,335 @@
+"""The public FlashInfer-compatible API on the CPU: the seed document's examples (fewer layers),
+every entry point's shapes and numerics against a float64 dense computation."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import flashdispatch as flashinfer
+
+WS = torch.empty(1 << 20, dtype=torch.uint8)
+
+
+def dense_attention(q, k, v, *, causal=False, mask=None, sm_scale=None, window_left=-1, sinks=None):
+    """float64 attention of one request: q [Lq, Hq, D], k/v [Lk, Hkv, D] -> (out [Lq, Hq, Dv], lse2)."""
+    q, k, v = q.double(), k.double(), v.double()
+    lq, hq, d = q.shape
+    lk, hkv = k.shape[:2]
+    g = hq // hkv
+    k = k.repeat_interleave(g, 1)
+    v = v.repeat_interleave(g, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * (sm_scale if sm_scale is not None else 1 / math.sqrt(d))
+    pos = torch.arange(lq)[:, None] + lk - lq
+    j = torch.arange(lk)[None, :]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        keep &= j <= pos
+    if mask is not None:
+        keep = mask.clone()
+    if window_left >= 0:
+        keep &= j >= pos - window_left
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(hq, lq, 1)], -1)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    out = torch.einsum("hqk,khd->qhd", p, v)
+    return out, (lse / math.log(2)).T
+
+
+def paged_to_dense(kv_cache, indptr, indices, last, page_size, b, layout="NHD"):
+    pages = indices[indptr[b]:indptr[b + 1]].long()
+    k, v = kv_cache[:, 0], kv_cache[:, 1]
+    if layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    n = len(pages)
+    kv_len = (n - 1) * page_size + int(last[b]) if n else 0
+    return k[pages].reshape(-1, *k.shape[2:])[:kv_len], v[pages].reshape(-1, *v.shape[2:])[:kv_len]
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+SEED_INDPTR = torch.tensor([0, 17, 29, 44, 48, 66, 100, 128], dtype=torch.int32)
+SEED_LAST = torch.tensor([1, 7, 14, 4, 3, 1, 16], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_seed_batch_decode_example(layout):
+    torch.manual_seed(0)
+    indices = torch.randperm(128).int()
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(WS, layout)
+    wrapper.plan(SEED_INDPTR, indices, SEED_LAST, 64, 8, 128, 16, pos_encoding_mode="NONE",
+                 data_type=torch.float32)
+    shape = (128, 2, 16, 8, 128) if layout == "NHD" else (128, 2, 8, 16, 128)
+    for _ in range(2):
+        kv = torch.randn(shape)
+        q = torch.randn(7, 64, 128)
+        o, lse = wrapper.run(q, kv, return_lse=True)
+        assert o.shape == torch.Size([7, 64, 128]) and lse.shape == (7, 64)
+        for b in range(7):
+            k, v = paged_to_dense(kv, SEED_INDPTR, indices, SEED_LAST, 16, b, layout)
+            ref, ref_lse = dense_attention(q[b:b + 1], k, v)
+            assert rel(o[b], ref[0]) < 1e-5
+            assert torch.allclose(lse[b].double(), ref_lse[0], atol=1e-4)
+    assert wrapper.decision.backend == "reference"
+
+
+def test_seed_paged_prefill_example_causal_equals_custom_mask():
+    torch.manual_seed(1)
+    qo_indptr = torch.tensor([0, 33, 44, 55, 66, 77, 88, 100], dtype=torch.int32)
+    indices = torch.arange(128).int()
+    q_at_layer = torch.randn(2, 100, 64, 128).half()
+    kv_at_layer = torch.randn(2, 128, 2, 16, 16, 128, dtype=torch.float16)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD")
+    wrapper.plan(qo_indptr, SEED_INDPTR, indices, SEED_LAST, 64, 16, 128, 16, causal=True)
+    outputs = [wrapper.run(q_at_layer[i], kv_at_layer[i]) for i in range(2)]
+    assert outputs[0].shape == torch.Size([100, 64, 128])
+    qo_len = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+    kv_len = (16 * (SEED_INDPTR[1:] - SEED_INDPTR[:-1] - 1) + SEED_LAST).tolist()
+    mask = torch.cat([torch.tril(torch.full((qo_len[i], kv_len[i]), True), diagonal=kv_len[i] - qo_len[i]).flatten()
+                      for i in range(7)])
+    wrapper.plan(qo_indptr, SEED_INDPTR, indices, SEED_LAST, 64, 16, 128, 16, custom_mask=mask)
+    for i in range(2):
+        o_custom = wrapper.run(q_at_layer[i], kv_at_layer[i])
+        assert torch.allclose(o_custom, outputs[i], rtol=1e-3, atol=1e-3)
+    q, kv = q_at_layer[0], kv_at_layer[0]
+    for b in range(7):
+        k, v = paged_to_dense(kv, SEED_INDPTR, indices, SEED_LAST, 16, b)
+        ref, _ = dense_attention(q[qo_indptr[b]:qo_indptr[b + 1]], k, v, causal=True)
+        assert rel(outputs[0][qo_indptr[b]:qo_indptr[b + 1]], ref) < 2e-3
+
+
+def test_seed_ragged_prefill_example():
+    torch.manual_seed(2)
+    qo_indptr = torch.tensor([0, 33, 44, 55, 66, 77, 88, 100], dtype=torch.int32)
+    kv_indptr = qo_indptr.clone()
+    q = torch.randn(100, 64, 128).half()
+    k = torch.randn(100, 16, 128).half()
+    v = torch.randn(100, 16, 128).half()
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD")
+    wrapper.plan(qo_indptr, kv_indptr, 64, 16, 128, causal=True)
+    o = wrapper.run(q, k, v)
+    assert o.shape == torch.Size([100, 64, 128])
+    lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+    mask = torch.cat([torch.tril(torch.full((n, n), True)).flatten() for n in lens])
+    wrapper.plan(qo_indptr, kv_indptr, 64, 16, 128, custom_mask=mask)
+    assert torch.allclose(wrapper.run(q, k, v), o, rtol=1e-3, atol=1e-3)
+    for b in range(7):
+        s, e = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        ref, _ = dense_attention(q[s:e], k[s:e], v[s:e], causal=True)
+        assert rel(o[s:e], ref) < 2e-3
+
+
+def test_seed_mla_example_shape_and_values():
+    torch.manual_seed(3)
+    batch, heads, ckv, kpe, kv_len = 6, 16, 512, 64, 99
+    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.int8), backend="auto")
+    q_indptr = torch.arange(0, batch + 1).int()
+    kv_lens = torch.full((batch,), kv_len, dtype=torch.int32)
+    kv_indptr = torch.arange(0, batch + 1).int() * kv_len
+    kv_indices = torch.arange(0, batch * kv_len).int()
+    q_nope = torch.randn(batch, heads, ckv)
+    q_pe = torch.randn(batch, heads, kpe)
+    ckv_c = torch.randn(batch * kv_len, 1, ckv)
+    kpe_c = torch.randn(batch * kv_len, 1, kpe)
+    sm_scale = 1.0 / ((128 + 64) ** 0.5)
+    w.plan(q_indptr, kv_indptr, kv_indices, kv_lens, heads, ckv, kpe, 1, False, sm_scale, q_nope.dtype, ckv_c.dtype)
+    o, lse = w.run(q_nope, q_pe, ckv_c, kpe_c, return_lse=True)
+    assert o.shape == torch.Size([batch, heads, ckv])
+    _, lse_e = w.run(q_nope, q_pe, ckv_c, kpe_c, return_lse=True, return_lse_base_on_e=True)
+    assert torch.allclose(lse_e, lse * math.log(2), atol=1e-5)
+    for b in range(batch):
+        rows = slice(b * kv_len, (b + 1) * kv_len)
+        k = torch.cat([ckv_c[rows], kpe_c[rows]], -1)
+        ref, ref_lse = dense_attention(torch.cat([q_nope[b:b + 1], q_pe[b:b + 1]], -1), k, ckv_c[rows],
+                                       sm_scale=sm_scale)
+        assert rel(o[b], ref[0]) < 1e-5
+        assert torch.allclose(lse[b].double(), ref_lse[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_decode_and_prefill(layout):
+    torch.manual_seed(4)
+    k = torch.randn(37, 4, 64)
+    v = torch.randn(37, 4, 64)
+    q = torch.randn(8, 64)
+    kk, vv = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    o, lse = flashinfer.single_decode_with_kv_cache(q, kk, vv, kv_layout=layout, return_lse=True)
+    ref, ref_lse = dense_attention(q[None], k, v)
+    assert o.shape == (8, 64) and lse.shape == (8,)
+    assert rel(o, ref[0]) < 1e-5 and torch.allclose(lse.double(), ref_lse[0], atol=1e-4)
+    qp = torch.randn(11, 8, 64)
+    o = flashinfer.single_prefill_with_kv_cache(qp, kk, vv, causal=True, kv_layout=layout, window_left=5)
+    ref, _ = dense_attention(qp, k, v, causal=True, window_left=5)
+    assert rel(o, ref) < 1e-5
+    o2, lse2 = flashinfer.single_prefill_with_kv_cache_return_lse(qp, kk, vv, causal=True, kv_layout=layout,
+                                                                  window_left=5)
+    assert torch.equal(o, o2) and lse2.shape == (11, 8)
+
+
+def test_single_prefill_custom_and_packed_mask_agree():
+    torch.manual_seed(5)
+    q, k, v = torch.randn(9, 4, 32), torch.randn(20, 2, 32), torch.randn(20, 2, 32)
+    mask = torch.rand(9, 20) > 0.4
+    o1 = flashinfer.single_prefill_with_kv_cache(q, k, v, custom_mask=mask)
+    packed = flashinfer.packbits(mask.flatten(), bitorder="little")
+    o2 = flashinfer.single_prefill_with_kv_cache(q, k, v, packed_custom_mask=packed)
+    ref, _ = dense_attention(q, k, v, mask=mask)
+    assert rel(o1, ref) < 1e-5 and torch.equal(o1, o2)
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    q, k, v = torch.randn(3, 2, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 2] = True
+    o, lse = flashinfer.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, return_lse=True)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
+    assert torch.allclose(o[1], v[2], atol=1e-6)
+
+
+def test_decode_q_len_per_req_is_causal_in_the_block():
+    torch.manual_seed(6)
+    indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
+    last = torch.tensor([3, 8], dtype=torch.int32)
+    indices = torch.randperm(6).int()
+    kv = torch.randn(6, 2, 8, 2, 32)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(WS, "NHD")
+    w.plan(indptr, indices, last, 4, 2, 32, 8, data_type=torch.float32)
+    q = torch.randn(2 * 3, 4, 32)
+    o = w.run(q, kv, q_len_per_req=3)
+    for b in range(2):
+        k, v = paged_to_dense(kv, indptr, indices, last, 8, b)
+        ref, _ = dense_attention(q[3 * b:3 * b + 3], k, v, causal=True)
+        assert rel(o[3 * b:3 * b + 3], ref) < 1e-5
+    assert w.run(q[::3].contiguous(), kv).shape == (2, 4, 32)
+
+
+def test_trtllm_and_xqa_entry_points_match_the_wrapper():
+    torch.manual_seed(7)
+    page, hq, hkv, d = 16, 8, 2, 64
+    lens = torch.tensor([40, 16, 1], dtype=torch.int32)
+    tables = torch.tensor([[3, 0, 5], [1, 9, 9], [7, 9, 9]], dtype=torch.int32)
+    k_cache = torch.randn(10, hkv, page, d)
+    v_cache = torch.randn(10, hkv, page, d)
+    q = torch.randn(3, hq, d)
+    scale = 0.3
+    o = flashinfer.trtllm_batch_decode_with_kv_cache(q, (k_cache, v_cache), WS, tables, lens, 64,
+                                                     bmm1_scale=scale, bmm2_scale=2.0)
+    for b in range(3):
+        pages = tables[b, :(int(lens[b]) + page - 1) // page].long()
+        k = k_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:lens[b]]
+        v = v_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:lens[b]]
+        ref, _ = dense_attention(q[b:b + 1], k, v, sm_scale=scale)
+        assert rel(o[b], 2.0 * ref[0]) < 1e-5
+    out = torch.empty(3, 1, hq, d)
+    flashinfer.xqa(q[:, None], k_cache, v_cache, tables, lens[:, None], out, WS, None, hkv, page, kv_layout="HND",
+                   q_scale=scale * math.sqrt(d))
+    assert rel(out[:, 0], o / 2.0) < 1e-5
+    sinks = torch.randn(hq)
+    o_s = flashinfer.trtllm_batch_decode_with_kv_cache(q, (k_cache, v_cache), WS, tables, lens, 64,
+                                                       bmm1_scale=scale, sinks=sinks)
+    pages = tables[0, :3].long()
+    k = k_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:40]
+    v = v_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:40]
+    ref, _ = dense_attention(q[:1], k, v, sm_scale=scale, sinks=sinks)
+    assert rel(o_s[0], ref[0]) < 1e-5
+
+
+def test_trtllm_context_matches_paged_prefill():
+    torch.manual_seed(8)
+    page, hq, hkv, d = 8, 4, 4, 32
+    seq = torch.tensor([20, 9], dtype=torch.int32)
+    qlen = torch.tensor([5, 9])
+    tables = torch.tensor([[2, 0, 4], [1, 3, 3]], dtype=torch.int32)
+    cache = torch.randn(5, 2, hkv, page, d)
+    cum_q = torch.tensor([0, 5, 14], dtype=torch.int32)
+    q = torch.randn(14, hq, d)
+    o = flashinfer.trtllm_batch_context_with_kv_cache(q, cache, WS, tables, seq, 9, 20, 0.2, 1.0, 2, cum_q, None)
+    for b in range(2):
+        pages = tables[b, :(int(seq[b]) + page - 1) // page].long()
+        k = cache[pages, 0].transpose(1, 2).reshape(-1, hkv, d)[:seq[b]]
+        v = cache[pages, 1].transpose(1, 2).reshape(-1, hkv, d)[:seq[b]]
+        ref, _ = dense_attention(q[cum_q[b]:cum_q[b + 1]], k, v, causal=True, sm_scale=0.2)
+        assert rel(o[cum_q[b]:cum_q[b + 1]], ref) < 1e-5
+    assert qlen.sum() == 14
+
+
+def test_trtllm_mla_matches_wrapper():
+    torch.manual_seed(9)
+    b, heads, rank, rope, page = 2, 4, 64, 16, 8
+    kv = torch.randn(6, page, rank + rope)
+    tables = torch.tensor([[4, 1, 0], [2, 5, 5]], dtype=torch.int32)
+    seq = torch.tensor([19, 3], dtype=torch.int32)
+    query = torch.randn(b, 1, heads, rank + rope)
+    o = flashinfer.trtllm_batch_decode_with_kv_cache_mla(query, kv, WS, 128, rank, rope, tables, seq, 24,
+                                                         bmm1_scale=0.1)
+    assert o.shape == (b, 1, heads, rank)
+    for i in range(b):
+        pages = tables[i, :(int(seq[i]) + page - 1) // page].long()
+        rows = kv[pages].reshape(-1, rank + rope)[:seq[i]]
+        ref, _ = dense_attention(query[i, :, :, :], rows[:, None], rows[:, None, :rank], sm_scale=0.1)
+        assert rel(o[i, 0], ref[0]) < 1e-5
+
+
+def test_merge_state_and_states():
+    torch.manual_seed(10)
+    q, k, v = torch.randn(4, 2, 16), torch.randn(30, 2, 16), torch.randn(30, 2, 16)
+    full, _ = flashinfer.single_prefill_with_kv_cache(q, k, v, return_lse=True)
+    a = flashinfer.single_prefill_with_kv_cache(q, k[:10], v[:10], return_lse=True)
+    b = flashinfer.single_prefill_with_kv_cache(q, k[10:], v[10:], return_lse=True)
+    vm, sm = flashinfer.merge_state(a[0], a[1], b[0], b[1])
+    assert rel(vm, full) < 1e-5
+    vs, ss = flashinfer.merge_states(torch.stack([a[0], b[0]], 1), torch.stack([a[1], b[1]], 1))
+    assert torch.allclose(vs, vm) and torch.allclose(ss, sm)
+    v_in, s_in = a[0].clone(), a[1].clone()
+    flashinfer.merge_state_in_place(v_in, s_in, b[0], b[1])
+    assert torch.allclose(v_in, vm, atol=1e-6)
+
+
+def test_packbits_matches_numpy():
+    x = torch.rand(45) > 0.5
+    for order in ("big", "little"):
+        assert np.array_equal(flashinfer.packbits(x, order).numpy(), np.packbits(x.numpy(), bitorder=order))
+    indptr = torch.tensor([0, 3, 3, 20, 45], dtype=torch.int32)
+    y, new = flashinfer.segment_packbits(x, indptr, bitorder="little")
+    parts = [np.packbits(x[indptr[i]:indptr[i + 1]].numpy(), bitorder="little") for i in range(4)]
+    assert np.array_equal(y.numpy(), np.concatenate(parts))
+    assert new.tolist() == [0, 1, 1, 4, 8]
+
+
+def test_append_paged_kv_cache_round_trip():
+    torch.manual_seed(11)
+    page, hkv, d = 4, 2, 8
+    cache = torch.zeros(6, 2, page, hkv, d)
+    kv_indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
+    kv_indices = torch.tensor([5, 0, 1, 3, 2], dtype=torch.int32)
+    last = torch.tensor([3, 1], dtype=torch.int32)
+    seq = flashinfer.get_seq_lens(kv_indptr, last, page)
+    assert seq.tolist() == [7, 9]
+    append_indptr = torch.tensor([0, 7, 16], dtype=torch.int32)
+    key, val = torch.randn(16, hkv, d), torch.randn(16, hkv, d)
+    bi, pos = flashinfer.get_batch_indices_positions(append_indptr, seq, 16)
+    flashinfer.append_paged_kv_cache(key, val, bi, pos, cache, kv_indices, kv_indptr, last)
+    k, v = paged_to_dense(cache, kv_indptr, kv_indices, last, page, 1)
+    assert torch.equal(k, key[7:]) and torch.equal(v, val[7:])
+
+
+def test_explain_and_overrides_on_cpu():
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(WS, "NHD")
+    w.plan(SEED_INDPTR, torch.arange(128).int(), SEED_LAST, 8, 8, 64, 16, data_type=torch.float32)
+    text = flashinfer.explain(w)
+    assert "reference" in text and "<- selected" in text
+    for name in ("fa2", "cudnn", "fa3", "xqa", "trtllm-gen", "cutlass"):
+        assert name in text
+    with pytest.raises(flashinfer.Unsupported, match="cudnn"):
+        bad = flashinfer.BatchDecodeWithPagedKVCacheWrapper(WS, "NHD", backend="cudnn")
+        bad.plan(SEED_INDPTR, torch.arange(128).int(), SEED_LAST, 8, 8, 64, 16, data_type=torch.float32)
+    with flashinfer.use_backends(["reference"]):
+        w.plan(SEED_INDPTR, torch.arange(128).int(), SEED_LAST, 8, 8, 64, 16, data_type=torch.float32)
+    assert w.decision.backend == "reference"

@@ -1,0 +1,214 @@
+"""Bad input gets a ValueError/TypeError (or Unsupported) naming the argument and the value,
+before anything is launched (DESIGN.md, Reliability)."""
+import pytest
+import torch
+
+import flashdispatch as fi
+
+WS = torch.empty(1 << 20, dtype=torch.uint8)
+INDPTR = torch.tensor([0, 2, 5], dtype=torch.int32)
+INDICES = torch.tensor([4, 0, 1, 3, 2], dtype=torch.int32)
+LAST = torch.tensor([3, 8], dtype=torch.int32)
+
+
+def decode_wrapper(**plan_kw):
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, "NHD")
+    args = dict(indptr=INDPTR, indices=INDICES, last_page_len=LAST, num_qo_heads=4, num_kv_heads=2, head_dim=32,
+                page_size=8, q_data_type=torch.float16)
+    args.update(plan_kw)
+    w.plan(**args)
+    return w
+
+
+def cache(pages=6, dtype=torch.float16):
+    return torch.randn(pages, 2, 8, 2, 32).to(dtype)
+
+
+Q = torch.randn(2, 4, 32).half()
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(indices=INDICES.long()), TypeError, "indices.dtype=int64"),
+    (dict(indptr=INDPTR.long()), TypeError, "indptr.dtype=int64"),
+    (dict(indptr=torch.tensor([1, 2, 5], dtype=torch.int32)), ValueError, r"indptr\[0\]=1"),
+    (dict(indptr=torch.tensor([0, 4, 3], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (dict(last_page_len=torch.tensor([0, 8], dtype=torch.int32)), ValueError, r"last_page_len\[0\]=0"),
+    (dict(last_page_len=torch.tensor([3, 9], dtype=torch.int32)), ValueError, r"last_page_len\[1\]=9"),
+    (dict(last_page_len=torch.tensor([3], dtype=torch.int32)), ValueError, "last_page_len has 1 entries"),
+    (dict(num_qo_heads=6, num_kv_heads=4), ValueError, "not a multiple"),
+    (dict(head_dim=0), ValueError, "head_dim=0"),
+    (dict(page_size=-1), ValueError, "page_size=-1"),
+    (dict(indices=torch.tensor([4, 0, -1, 3, 2], dtype=torch.int32)), ValueError, "negative page index"),
+    (dict(indices=INDICES[:3]), ValueError, "indices has 3 entries"),
+    (dict(q_data_type="float17"), ValueError, "q_data_type='float17'"),
+    (dict(pos_encoding_mode="ROPE"), ValueError, "pos_encoding_mode='ROPE'"),
+    (dict(window_left=-2), ValueError, "window_left=-2"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap=-1.0"),
+    (dict(sm_scale=float("nan")), ValueError, "sm_scale=nan"),
+])
+def test_decode_plan_rejects(kw, err, match):
+    with pytest.raises(err, match=match):
+        decode_wrapper(**kw)
+
+
+def test_decode_plan_accepts_empty_requests():
+    w = decode_wrapper(indptr=torch.tensor([0, 0, 5], dtype=torch.int32), last_page_len=torch.tensor([0, 8], dtype=torch.int32))
+    o, lse = w.run(Q, cache(), return_lse=True)
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
+
+
+@pytest.mark.parametrize("make_args, err, match", [
+    (lambda: (Q.float(), cache()), TypeError, "q.dtype=float32"),
+    (lambda: (Q[:1], cache()), ValueError, r"q has shape \[1, 4, 32\]"),
+    (lambda: (Q, cache(pages=4)), ValueError, "reference page 4, but paged_kv_cache has only 4 pages"),
+    (lambda: (Q, cache().transpose(2, 3)), ValueError, "HND layout"),
+    (lambda: (Q, cache()[:, :, :, :, :16]), ValueError, "paged_kv_cache"),
+    (lambda: (Q, cache()[:, 0]), ValueError, "5-D"),
+    (lambda: (Q, cache(dtype=torch.bfloat16)), TypeError, "kv_data_type"),
+    (lambda: (Q, (cache()[:, 0], cache()[:, 1, :3])), ValueError, "differ"),
+    (lambda: (Q.to("meta"), cache()), ValueError, "planned device"),
+])
+def test_decode_run_rejects(make_args, err, match):
+    w = decode_wrapper()
+    q, kv = make_args()
+    with pytest.raises(err, match=match):
+        w.run(q, kv)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(out=torch.empty(2, 4, 16).half()), ValueError, r"out has shape \[2, 4, 16\]"),
+    (dict(out=torch.empty(2, 4, 32)), TypeError, "out.dtype=float32"),
+    (dict(lse=torch.empty(2, 4).half(), return_lse=True), TypeError, "lse.dtype=float16"),
+    (dict(lse=torch.empty(2, 3), return_lse=True), ValueError, r"lse has shape \[2, 3\]"),
+    (dict(out=torch.empty(2, 4, 32, device="meta").half()), ValueError, "out is on meta"),
+    (dict(q_scale=torch.ones(2)), ValueError, "q_scale must hold one element"),
+    (dict(k_scale="1.0"), TypeError, "k_scale"),
+    (dict(q_len_per_req=0), ValueError, "q_len_per_req"),
+])
+def test_decode_run_rejects_outputs_and_scales(kw, err, match):
+    w = decode_wrapper()
+    q = Q if kw.get("q_len_per_req", 1) in (0, 1) else Q.repeat(kw["q_len_per_req"], 1, 1)
+    with pytest.raises(err, match=match):
+        w.run(q, cache(), **kw)
+
+
+def test_run_before_plan_and_extra_args():
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, "NHD")
+    with pytest.raises(ValueError, match="before plan"):
+        w.run(Q, cache())
+    with pytest.raises(TypeError, match="extra positional"):
+        decode_wrapper().run(Q, cache(), 1.0)
+    p = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    with pytest.raises(ValueError, match="before plan"):
+        p.run(Q, Q, Q)
+
+
+def test_constructor_rejects():
+    with pytest.raises(ValueError, match="kv_layout='NDH'"):
+        fi.BatchDecodeWithPagedKVCacheWrapper(WS, "NDH")
+    with pytest.raises(ValueError, match="backend='fa9'"):
+        fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="fa9")
+    with pytest.raises(fi.Unsupported, match="jit_args"):
+        fi.BatchPrefillWithPagedKVCacheWrapper(WS, jit_args=[1])
+    with pytest.raises(TypeError, match="float_workspace_buffer must be a torch.Tensor"):
+        fi.BatchPrefillWithRaggedKVCacheWrapper(None)
+    with pytest.raises(ValueError, match="paged_kv_indptr_buffer"):
+        fi.BatchDecodeWithPagedKVCacheWrapper(WS, use_cuda_graph=True)
+
+
+def test_cuda_graph_buffers_checked():
+    bufs = [torch.empty(3, dtype=torch.int32), torch.empty(3, dtype=torch.int32), torch.empty(2, dtype=torch.int32)]
+    w = fi.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(WS, *bufs)
+    with pytest.raises(ValueError, match="paged_kv_indices_buffer holds 3 entries"):
+        w.plan(INDPTR, INDICES, LAST, 4, 2, 32, 8, data_type=torch.float16)
+    w = fi.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(WS, bufs[0], torch.empty(8, dtype=torch.int32), bufs[2])
+    with pytest.raises(ValueError, match="fixes batch_size=2"):
+        w.plan(torch.tensor([0, 5], dtype=torch.int32), INDICES, LAST[:1], 4, 2, 32, 8)
+    w.plan(INDPTR, INDICES, LAST, 4, 2, 32, 8, data_type=torch.float16)
+    assert torch.equal(bufs[0], INDPTR) and w.run(Q, cache()).shape == (2, 4, 32)
+
+
+def test_prefill_plan_rejects():
+    qo = torch.tensor([0, 3, 7], dtype=torch.int32)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    base = (qo, INDPTR, INDICES, LAST, 4, 2, 32, 8)
+    with pytest.raises(ValueError, match="qo_indptr has 2 entries"):
+        w.plan(qo[:2], *base[1:])
+    with pytest.raises(ValueError, match="custom_mask has 3 elements"):
+        w.plan(*base, custom_mask=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(fi.Unsupported, match="prefix_len_ptr"):
+        w.plan(*base, prefix_len_ptr=torch.zeros(2, dtype=torch.int32))
+    w.plan(*base, causal=True)
+    with pytest.raises(ValueError, match=r"q has shape \[6, 4, 32\]"):
+        w.run(torch.randn(6, 4, 32).half(), cache())
+    r = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    r.plan(qo, torch.tensor([0, 3, 9], dtype=torch.int32), 4, 2, 32, causal=True)
+    with pytest.raises(ValueError, match=r"k has shape \[8, 2, 32\]"):
+        r.run(torch.randn(7, 4, 32).half(), torch.randn(8, 2, 32).half(), torch.randn(9, 2, 32).half())
+
+
+def test_requested_backend_that_cannot_run_lists_reasons():
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, backend="cudnn")
+    with pytest.raises(fi.Unsupported) as e:
+        w.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 4, 2, 32,
+               logits_soft_cap=30.0)
+    assert "cudnn" in str(e.value) and "soft_cap" in str(e.value)
+
+
+def test_cudnn_entry_points_validate_before_selection():
+    q = torch.randn(2, 8, 64).half()
+    hnd = torch.randn(10, 2, 16, 64).half()
+    nhd = hnd.transpose(1, 2).contiguous()
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    lens = torch.tensor([40, 33], dtype=torch.int32).view(2, 1, 1, 1)
+    with pytest.raises(ValueError, match="cuDNN expects HND"):
+        fi.cudnn_batch_decode_with_kv_cache(q, nhd, nhd, 0.1, WS, max_sequence_kv=48, actual_seq_lens_kv=lens,
+                                            block_tables=tables)
+    with pytest.raises(fi.Unsupported, match="batch_offsets"):
+        fi.cudnn_batch_decode_with_kv_cache(q, hnd, hnd, 0.1, WS, max_sequence_kv=48, actual_seq_lens_kv=lens,
+                                            block_tables=tables, batch_offsets_q=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(fi.Unsupported, match="cudnn"):  # valid input, but no cuDNN on this machine
+        fi.cudnn_batch_decode_with_kv_cache(q, hnd, hnd, 0.1, WS, max_sequence_kv=48, actual_seq_lens_kv=lens,
+                                            block_tables=tables)
+
+
+def test_trtllm_rejects():
+    q = torch.randn(2, 8, 64).half()
+    kv = torch.randn(10, 2, 2, 16, 64).half()
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(fi.Unsupported, match="nvfp4"):
+        fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables, torch.tensor([3, 4]), 32, out_dtype="nvfp4")
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]=40 needs 3 pages"):
+        fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables, torch.tensor([3, 40]), 64)
+    with pytest.raises(ValueError, match="kv_layout='XYZ'"):
+        fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables, torch.tensor([3, 4]), 32, kv_layout="XYZ")
+
+
+def test_mla_rejects():
+    w = fi.BatchMLAPagedAttentionWrapper(WS)
+    qo = torch.arange(3, dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 2, 3], dtype=torch.int32)
+    kv_indices = torch.tensor([0, 2, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"kv_len_arr\[0\]=40 does not fit"):
+        w.plan(qo, kv_indptr, kv_indices, torch.tensor([40, 5], dtype=torch.int32), 4, 64, 16, 16, False, 0.1,
+               torch.float16, torch.float16)
+    with pytest.raises(fi.Unsupported, match="use_profiler"):
+        w.plan(qo, kv_indptr, kv_indices, torch.tensor([20, 5], dtype=torch.int32), 4, 64, 16, 16, False, 0.1,
+               torch.float16, torch.float16, use_profiler=True)
+    w.plan(qo, kv_indptr, kv_indices, torch.tensor([20, 5], dtype=torch.int32), 4, 64, 16, 16, False, 0.1,
+           torch.float16, torch.float16)
+    q_nope, q_pe = torch.randn(2, 4, 64).half(), torch.randn(2, 4, 16).half()
+    with pytest.raises(ValueError, match="only 2 pages"):
+        w.run(q_nope, q_pe, torch.randn(2, 16, 64).half(), torch.randn(2, 16, 16).half())
+    with pytest.raises(ValueError, match="kpe_cache"):
+        w.run(q_nope, q_pe, torch.randn(3, 16, 64).half(), torch.randn(3, 16, 8).half())
+
+
+def test_cascade_and_packbits_reject():
+    v = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match=r"s_b has shape \[3, 3\]"):
+        fi.merge_state(v, torch.randn(3, 2), v, torch.randn(3, 3))
+    with pytest.raises(TypeError, match="s_a.dtype=float16"):
+        fi.merge_state(v, torch.randn(3, 2).half(), v, torch.randn(3, 2))
+    with pytest.raises(ValueError, match="bitorder='middle'"):
+        fi.packbits(torch.ones(3, dtype=torch.bool), "middle")
