@@ -201,7 +201,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         params = paged_params(qo_indptr_h, indptr, indices, last, a["kv_lens_h"], self._device,
                               sm_scale=a["sm_scale"], rope_scale=a["rope_scale"], rope_theta=a["rope_theta"],
                               fixed_split_size=a["fixed_split_size"], disable_split_kv=a["disable_split_kv"],
-                              workspace=self._workspace())
+                              workspace=self._workspace(),
+                              int_workspace=self._int_workspace() if self._use_cuda_graph else None)
         planned = plan_problem(problem, self._device, params, self._backend, total_q=batch * q_len,
                                max_page_index=a["max_page_index"])
         self._by_q_len[q_len] = planned

@@ -24,11 +24,13 @@ def _mla_problem(q_dtype, kv_dtype, o_dtype, num_heads, ckv, kpe, page_size, cau
                    head_dim_kpe=kpe)
 
 
-def _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, device, sm_scale, causal, workspace) -> MLAParams:
+def _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, device, sm_scale, causal, workspace,
+                int_workspace=None) -> MLAParams:
     return MLAParams(qo_indptr=qo_indptr_h.to(device=device, dtype=torch.int32), kv_indptr=kv_indptr.to(device),
                      kv_indices=kv_indices.to(device), kv_lens=kv_lens_h.to(device=device, dtype=torch.int32),
                      qo_lens_host=(qo_indptr_h[1:] - qo_indptr_h[:-1]).tolist(), kv_lens_host=kv_lens_h.tolist(),
-                     sm_scale=sm_scale, causal=causal, workspace=workspace)
+                     sm_scale=sm_scale, causal=causal, workspace=workspace,
+                     int_workspace=int_workspace)
 
 
 def _check_kv_lens(kv_lens, kv_indptr_h, qo_indptr_h, page_size) -> torch.Tensor:
@@ -108,7 +110,8 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         problem = _mla_problem(q_dtype, kv_dtype, o_dtype, num_heads, head_dim_ckv, head_dim_kpe, page_size,
                                causal, self._use_cuda_graph)
         params = _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, self._device,
-                             checks.check_scale(sm_scale, "sm_scale", 1.0), bool(causal), self._workspace())
+                             checks.check_scale(sm_scale, "sm_scale", 1.0), bool(causal), self._workspace(),
+                             self._int_workspace() if self._use_cuda_graph else None)
         self._planned = plan_problem(problem, self._device, params, self._backend, total_q=int(qo_indptr_h[-1]),
                                      max_page_index=max_page_index)
 

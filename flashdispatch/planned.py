@@ -142,6 +142,9 @@ def paged_params(qo_indptr_h, kv_indptr, kv_indices, kv_last_page_len, kv_lens_h
         kv_last_page_len=kv_last_page_len.to(device), **kw)
 
 
+INT_WORKSPACE_BYTES = 8 << 20
+
+
 class WrapperBase:
     """What every plan()/run() wrapper shares: workspace, layout, backend request, the last plan."""
 
@@ -156,6 +159,7 @@ class WrapperBase:
         self._use_cuda_graph = bool(use_cuda_graph)
         self._backend = check_requested(backend)
         self._planned: PlannedAttention | None = None
+        self._int_workspace_buffer: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -174,9 +178,18 @@ class WrapperBase:
         """Replace the workspace buffer(s); takes effect at the next plan()."""
         checks.check_tensor(float_workspace_buffer, "float_workspace_buffer", device=self._device)
         self._float_workspace_buffer = float_workspace_buffer
+        if int_workspace_buffer is not None:
+            checks.check_tensor(int_workspace_buffer, "int_workspace_buffer", device=self._device)
+            self._int_workspace_buffer = int_workspace_buffer
 
     def _workspace(self) -> torch.Tensor:
         return self._float_workspace_buffer.view(torch.uint8).reshape(-1)
+
+    def _int_workspace(self) -> torch.Tensor:
+        """This wrapper's own metadata buffer (8 MiB, allocated at the first plan, as FlashInfer does)."""
+        if self._int_workspace_buffer is None:
+            self._int_workspace_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+        return self._int_workspace_buffer.view(torch.uint8).reshape(-1)
 
 
 def fixed_buffer(buf, data: torch.Tensor, name: str) -> torch.Tensor:

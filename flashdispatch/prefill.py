@@ -83,7 +83,8 @@ class _PrefillWrapper(WrapperBase):
                      rope_scale=checks.check_scale(rope_scale, "rope_scale", 1.0),
                      rope_theta=checks.check_scale(rope_theta, "rope_theta", 1e4), packed_mask=packed,
                      mask_indptr=mask_indptr, fixed_split_size=fixed_split_size,
-                     disable_split_kv=bool(disable_split_kv), workspace=self._workspace())
+                     disable_split_kv=bool(disable_split_kv), workspace=self._workspace(),
+                     int_workspace=self._int_workspace() if self._use_cuda_graph else None)
         return problem, extra
 
     def run_return_lse(self, *args, **kwargs):

@@ -132,14 +132,21 @@ def test_ragged_prefill(causal, window, dims):
     check(*case)
 
 
-def test_without_lse_and_replan_reuses_graph():
-    case = make_case("prefill_ragged", [3, 4], [8, 6], causal=True, lse=False)
-    first = run_cudnn(*case)
-    check(*case)
-    again = make_case("prefill_ragged", [2, 4], [7, 6], causal=True, lse=False, seed=1)  # same bucket
-    second = run_cudnn(*again)
-    check(*again)
-    assert first.opts == second.opts and second.build_seconds == 0.0
+def test_two_plans_share_a_workspace_and_a_graph():
+    """Plan twice (same bucket, one float workspace, as wrappers sharing it do), then run both."""
+    first = make_case("prefill_ragged", [3, 4], [8, 6], causal=True, lse=False)
+    second = make_case("prefill_ragged", [2, 4], [7, 6], causal=True, lse=False, seed=1)
+    second[1].workspace = first[1].workspace
+    backend, device = Cudnn(), device_of(first[2].q.device)
+    plan_a = backend.plan(first[0], device, first[1])
+    plan_b = backend.plan(second[0], device, second[1])
+    assert plan_a.opts == plan_b.opts
+    backend.run(plan_a, first[2])
+    backend.run(plan_b, second[2])
+    torch.cuda.synchronize()
+    check(*first)
+    check(*second)
+    assert plan_b.build_seconds == 0.0, "the second plan reuses the first one's graph"
 
 
 def _shorter_requests(params, page_size, new_lens):
@@ -161,6 +168,8 @@ def _shorter_requests(params, page_size, new_lens):
 def test_cuda_graph_capture_replay_and_replan():
     problem, params, inputs = make_case("decode", [1] * 4, [50, 3, 0, 90], layout="HND")
     problem = problem.with_(use_cuda_graph=True)
+    # the wrapper's int workspace (contract extension): plan metadata at addresses that outlive a plan
+    params.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8, device=inputs.q.device)
     backend, device = Cudnn(), device_of(inputs.q.device)
     plan = backend.plan(problem, device, params)
     backend.run(plan, inputs)          # warm-up: builds the graph for this layout
@@ -176,6 +185,7 @@ def test_cuda_graph_capture_replay_and_replan():
     check(problem, params, inputs)
     # re-plan in the same bucket (same workspace): the captured graph reads the new metadata
     replanned = _shorter_requests(params, problem.page_size, [0, 2, 0, 77])
+    replanned.int_workspace = params.int_workspace
     second = backend.plan(problem, device, replanned)
     assert second.opts == plan.opts
     inputs.out.fill_(float("nan"))

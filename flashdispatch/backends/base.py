@@ -64,7 +64,10 @@ class AttentionParams:
     packed_mask:      uint8 custom mask, per request the row-major [qo_len, kv_len] bits
                       packed with ``bitorder="little"``, requests concatenated.
     mask_indptr:      [batch + 1] byte offsets of each request's bits in packed_mask.
-    workspace:        the user's float workspace buffer (uint8), for split-KV partials.
+    workspace:        the user's float workspace buffer (uint8): scratch for run() only (split-KV
+                      partials); wrappers may share it, so a plan keeps nothing there.
+    int_workspace:    the wrapper's own buffer (uint8, 8 MiB) for plan metadata a captured CUDA
+                      graph reads: a re-plan rewrites it in place at the same addresses.
     """
 
     qo_indptr: torch.Tensor
@@ -82,6 +85,7 @@ class AttentionParams:
     fixed_split_size: int | None = None
     disable_split_kv: bool = False
     workspace: torch.Tensor | None = None
+    int_workspace: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -120,6 +124,7 @@ class MLAParams:
     sm_scale: float
     causal: bool = False
     workspace: torch.Tensor | None = None
+    int_workspace: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

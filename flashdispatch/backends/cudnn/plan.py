@@ -1,11 +1,12 @@
 """The cudnn plan: bucket choice, device metadata (block table, lengths, ragged offsets) and run().
 
 plan() decides everything and writes the metadata on the device, stream-ordered and without a
-host sync. The metadata lives at fixed offsets at the front of the user's float workspace (the
-cuDNN workspace follows it), so a re-plan of the same bucket rewrites the same addresses and
-a captured CUDA graph stays valid. run() only binds pointers and launches; the single
-exception is the first run with a new tensor layout (strides, cache pages), which builds the
-graph for it, and must therefore happen before any CUDA-graph capture.
+host sync. The metadata lives in the wrapper's int workspace when the wrapper passes one
+(``params.int_workspace``: fixed addresses, so a re-plan of the same bucket rewrites what a
+captured CUDA graph reads), else in memory the plan owns. The float workspace is only cuDNN's
+scratch during run(). run() binds pointers and launches; the single exception is the first
+run with a new tensor layout (strides, cache pages), which builds the graph for it and must
+therefore happen before any CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -97,6 +98,17 @@ def _pad_indptr(dst: torch.Tensor, indptr: torch.Tensor, batch: int) -> None:
     dst[batch + 1:].copy_(indptr[batch:batch + 1].expand(dst.numel() - batch - 1))
 
 
+def _bytes_of(buf: torch.Tensor, name: str, dev: torch.device, need: int, what: str) -> torch.Tensor:
+    """``buf`` as a flat uint8 tensor, checked to be contiguous, on ``dev`` and ``need`` bytes long."""
+    if not buf.is_contiguous() or buf.device != dev:
+        raise ValueError(f"{name} must be a contiguous tensor on {dev}, got device {buf.device}, "
+                         f"strides {tuple(buf.stride())}")
+    flat = buf.reshape(-1).view(torch.uint8)
+    if flat.numel() < need:
+        raise ValueError(f"{name} too small for cudnn: {flat.numel()} bytes, {what} needs {need}")
+    return flat
+
+
 class CudnnPlan:
     """A planned cuDNN SDPA call. ``build_seconds``: graph-build time spent for this plan (0.0
     when every graph it used came from the cache)."""
@@ -115,21 +127,13 @@ class CudnnPlan:
         dev = torch.device("cuda", device.index)
 
         meta_bytes = _Metadata.size(self.opts)
-        if params.workspace is not None:
-            ws = params.workspace
-            if not ws.is_contiguous() or ws.device != dev:
-                raise ValueError(f"float_workspace_buffer must be a contiguous tensor on {dev}, got "
-                                 f"device {ws.device}, strides {tuple(ws.stride())}")
-            ws = ws.reshape(-1).view(torch.uint8)
-            if ws.numel() < meta_bytes:
-                raise ValueError(f"float_workspace_buffer too small for cudnn: {ws.numel()} bytes, the plan's metadata "
-                                 f"alone needs {meta_bytes} (batch bucket {self.opts.batch})")
-            self.meta = _Metadata(ws[:meta_bytes], self.opts)
-            self._graph_workspace: torch.Tensor | None = ws[meta_bytes:]
-        else:  # no user buffer (direct backend use): private metadata, cuDNN workspace sized at first run
-            self.meta = _Metadata(torch.empty(meta_bytes, dtype=torch.uint8, device=dev), self.opts)
-            self._graph_workspace = None
+        int_ws = getattr(params, "int_workspace", None)
+        meta_buf = (_bytes_of(int_ws, "int_workspace_buffer", dev, meta_bytes, "the plan's metadata")[:meta_bytes]
+                    if int_ws is not None else torch.empty(meta_bytes, dtype=torch.uint8, device=dev))
+        self.meta = _Metadata(meta_buf, self.opts)
         self._owns_workspace = params.workspace is None
+        self._graph_workspace = (None if params.workspace is None else
+                                 _bytes_of(params.workspace, "float_workspace_buffer", dev, 0, ""))
         self._fill_metadata(params)
 
         # Rows that see no key come out of cuDNN as NaN/garbage: zero them (lse -inf). Eagerly only
@@ -234,10 +238,8 @@ class CudnnPlan:
                                    "CUDA-graph capture; run once eagerly before capturing")
             self._graph_workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=self.meta["seq_q"].device)
         if self._graph_workspace.numel() < need:
-            total = self._graph_workspace.numel() + self.meta.nbytes
-            raise ValueError(f"float_workspace_buffer too small for cudnn: {total} bytes, needs "
-                             f"{need + self.meta.nbytes} ({need} for the cuDNN graph "
-                             f"(graph.get_workspace_size()) + {self.meta.nbytes} of plan metadata)")
+            raise ValueError(f"float_workspace_buffer too small for cudnn: {self._graph_workspace.numel()} bytes, "
+                             f"the cuDNN graph needs {need} (graph.get_workspace_size())")
         return self._graph_workspace[:need]
 
     def _refresh_offsets(self, inputs: AttentionInputs) -> None:
@@ -249,8 +251,8 @@ class CudnnPlan:
         if not self.opts.paged:
             rows += [("k_off", "kv_indptr", inputs.kv.k.stride(0), self.total_kv),
                      ("v_off", "kv_indptr", inputs.kv.v.stride(0), self.total_kv)]
-        for slot, indptr, stride, total in rows:
-            if self.meta.stride_of[slot] != stride:
+        for slot, indptr, stride, total in rows:   # under CUDA graphs always: a re-plan resets them
+            if self.opts.cuda_graph or self.meta.stride_of[slot] != stride:
                 self._set_offsets(slot, indptr, stride, total)
 
     def run(self, inputs: AttentionInputs) -> None:
