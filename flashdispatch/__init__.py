@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from . import cascade, decode, mla, page, prefill, quantization, utils, xqa  # noqa: F401
+from . import cascade, decode, mla, page, prefill, quantization, utils  # noqa: F401  (flashinfer.decode, ...)
 from .cascade import merge_state, merge_state_in_place, merge_states
 from .decode import (BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
                      cudnn_batch_decode_with_kv_cache, single_decode_with_kv_cache,

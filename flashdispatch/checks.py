@@ -157,10 +157,11 @@ def check_page_indices(indices, kv_indptr_h: torch.Tensor) -> int:
         raise ValueError(f"indices has {indices.numel()} entries, but indptr[-1]={used} pages are referenced")
     if used == 0:
         return -1
-    h = indices[:used].detach().to("cpu", torch.int64)
-    if int(h.min()) < 0:
-        raise ValueError(f"indices holds a negative page index {int(h.min())}")
-    return int(h.max())
+    low, high = indices[:used].aminmax()  # on the device: two numbers come back, not the table
+    low, high = torch.stack([low, high]).tolist()
+    if low < 0:
+        raise ValueError(f"indices holds a negative page index {low}")
+    return high
 
 
 def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_cache") -> PagedKV:

@@ -74,8 +74,8 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     indptr = torch.tensor([0, kv_len], dtype=torch.int32)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=dev), kv_layout,
                                                  backend=backend)
-    wrapper.plan(indptr.to(dev), torch.arange(kv_len, dtype=torch.int32, device=dev),
-                 torch.tensor([1 if kv_len else 0], dtype=torch.int32, device=dev), q.shape[0], num_kv_heads,
+    wrapper.plan(indptr, torch.arange(kv_len, dtype=torch.int32), torch.tensor([1 if kv_len else 0], dtype=torch.int32),
+                 q.shape[0], num_kv_heads,
                  q.shape[1], 1, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                  logits_soft_cap=logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=sm_scale,
                  rope_scale=rope_scale, rope_theta=rope_theta, head_dim_vo=v.shape[-1])
@@ -163,7 +163,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         if fixed_split_size is not None:
             checks.check_positive_int(fixed_split_size, "fixed_split_size")
         for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
-            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
         indptr_h = checks.host_indptr(indptr, "indptr")
         kv_lens_h = checks.paged_kv_lengths(indptr_h, last_page_len, page_size)
         max_page_index = checks.check_page_indices(indices, indptr_h)

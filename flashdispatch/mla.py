@@ -96,7 +96,7 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         checks.check_positive_int(head_dim_kpe, "head_dim_kpe")
         checks.check_positive_int(page_size, "page_size")
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
-            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
         kv_indptr_h = checks.host_indptr(kv_indptr, "kv_indptr")
         qo_indptr_h = checks.host_indptr(qo_indptr, "qo_indptr", kv_indptr_h.numel())
         kv_lens_h = _check_kv_lens(kv_len_arr, kv_indptr_h, qo_indptr_h, page_size)

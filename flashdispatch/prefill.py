@@ -27,19 +27,20 @@ def _packed_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, device):
     (per-request segments packed with ``segment_packbits(..., bitorder="little")``)."""
     byte_indptr = _mask_bytes_indptr(qo_lens, kv_lens)
     if packed_custom_mask is not None:
-        checks.check_tensor(packed_custom_mask, "packed_custom_mask", ndim=1, dtypes=(torch.uint8,), device=device)
+        checks.check_tensor(packed_custom_mask, "packed_custom_mask", ndim=1, dtypes=(torch.uint8,))
         if packed_custom_mask.numel() < int(byte_indptr[-1]):
             raise ValueError(f"packed_custom_mask has {packed_custom_mask.numel()} bytes, the lengths need "
                              f"{int(byte_indptr[-1])} (sum of ceil(qo_len * kv_len / 8))")
-        return packed_custom_mask, byte_indptr.to(device=device, dtype=torch.int32)
-    checks.check_tensor(custom_mask, "custom_mask", device=device)
+        return packed_custom_mask.to(device), byte_indptr.to(device=device, dtype=torch.int32)
+    checks.check_tensor(custom_mask, "custom_mask")
     bits = int((qo_lens * kv_lens).sum())
     if custom_mask.numel() != bits:
         raise ValueError(f"custom_mask has {custom_mask.numel()} elements, expected sum(qo_len * kv_len) = {bits}")
     bit_indptr = torch.zeros(qo_lens.numel() + 1, dtype=torch.int64)
     bit_indptr[1:] = torch.cumsum(qo_lens * kv_lens, 0)
-    packed, indptr = segment_packbits(custom_mask.contiguous().view(-1), bit_indptr.to(device), bitorder="little")
-    return packed, indptr
+    packed, indptr = segment_packbits(custom_mask.contiguous().view(-1), bit_indptr.to(custom_mask.device),
+                                      bitorder="little")
+    return packed.to(device), indptr.to(device)
 
 
 class _PrefillWrapper(WrapperBase):
@@ -162,7 +163,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         names = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
         tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         for name, t in zip(names, tensors):
-            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
         kv_indptr_h = checks.host_indptr(paged_kv_indptr, "paged_kv_indptr")
         qo_indptr_h = checks.host_indptr(qo_indptr, "qo_indptr", kv_indptr_h.numel())
         kv_lens_h = checks.paged_kv_lengths(kv_indptr_h, paged_kv_last_page_len, page_size)
@@ -234,7 +235,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         self._check_unsupported(dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                                      token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr))
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
-            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
         kv_indptr_h = checks.host_indptr(kv_indptr, "kv_indptr")
         qo_indptr_h = checks.host_indptr(qo_indptr, "qo_indptr", kv_indptr_h.numel())
         for name, given, same in (("v_indptr", v_indptr, kv_indptr), ("o_indptr", o_indptr, qo_indptr)):
@@ -251,7 +252,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
-        params = AttentionParams(qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+        params = AttentionParams(qo_indptr=qo_indptr.to(self._device), kv_indptr=kv_indptr.to(self._device),
                                  kv_lens=kv_lens_h.to(device=self._device, dtype=torch.int32),
                                  qo_lens_host=(qo_indptr_h[1:] - qo_indptr_h[:-1]).tolist(),
                                  kv_lens_host=kv_lens_h.tolist(), **extra)
@@ -305,8 +306,8 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dev = q.device
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=dev), kv_layout,
                                                    backend=backend)
-    wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev),
-                 torch.tensor([0, kv_len], dtype=torch.int32, device=dev), q.shape[1], num_kv_heads, q.shape[2],
+    wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
+                 q.shape[1], num_kv_heads, q.shape[2],
                  v.shape[2], custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
                  packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
                  window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,

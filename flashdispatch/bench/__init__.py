@@ -27,7 +27,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench {decode,prefill}`` with its options; returns the ``bench`` parser."""
     bench = subparsers.add_parser("bench", help="time attention backends against FlashInfer (GPU)",
                                   description=__doc__.splitlines()[0])
-    kinds = bench.add_subparsers(dest="bench_kind", metavar="{decode,prefill}", required=True)
+    kinds = bench.add_subparsers(dest="bench_kind", metavar="{decode,prefill,summary}", required=True)
+    summary = kinds.add_parser("summary", help="print the summary tables of saved --json results")
+    summary.add_argument("paths", nargs="+", metavar="RESULT.json")
     for kind, defaults in KINDS.items():
         p = kinds.add_parser(kind, help=f"{kind} matrix (see docs/benchmarks.md)")
         syntax = ("BATCHxKV_LEN[:fp8|:e5m2|:mha]" if kind == "decode"
@@ -163,7 +165,10 @@ def dry_run(args, shapes, columns, notes) -> int:
 
 
 def run_bench(args) -> int:
-    """Run ``bench decode|prefill`` as parsed by `add_bench_parser`; returns the exit code."""
+    """Run ``bench decode|prefill|summary`` as parsed by `add_bench_parser`; returns the exit code."""
+    if args.bench_kind == "summary":
+        from .report import main as summary_main
+        return summary_main(args.paths)
     try:
         shapes = parse_shapes(args)
         columns, notes = select_columns(args)

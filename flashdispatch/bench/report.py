@@ -4,7 +4,7 @@ The detail table has one line per cell (ms, rate, % of the measured ceiling, rat
 the peer, host times, first-call time, error against the baseline column, the reason a
 cell has no number). The summary table pivots the rates: shapes down, columns across.
 
-``python -m flashdispatch.bench.report RESULT.json ...`` prints the summaries of saved runs.
+``python -m flashdispatch.bench summary RESULT.json ...`` prints the summaries of saved runs.
 """
 from __future__ import annotations
 
@@ -166,11 +166,12 @@ def _is_number(text: str) -> bool:
 
 
 def render_plain(headers: list[str], rows: list[list[str]]) -> str:
-    """A fixed-width text table: numbers right-aligned, text left-aligned."""
+    """A fixed-width text table: the first column and text left-aligned, numbers right-aligned."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def fmt(cells: list[str]) -> str:
-        out = [c.rjust(w) if _is_number(c) or c == "-" else c.ljust(w) for c, w in zip(cells, widths)]
+        out = [c.rjust(w) if i > 0 and (_is_number(c) or c == "-") else c.ljust(w)
+               for i, (c, w) in enumerate(zip(cells, widths))]
         return "  ".join(out).rstrip()
 
     lines = [fmt(headers), "  ".join("-" * w for w in widths)]
@@ -230,7 +231,8 @@ def save_plot(report: Report, path: str) -> str | None:
     cols = report.columns
     n = max(1, len(cols))
     width = 0.8 / n
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(report.shapes) * max(1, n / 4)), 5))
+    fig, ax = plt.subplots(figsize=(min(20, 3 + 0.15 * n * len(report.shapes)), 5))
+    colors = plt.get_cmap("tab20").colors
     for i, col in enumerate(cols):
         xs, ys = [], []
         for j, shape in enumerate(report.shapes):
@@ -238,7 +240,7 @@ def save_plot(report: Report, path: str) -> str | None:
             if c is not None and c.ok:
                 xs.append(j + (i - (n - 1) / 2) * width)
                 ys.append(c.rate)
-        ax.bar(xs, ys, width=width, label=col)
+        ax.bar(xs, ys, width=width, label=col, color=colors[i % len(colors)])
     if report.ceiling:
         ax.axhline(report.ceiling, color="black", linestyle="--", linewidth=1,
                    label=f"{report.ceiling_name} {report.ceiling:.3g}")
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print the summary table of each saved JSON report."""
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
-        print("usage: python -m flashdispatch.bench.report RESULT.json [...]", file=sys.stderr)
+        print("usage: python -m flashdispatch.bench summary RESULT.json [...]", file=sys.stderr)
         return 2
     for path in paths:
         try:
@@ -272,6 +274,3 @@ def main(argv: list[str] | None = None) -> int:
         render(*summary_rows(report), title=f"{report.kind} summary: {report.unit}", use_rich=False)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

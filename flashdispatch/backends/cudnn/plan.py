@@ -10,10 +10,12 @@ therefore happen before any CUDA-graph capture.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...dispatch.problem import Device, Problem
-from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
+from ..base import AttentionInputs, AttentionParams, PagedKV
 from . import graphs
 from .graphs import GRAPHS, Geometry, GraphOptions, pow2_bucket
 from .handles import handle_on_current_stream
@@ -123,7 +125,7 @@ class CudnnPlan:
         self.total_kv = sum(params.kv_lens_host)
         self.sm_scale = params.sm_scale
         self.build_seconds = 0.0
-        self._bound: tuple[Geometry, graphs.BuiltGraph] | None = None
+        self._bound: tuple[tuple[Geometry, GraphOptions], graphs.BuiltGraph] | None = None
         dev = torch.device("cuda", device.index)
 
         meta_bytes = _Metadata.size(self.opts)
@@ -210,10 +212,10 @@ class CudnnPlan:
         if inputs.lse is not None and self.opts.return_lse and inputs.lse.stride(-1) != 1:
             raise ValueError(f"cudnn: lse needs a contiguous last dim, got strides {tuple(inputs.lse.stride())}")
 
-    def _bind(self, geo: Geometry) -> graphs.BuiltGraph:
-        if self._bound is not None and self._bound[0] == geo:
+    def _bind(self, geo: Geometry, opts: GraphOptions) -> graphs.BuiltGraph:
+        if self._bound is not None and self._bound[0] == (geo, opts):
             return self._bound[1]
-        built = GRAPHS.get(self.opts, geo)
+        built = GRAPHS.get(opts, geo)
         if built is None:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("cudnn: this tensor layout needs a new cuDNN graph, which cannot be built during "
@@ -221,13 +223,13 @@ class CudnnPlan:
             from .handles import handle_for
 
             try:
-                built = graphs.build_graph(self.opts, geo, handle_for(self.device.index))
+                built = graphs.build_graph(opts, geo, handle_for(self.device.index))
             except Exception as e:  # cudnnGraphNotSupportedError, RuntimeError from the backend
                 raise RuntimeError(f"cudnn could not build an SDPA graph for {self.problem.describe()} "
-                                   f"(bucket {self.opts}, layout {geo}): {type(e).__name__}: {e}") from e
-            GRAPHS.put(self.opts, geo, built)
+                                   f"(bucket {opts}, layout {geo}): {type(e).__name__}: {e}") from e
+            GRAPHS.put(opts, geo, built)
             self.build_seconds += built.build_seconds
-        self._bound = (geo, built)
+        self._bound = ((geo, opts), built)
         return built
 
     def _cudnn_workspace(self, built: graphs.BuiltGraph) -> torch.Tensor:
@@ -259,11 +261,13 @@ class CudnnPlan:
         """Write inputs.out (and inputs.lse, base 2). Capturable in a CUDA graph once warmed up."""
         if self.total_q == 0:
             return
-        if self.opts.return_lse != (inputs.lse is not None):
-            raise ValueError(f"cudnn plan made with return_lse={self.opts.return_lse} got lse="
-                             f"{'a tensor' if inputs.lse is not None else 'None'}")
+        want_lse = inputs.lse is not None
+        if want_lse and not self.opts.return_lse:
+            raise ValueError("cudnn plan made with return_lse=False got an lse tensor")
+        # a plan that may return lse runs the graph without stats when this call wants none
+        opts = self.opts if want_lse == self.opts.return_lse else dataclasses.replace(self.opts, return_lse=False)
         self._check_alignment(inputs)
-        built = self._bind(self._geometry(inputs))
+        built = self._bind(self._geometry(inputs), opts)
         workspace = self._cudnn_workspace(built)
         self._refresh_offsets(inputs)
         self._scale_host.fill_(self.sm_scale * _host_scale(inputs.q_scale, "q_scale") * _host_scale(inputs.k_scale, "k_scale"))
@@ -275,7 +279,7 @@ class CudnnPlan:
             pack[G.UID_TABLE_K] = pack[G.UID_TABLE_V] = m["table"]
         else:
             pack[G.UID_K_OFF], pack[G.UID_V_OFF] = m["k_off"], m["v_off"]
-        if self.opts.return_lse:
+        if want_lse:
             pack[G.UID_STATS], pack[G.UID_STATS_OFF] = inputs.lse, m["lse_off"]
         handle = handle_on_current_stream(self.device.index)
         built.graph.execute(pack, workspace, handle=handle)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
 
 from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
@@ -63,9 +62,9 @@ class DecodeConfig:
     worth a split; max_splits: most chunks of one request (CUDA-graph grids use it).
     """
 
-    block_n: int = 64
+    block_n: int = 32
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
     max_block_m: int = 64
     ctas_per_sm: int = 4
     min_chunk_tokens: int = 256
@@ -76,10 +75,8 @@ def default_config(problem: Problem) -> DecodeConfig:
     """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
     d = problem.head_dim_qk
     if d <= 64:
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=3)
-    if d <= 128:
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
-    return DecodeConfig(block_n=32, num_warps=4, num_stages=3)
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
 
 
 def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeConfig:
@@ -99,22 +96,24 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
+    """Chunk length per request for ``n`` chunks each: equal shares, rounded up to whole blocks."""
+    per = -(-eff // np.maximum(n, 1))
+    return np.maximum(block_n, -(-per // block_n) * block_n)
+
+
 def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
-                  units: int, sm_count: int) -> np.ndarray:
-    """Chunk length in tokens per request (a huge value: no split)."""
-    no_split = np.full_like(eff, 1 << 30)
+                  units: int, sm_count: int) -> np.ndarray | None:
+    """Chunk length in tokens per request, or None: no request is split."""
     if params.disable_split_kv or len(eff) == 0:
-        return no_split
+        return None
     if params.fixed_split_size is not None:
         return np.full_like(eff, max(1, params.fixed_split_size) * problem.page_size)
     target = max(sm_count, 1) * cfg.ctas_per_sm
     if len(eff) * units >= target:
-        return no_split
+        return None
     chunk = max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
-    n = np.maximum(1, -(-eff // chunk))
-    n = np.minimum(n, cfg.max_splits)
-    per = -(-eff // n)  # balanced chunks inside a request, rounded up to whole blocks
-    return np.maximum(cfg.block_n, -(-per // cfg.block_n) * cfg.block_n)
+    return _balanced_chunks(eff, np.minimum(-(-eff // chunk), cfg.max_splits), cfg.block_n)
 
 
 class DecodePlan:
@@ -126,7 +125,7 @@ class DecodePlan:
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
         rows = self.q_len * self.group
-        self.block_m = max(16, min(triton.next_power_of_2(rows), cfg.max_block_m))
+        self.block_m = max(16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
         self.row_blocks = -(-rows // self.block_m)
         self.sm_scale = params.sm_scale
         self.rope = (1.0 / params.rope_scale, math.log2(params.rope_theta))
@@ -138,7 +137,7 @@ class DecodePlan:
     # --- planning --------------------------------------------------------------------------
     def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
         p, cfg, ql = self.problem, self.config, self.q_len
-        lens = np.asarray(params.kv_lens_host, dtype=np.int64)
+        lens = np.array(params.kv_lens_host, dtype=np.int64)
         batch = len(lens)
         pages = -(-lens // p.page_size)
         page_base = np.cumsum(pages) - pages
@@ -146,59 +145,66 @@ class DecodePlan:
         eff = lens - lo
         units = p.num_kv_heads * self.row_blocks
         sm_count = device.sm_count or 8
-        chunk = _chunk_tokens(eff, p, params, cfg, units, sm_count)
-        nsplit = np.maximum(1, -(-eff // chunk))
+        splits = self._graph_splits(batch, units, sm_count, params) if p.use_cuda_graph else 0
+        if splits > 1 and params.fixed_split_size is None:
+            chunk = _balanced_chunks(eff, np.minimum(-(-eff // cfg.min_chunk_tokens), splits), cfg.block_n)
+        else:
+            chunk = _chunk_tokens(eff, p, params, cfg, units, sm_count)
 
-        if p.use_cuda_graph:
-            splits = self._graph_splits(batch, units, sm_count, params)
-            if nsplit.size and nsplit.max() > splits:
+        if chunk is None and splits <= 1:  # one work item per request, nothing to merge
+            meta = np.zeros((batch, WORK_COLS), dtype=np.int32)
+            meta[:, 0] = np.arange(batch)
+            meta[:, 1] = page_base
+            meta[:, 2] = lo
+            meta[:, 3] = lens
+            meta[:, 4] = lens
+            meta[:, 5] = -1
+            meta[:, 6] = 1
+            self.n_work, self.n_merge = batch, 0
+            self._place(meta.ravel(), batch, 0, params, run_device)
+            return
+
+        nsplit = np.maximum(1, -(-eff // chunk)) if chunk is not None else np.ones_like(eff)
+        req = np.repeat(np.arange(batch), nsplit)
+        if splits:  # CUDA graph: request b owns work items and partial slots b*splits .. +splits-1
+            if nsplit.max() > splits:
                 raise ValueError(f"use_cuda_graph: a request needs {int(nsplit.max())} chunks of "
                                  f"fixed_split_size={params.fixed_split_size} pages, the graph grid holds "
                                  f"{splits}; raise fixed_split_size")
-            if params.fixed_split_size is None and not params.disable_split_kv:
-                nsplit = np.minimum(np.maximum(1, -(-eff // cfg.min_chunk_tokens)), splits)
-                per = -(-eff // nsplit)
-                chunk = np.maximum(cfg.block_n, -(-per // cfg.block_n) * cfg.block_n)
-                nsplit = np.maximum(1, -(-eff // chunk))
-            n_work = batch * splits
-            n_partial = batch * splits if splits > 1 else 0
-            n_merge = batch if splits > 1 else 0
-            idx = (np.arange(batch) * splits)[:, None] + np.arange(splits)[None, :]
-            valid = np.arange(splits)[None, :] < nsplit[:, None]
-            items, sidx = idx[valid], np.broadcast_to(np.arange(splits), idx.shape)[valid]
-            req = np.repeat(np.arange(batch), nsplit)
+            n_work, n_partial = batch * splits, (batch * splits if splits > 1 else 0)
+            items = np.arange(len(req)) - np.repeat(np.cumsum(nsplit) - nsplit, nsplit) + req * splits
+            sidx = items - req * splits
             slot_of = np.where(nsplit[req] > 1, items, -1)
-            merge_first = np.arange(batch) * splits
-            merge_rows = np.arange(batch)
+            merge_rows = np.arange(batch if splits > 1 else 0)
+            merge_first = merge_rows * splits
         else:
-            n_work = int(nsplit.sum())
-            req = np.repeat(np.arange(batch), nsplit)
-            sidx = np.arange(n_work) - np.repeat(np.cumsum(nsplit) - nsplit, nsplit)
+            n_work = len(req)
             items = np.arange(n_work)
+            sidx = items - np.repeat(np.cumsum(nsplit) - nsplit, nsplit)
             split_item = nsplit[req] > 1
             slot_of = np.where(split_item, np.cumsum(split_item) - 1, -1)
             merge_rows = np.nonzero(nsplit > 1)[0]
-            n_merge = len(merge_rows)
             n_partial = int(split_item.sum())
             merge_first = np.cumsum(nsplit[merge_rows]) - nsplit[merge_rows]
-
-        work = np.zeros((n_work, WORK_COLS), dtype=np.int32)
+        n_merge = len(merge_rows)
+        meta = np.zeros(n_work * WORK_COLS + n_merge * MERGE_INFO_COLS, dtype=np.int32)
+        work = meta[:n_work * WORK_COLS].reshape(n_work, WORK_COLS)
+        info = meta[n_work * WORK_COLS:].reshape(n_merge, MERGE_INFO_COLS)
         work[:, 0] = -1
-        start = lo[req] + sidx * np.minimum(chunk[req], 1 << 30)
+        req_chunk = chunk[req] if chunk is not None else 0
+        start = lo[req] + sidx * req_chunk
         work[items, 0] = req
         work[items, 1] = page_base[req]
         work[items, 2] = start
-        work[items, 3] = np.minimum(start + chunk[req], lens[req])
+        work[items, 3] = np.minimum(start + req_chunk, lens[req]) if chunk is not None else lens[req]
         work[items, 4] = lens[req]
         work[items, 5] = slot_of
         work[items, 6] = sidx == 0
-        info = np.zeros((n_merge, MERGE_INFO_COLS), dtype=np.int32)
         info[:, 0] = merge_rows * ql
         info[:, 1] = merge_first
         info[:, 2] = nsplit[merge_rows]
-        self.n_work, self.n_merge = n_work, (n_merge if n_partial else 0)
-        self._place(np.concatenate([work.ravel(), info.ravel()]), n_work, n_merge, n_partial,
-                    params, run_device)
+        self.n_work, self.n_merge = n_work, n_merge
+        self._place(meta, n_work, n_partial, params, run_device)
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
         """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""
@@ -207,8 +213,8 @@ class DecodePlan:
         target = sm_count * self.config.ctas_per_sm
         return max(1, min(self.config.max_splits, -(-target // max(batch * units, 1))))
 
-    def _place(self, meta: np.ndarray, n_work: int, n_merge: int, n_partial: int,
-               params: AttentionParams, run_device: torch.device) -> None:
+    def _place(self, meta: np.ndarray, n_work: int, n_partial: int, params: AttentionParams,
+               run_device: torch.device) -> None:
         """Copy the plan arrays to the device and carve the partials out of the workspace."""
         p, ql = self.problem, self.q_len
         heads, d = p.num_qo_heads, p.head_dim_vo
@@ -222,11 +228,13 @@ class DecodePlan:
             raise ValueError(f"float_workspace_buffer too small: {have} bytes, this decode plan needs {need} "
                              f"bytes ({n_partial} split-KV partials of {ql}x{heads}x{d} float32)")
         host = torch.from_numpy(meta)
+        if run_device.type == "cuda":
+            host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
         if graph:
             dst = ws.view(-1)[:meta.nbytes].view(torch.int32)
-            dst.copy_(host)
+            dst.copy_(host, non_blocking=True)
         else:
-            dst = host.to(run_device)
+            dst = host.to(run_device, non_blocking=True)
         self.work = dst[:n_work * WORK_COLS]
         self.info = dst[n_work * WORK_COLS:]
         if need:
@@ -236,59 +244,70 @@ class DecodePlan:
         else:
             self.plse = self.po = self.work  # never written: no request is split
         self.workspace_bytes = need
+        self._launch_constants()
 
     # --- running ----------------------------------------------------------------------------
-    def run(self, inputs: AttentionInputs) -> None:
-        """Launch decode (and merge when some request is split) into inputs.out / inputs.lse."""
-        if self.n_work == 0:
-            return
+    def _launch_constants(self) -> None:
+        """Everything of the decode launch that run() does not learn from the inputs."""
         p, cfg = self.problem, self.config
-        q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
-        k, v = kv.k, kv.v
-        if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
-            raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
-        if kv.layout == "NHD":
-            ks = (k.stride(0), k.stride(1), k.stride(2))
-            vs = (v.stride(0), v.stride(1), v.stride(2))
-        else:
-            ks = (k.stride(0), k.stride(2), k.stride(1))
-            vs = (v.stride(0), v.stride(2), v.stride(1))
-        qk_scale, q_t, k_t, v_t = self.sm_scale, None, None, None
-        v_scale = 1.0
-        if isinstance(inputs.q_scale, torch.Tensor):
-            q_t = inputs.q_scale
-        elif inputs.q_scale is not None:
-            qk_scale *= float(inputs.q_scale)
-        if isinstance(inputs.k_scale, torch.Tensor):
-            k_t = inputs.k_scale
-        elif inputs.k_scale is not None:
-            qk_scale *= float(inputs.k_scale)
-        if isinstance(inputs.v_scale, torch.Tensor):
-            v_t = inputs.v_scale
-        elif inputs.v_scale is not None:
-            v_scale = float(inputs.v_scale)
-        write_lse = lse is not None
-        lse_arg = lse if write_lse else self.plse
-        lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
+        self._grid = (self.n_work, p.num_kv_heads * self.row_blocks)
         dummy = self.plse
-        grid = (self.n_work, p.num_kv_heads * self.row_blocks)
-        decode_kernel[grid](
-            q, k, v, out, lse_arg, self.po, self.plse,
-            self.work, self.kv_indices, self.slopes if self.slopes is not None else dummy,
-            inputs.sinks if p.sinks else dummy, q_t if q_t is not None else dummy,
-            k_t if k_t is not None else dummy, v_t if v_t is not None else dummy,
-            qk_scale, v_scale, max(p.window_left, 0), p.logits_soft_cap or 1.0, *self.rope,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *lse_strides, *ks, *vs,
+        self._tables = (self.po, self.plse, self.work, self.kv_indices,
+                        self.slopes if self.slopes is not None else dummy)
+        self._plan_scalars = (max(p.window_left, 0), p.logits_soft_cap or 1.0, *self.rope)
+        self._consts = dict(
             NUM_QO_HEADS=p.num_qo_heads, GROUP=self.group, QLEN=self.q_len, ROW_BLOCKS=self.row_blocks,
             PAGE=p.page_size, HEAD_DIM=p.head_dim_qk, BLOCK_M=self.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=p.mask_mode == "causal" and self.q_len > 1, WINDOW=p.window_left >= 0,
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
-            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, WRITE_LSE=write_lse,
-            Q_SCALE_T=q_t is not None, K_SCALE_T=k_t is not None, V_SCALE_T=v_t is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def run(self, inputs: AttentionInputs) -> None:
+        """Launch decode (and merge when some request is split) into inputs.out / inputs.lse."""
+        if self.n_work == 0:
+            return
+        q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
+        k, v = kv.k, kv.v
+        ks, vs = k.stride(), v.stride()
+        if ks[3] != 1 or vs[3] != 1 or q.stride(2) != 1 or out.stride(2) != 1:
+            raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
+        if kv.layout == "HND":
+            ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+        dummy = self.plse
+        qk_scale, v_scale = self.sm_scale, 1.0
+        q_t = k_t = v_t = dummy
+        if inputs.q_scale is not None:
+            if isinstance(inputs.q_scale, torch.Tensor):
+                q_t = inputs.q_scale
+            else:
+                qk_scale *= float(inputs.q_scale)
+        if inputs.k_scale is not None:
+            if isinstance(inputs.k_scale, torch.Tensor):
+                k_t = inputs.k_scale
+            else:
+                qk_scale *= float(inputs.k_scale)
+        if inputs.v_scale is not None:
+            if isinstance(inputs.v_scale, torch.Tensor):
+                v_t = inputs.v_scale
+            else:
+                v_scale = float(inputs.v_scale)
+        sinks = inputs.sinks
+        if sinks is None:
+            if self.problem.sinks:
+                raise ValueError("the plan has sinks: run() needs inputs.sinks")
+            sinks = dummy
+        write_lse = lse is not None
+        po, plse, work, kv_indices, slopes = self._tables
+        decode_kernel[self._grid](
+            q, k, v, out, lse if write_lse else dummy, po, plse, work, kv_indices, slopes,
+            sinks, q_t, k_t, v_t,
+            qk_scale, v_scale, *self._plan_scalars, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *((lse.stride(0), lse.stride(1)) if write_lse else (0, 0)), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            WRITE_LSE=write_lse, Q_SCALE_T=q_t is not dummy, K_SCALE_T=k_t is not dummy, V_SCALE_T=v_t is not dummy,
+            **self._consts)
         if self.n_merge:
-            launch_decode_merge(self.po, self.plse, out, lse, self.info, self.n_merge, self.q_len)
+            launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len)
 
 
 def plan_decode(problem: Problem, device: Device, params: AttentionParams, config: dict | None = None) -> DecodePlan:
