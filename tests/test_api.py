@@ -11,6 +11,17 @@ import flashdispatch as flashinfer
 WS = torch.empty(1 << 20, dtype=torch.uint8)
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Each API test runs on the CPU here, and on CUDA tensors in the GPU suite (any backend auto picks)."""
+    return torch.device(request.param)
+
+
+def on(device, *tensors):
+    moved = [t.to(device) for t in tensors]
+    return moved[0] if len(moved) == 1 else moved
+
+
 def dense_attention(q, k, v, *, causal=False, mask=None, sm_scale=None, window_left=-1, sinks=None):
     """float64 attention of one request: q [Lq, Hq, D], k/v [Lk, Hkv, D] -> (out [Lq, Hq, Dv], lse2)."""
     q, k, v = q.double(), k.double(), v.double()
@@ -59,17 +70,17 @@ SEED_LAST = torch.tensor([1, 7, 14, 4, 3, 1, 16], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_seed_batch_decode_example(layout):
+def test_seed_batch_decode_example(layout, device):
     torch.manual_seed(0)
     indices = torch.randperm(128).int()
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(WS, layout)
-    wrapper.plan(SEED_INDPTR, indices, SEED_LAST, 64, 8, 128, 16, pos_encoding_mode="NONE",
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(on(device, WS), layout, backend="reference")
+    wrapper.plan(*on(device, SEED_INDPTR, indices, SEED_LAST), 64, 8, 128, 16, pos_encoding_mode="NONE",
                  data_type=torch.float32)
     shape = (128, 2, 16, 8, 128) if layout == "NHD" else (128, 2, 8, 16, 128)
     for _ in range(2):
         kv = torch.randn(shape)
         q = torch.randn(7, 64, 128)
-        o, lse = wrapper.run(q, kv, return_lse=True)
+        o, lse = (t.cpu() for t in wrapper.run(*on(device, q, kv), return_lse=True))
         assert o.shape == torch.Size([7, 64, 128]) and lse.shape == (7, 64)
         for b in range(7):
             k, v = paged_to_dense(kv, SEED_INDPTR, indices, SEED_LAST, 16, b, layout)
@@ -79,23 +90,24 @@ def test_seed_batch_decode_example(layout):
     assert wrapper.decision.backend == "reference"
 
 
-def test_seed_paged_prefill_example_causal_equals_custom_mask():
+def test_seed_paged_prefill_example_causal_equals_custom_mask(device):
     torch.manual_seed(1)
     qo_indptr = torch.tensor([0, 33, 44, 55, 66, 77, 88, 100], dtype=torch.int32)
     indices = torch.arange(128).int()
     q_at_layer = torch.randn(2, 100, 64, 128).half()
     kv_at_layer = torch.randn(2, 128, 2, 16, 16, 128, dtype=torch.float16)
-    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD")
-    wrapper.plan(qo_indptr, SEED_INDPTR, indices, SEED_LAST, 64, 16, 128, 16, causal=True)
-    outputs = [wrapper.run(q_at_layer[i], kv_at_layer[i]) for i in range(2)]
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(on(device, WS), "NHD")
+    wrapper.plan(*on(device, qo_indptr, SEED_INDPTR, indices, SEED_LAST), 64, 16, 128, 16, causal=True)
+    outputs = [wrapper.run(*on(device, q_at_layer[i], kv_at_layer[i])).cpu() for i in range(2)]
     assert outputs[0].shape == torch.Size([100, 64, 128])
     qo_len = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
     kv_len = (16 * (SEED_INDPTR[1:] - SEED_INDPTR[:-1] - 1) + SEED_LAST).tolist()
     mask = torch.cat([torch.tril(torch.full((qo_len[i], kv_len[i]), True), diagonal=kv_len[i] - qo_len[i]).flatten()
                       for i in range(7)])
-    wrapper.plan(qo_indptr, SEED_INDPTR, indices, SEED_LAST, 64, 16, 128, 16, custom_mask=mask)
+    wrapper.plan(*on(device, qo_indptr, SEED_INDPTR, indices, SEED_LAST), 64, 16, 128, 16,
+                 custom_mask=on(device, mask))
     for i in range(2):
-        o_custom = wrapper.run(q_at_layer[i], kv_at_layer[i])
+        o_custom = wrapper.run(*on(device, q_at_layer[i], kv_at_layer[i])).cpu()
         assert torch.allclose(o_custom, outputs[i], rtol=1e-3, atol=1e-3)
     q, kv = q_at_layer[0], kv_at_layer[0]
     for b in range(7):
@@ -104,31 +116,32 @@ def test_seed_paged_prefill_example_causal_equals_custom_mask():
         assert rel(outputs[0][qo_indptr[b]:qo_indptr[b + 1]], ref) < 2e-3
 
 
-def test_seed_ragged_prefill_example():
+def test_seed_ragged_prefill_example(device):
     torch.manual_seed(2)
     qo_indptr = torch.tensor([0, 33, 44, 55, 66, 77, 88, 100], dtype=torch.int32)
     kv_indptr = qo_indptr.clone()
     q = torch.randn(100, 64, 128).half()
     k = torch.randn(100, 16, 128).half()
     v = torch.randn(100, 16, 128).half()
-    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD")
-    wrapper.plan(qo_indptr, kv_indptr, 64, 16, 128, causal=True)
-    o = wrapper.run(q, k, v)
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(on(device, WS), "NHD")
+    wrapper.plan(*on(device, qo_indptr, kv_indptr), 64, 16, 128, causal=True)
+    o = wrapper.run(*on(device, q, k, v)).cpu()
     assert o.shape == torch.Size([100, 64, 128])
     lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
     mask = torch.cat([torch.tril(torch.full((n, n), True)).flatten() for n in lens])
-    wrapper.plan(qo_indptr, kv_indptr, 64, 16, 128, custom_mask=mask)
-    assert torch.allclose(wrapper.run(q, k, v), o, rtol=1e-3, atol=1e-3)
+    wrapper.plan(*on(device, qo_indptr, kv_indptr), 64, 16, 128, custom_mask=on(device, mask))
+    assert torch.allclose(wrapper.run(*on(device, q, k, v)).cpu(), o, rtol=1e-3, atol=1e-3)
     for b in range(7):
         s, e = int(qo_indptr[b]), int(qo_indptr[b + 1])
         ref, _ = dense_attention(q[s:e], k[s:e], v[s:e], causal=True)
         assert rel(o[s:e], ref) < 2e-3
 
 
-def test_seed_mla_example_shape_and_values():
+def test_seed_mla_example_shape_and_values(device):
     torch.manual_seed(3)
     batch, heads, ckv, kpe, kv_len = 6, 16, 512, 64, 99
-    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.int8), backend="auto")
+    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.int8, device=device),
+                                                     backend="reference")
     q_indptr = torch.arange(0, batch + 1).int()
     kv_lens = torch.full((batch,), kv_len, dtype=torch.int32)
     kv_indptr = torch.arange(0, batch + 1).int() * kv_len
@@ -138,10 +151,12 @@ def test_seed_mla_example_shape_and_values():
     ckv_c = torch.randn(batch * kv_len, 1, ckv)
     kpe_c = torch.randn(batch * kv_len, 1, kpe)
     sm_scale = 1.0 / ((128 + 64) ** 0.5)
-    w.plan(q_indptr, kv_indptr, kv_indices, kv_lens, heads, ckv, kpe, 1, False, sm_scale, q_nope.dtype, ckv_c.dtype)
-    o, lse = w.run(q_nope, q_pe, ckv_c, kpe_c, return_lse=True)
+    w.plan(*on(device, q_indptr, kv_indptr, kv_indices, kv_lens), heads, ckv, kpe, 1, False, sm_scale, q_nope.dtype,
+           ckv_c.dtype)
+    o, lse = (t.cpu() for t in w.run(*on(device, q_nope, q_pe, ckv_c, kpe_c), return_lse=True))
     assert o.shape == torch.Size([batch, heads, ckv])
-    _, lse_e = w.run(q_nope, q_pe, ckv_c, kpe_c, return_lse=True, return_lse_base_on_e=True)
+    _, lse_e = (t.cpu() for t in w.run(*on(device, q_nope, q_pe, ckv_c, kpe_c), return_lse=True,
+                                       return_lse_base_on_e=True))
     assert torch.allclose(lse_e, lse * math.log(2), atol=1e-5)
     for b in range(batch):
         rows = slice(b * kv_len, (b + 1) * kv_len)
@@ -153,22 +168,24 @@ def test_seed_mla_example_shape_and_values():
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_single_decode_and_prefill(layout):
+def test_single_decode_and_prefill(layout, device):
     torch.manual_seed(4)
     k = torch.randn(37, 4, 64)
     v = torch.randn(37, 4, 64)
     q = torch.randn(8, 64)
     kk, vv = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
-    o, lse = flashinfer.single_decode_with_kv_cache(q, kk, vv, kv_layout=layout, return_lse=True)
+    o, lse = (t.cpu() for t in flashinfer.single_decode_with_kv_cache(*on(device, q, kk, vv), kv_layout=layout,
+                                                                      return_lse=True, backend="reference"))
     ref, ref_lse = dense_attention(q[None], k, v)
     assert o.shape == (8, 64) and lse.shape == (8,)
     assert rel(o, ref[0]) < 1e-5 and torch.allclose(lse.double(), ref_lse[0], atol=1e-4)
     qp = torch.randn(11, 8, 64)
-    o = flashinfer.single_prefill_with_kv_cache(qp, kk, vv, causal=True, kv_layout=layout, window_left=5)
+    o = flashinfer.single_prefill_with_kv_cache(*on(device, qp, kk, vv), causal=True, kv_layout=layout,
+                                                window_left=5, backend="reference").cpu()
     ref, _ = dense_attention(qp, k, v, causal=True, window_left=5)
     assert rel(o, ref) < 1e-5
-    o2, lse2 = flashinfer.single_prefill_with_kv_cache_return_lse(qp, kk, vv, causal=True, kv_layout=layout,
-                                                                  window_left=5)
+    o2, lse2 = (t.cpu() for t in flashinfer.single_prefill_with_kv_cache_return_lse(
+        *on(device, qp, kk, vv), causal=True, kv_layout=layout, window_left=5, backend="reference"))
     assert torch.equal(o, o2) and lse2.shape == (11, 8)
 
 
@@ -210,7 +227,7 @@ def test_decode_q_len_per_req_is_causal_in_the_block():
     assert w.run(q[::3].contiguous(), kv).shape == (2, 4, 32)
 
 
-def test_trtllm_and_xqa_entry_points_match_the_wrapper():
+def test_trtllm_and_xqa_entry_points_match_the_wrapper(device):
     torch.manual_seed(7)
     page, hq, hkv, d = 16, 8, 2, 64
     lens = torch.tensor([40, 16, 1], dtype=torch.int32)
@@ -219,21 +236,24 @@ def test_trtllm_and_xqa_entry_points_match_the_wrapper():
     v_cache = torch.randn(10, hkv, page, d)
     q = torch.randn(3, hq, d)
     scale = 0.3
-    o = flashinfer.trtllm_batch_decode_with_kv_cache(q, (k_cache, v_cache), WS, tables, lens, 64,
-                                                     bmm1_scale=scale, bmm2_scale=2.0)
+    o = flashinfer.trtllm_batch_decode_with_kv_cache(q.to(device), on(device, k_cache, v_cache), on(device, WS),
+                                                     on(device, tables), lens, 64, bmm1_scale=scale,
+                                                     bmm2_scale=2.0, backend="reference").cpu()
     for b in range(3):
         pages = tables[b, :(int(lens[b]) + page - 1) // page].long()
         k = k_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:lens[b]]
         v = v_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:lens[b]]
         ref, _ = dense_attention(q[b:b + 1], k, v, sm_scale=scale)
         assert rel(o[b], 2.0 * ref[0]) < 1e-5
-    out = torch.empty(3, 1, hq, d)
-    flashinfer.xqa(q[:, None], k_cache, v_cache, tables, lens[:, None], out, WS, None, hkv, page, kv_layout="HND",
-                   q_scale=scale * math.sqrt(d))
-    assert rel(out[:, 0], o / 2.0) < 1e-5
+    out = torch.empty(3, 1, hq, d, device=device)
+    with flashinfer.use_backends(["reference"]):  # fp32 data: the reference's float32 math, on any device
+        flashinfer.xqa(*on(device, q[:, None], k_cache, v_cache, tables, lens[:, None]), out, on(device, WS), None, hkv,
+                       page, kv_layout="HND", q_scale=scale * math.sqrt(d))
+    assert rel(out[:, 0].cpu(), o / 2.0) < 1e-5
     sinks = torch.randn(hq)
-    o_s = flashinfer.trtllm_batch_decode_with_kv_cache(q, (k_cache, v_cache), WS, tables, lens, 64,
-                                                       bmm1_scale=scale, sinks=sinks)
+    o_s = flashinfer.trtllm_batch_decode_with_kv_cache(q.to(device), on(device, k_cache, v_cache), on(device, WS),
+                                                       on(device, tables), lens, 64, bmm1_scale=scale,
+                                                       sinks=sinks.to(device), backend="reference").cpu()
     pages = tables[0, :3].long()
     k = k_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:40]
     v = v_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:40]
