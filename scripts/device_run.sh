@@ -101,5 +101,5 @@ fi
 jsons=()
 for f in "$OUT"/bench_decode.json "$OUT"/bench_prefill.json; do [ -f "$f" ] && jsons+=("$f"); done
 if [ ${#jsons[@]} -gt 0 ]; then
-  "$PY" -m flashdispatch.bench.report "${jsons[@]}"
+  "$PY" -m flashdispatch.bench summary "${jsons[@]}"
 fi

@@ -353,3 +353,34 @@ def test_explain_and_overrides_on_cpu():
     with flashinfer.use_backends(["reference"]):
         w.plan(SEED_INDPTR, torch.arange(128).int(), SEED_LAST, 8, 8, 64, 16, data_type=torch.float32)
     assert w.decision.backend == "reference"
+
+
+@pytest.mark.parametrize("backend", ["reference", "fa2"])
+def test_graph_mode_wrappers_sharing_a_workspace_keep_their_own_plans(backend):
+    """Serving engines share one float workspace between wrappers: plan A, plan B, run A must give
+    A's result (plan metadata lives in each wrapper's own int workspace)."""
+    torch.manual_seed(12)
+    shared = torch.zeros(1 << 22, dtype=torch.uint8)
+    page, hq, hkv, d = 4, 4, 2, 64
+    kv = torch.randn(40, 2, page, hkv, d).half()
+    wrappers, cases = [], []
+    for lens in ([9, 30], [17, 2]):
+        bufs = [torch.zeros(3, dtype=torch.int32), torch.zeros(40, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)]
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(shared, "NHD", use_cuda_graph=True, backend=backend,
+                                                          paged_kv_indptr_buffer=bufs[0],
+                                                          paged_kv_indices_buffer=bufs[1],
+                                                          paged_kv_last_page_len_buffer=bufs[2])
+        pages = [(n + page - 1) // page for n in lens]
+        indptr = torch.tensor([0, pages[0], sum(pages)], dtype=torch.int32)
+        indices = torch.randperm(40)[:sum(pages)].int()
+        last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages)], dtype=torch.int32)
+        w.plan(indptr, indices, last, hq, hkv, d, page, data_type=torch.float16)
+        wrappers.append(w)
+        cases.append((indptr, indices, last))
+    q = torch.randn(2, hq, d).half()
+    out = wrappers[0].run(q, kv)
+    indptr, indices, last = cases[0]
+    for b in range(2):
+        k, v = paged_to_dense(kv, indptr, indices, last, page, b)
+        ref, _ = dense_attention(q[b:b + 1], k, v)
+        assert rel(out[b], ref[0]) < 4e-3

@@ -19,7 +19,7 @@ T4 = Device("cuda", 0, (7, 5), "Tesla T4", 40)
 def problem(op="decode", **kw):
     base = dict(op=op, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16,
                 num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_vo=128,
-                page_size=0 if op == "prefill_ragged" else 16, kv_layout="HND")
+                page_size=0 if op == "prefill_ragged" else 16, kv_layout="HND", return_lse=op != "decode")
     base.update(kw)
     return Problem(**base)
 
@@ -84,6 +84,12 @@ def test_unsupported_features_are_reasons():
     for code, kw in cases.items():
         assert code in codes(caps_reasons(problem("prefill_paged" if code == "feature.custom_mask" else "decode", **kw))), code
     assert "op" in codes(caps_reasons(problem("mla")))
+
+
+def test_gqa_decode_lse_is_a_reason_but_mha_and_prefill_are_not():
+    assert "feature.lse" in codes(caps_reasons(problem(return_lse=True), H200))
+    assert caps_reasons(problem(return_lse=True, num_kv_heads=32), H200) == []
+    assert caps_reasons(problem("prefill_paged", return_lse=True), H200) == []
 
 
 def test_architecture_limits():

@@ -101,9 +101,15 @@ DECODE_KV = [37, 0, 16, 129, 1]
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode(layout, dtype):
-    case = make_case("decode", [1] * len(DECODE_KV), DECODE_KV, layout=layout, dtype=dtype)
+    case = make_case("decode", [1] * len(DECODE_KV), DECODE_KV, layout=layout, dtype=dtype, lse=False)
     run_cudnn(*case)
     check(*case)
+
+
+def test_gqa_decode_with_lse_is_a_reason():
+    problem, _, inputs = make_case("decode", [1] * len(DECODE_KV), DECODE_KV)
+    reasons = Cudnn.supports(problem, device_of(inputs.q.device))
+    assert [r.code for r in reasons] == ["feature.lse"]
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -166,7 +172,7 @@ def _shorter_requests(params, page_size, new_lens):
 
 
 def test_cuda_graph_capture_replay_and_replan():
-    problem, params, inputs = make_case("decode", [1] * 4, [50, 3, 0, 90], layout="HND")
+    problem, params, inputs = make_case("decode", [1] * 4, [50, 3, 0, 90], heads=(4, 4), layout="HND")
     problem = problem.with_(use_cuda_graph=True)
     # the wrapper's int workspace (contract extension): plan metadata at addresses that outlive a plan
     params.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8, device=inputs.q.device)

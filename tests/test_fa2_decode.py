@@ -26,10 +26,13 @@ TOL = {F16: 4e-3, torch.float8_e4m3fn: 8e-2, torch.float8_e5m2: 1.5e-1}
 WORKSPACE_BYTES = 1 << 22
 
 
-def _run(case, *, fixed_split_size=None, disable_split_kv=False, config=None, workspace=None):
+def _run(case, *, fixed_split_size=None, disable_split_kv=False, config=None, workspace=None, int_workspace=None):
     case.params.fixed_split_size = fixed_split_size
     case.params.disable_split_kv = disable_split_kv
     case.params.workspace = workspace if workspace is not None else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    if case.problem.use_cuda_graph:  # the wrapper's own metadata buffer
+        case.params.int_workspace = int_workspace if int_workspace is not None else torch.zeros(1 << 20,
+                                                                                              dtype=torch.uint8)
     case.inputs.out.fill_(float("nan"))
     if case.inputs.lse is not None:
         case.inputs.lse.fill_(float("nan"))
@@ -76,8 +79,8 @@ def test_page_sizes_and_groups(page_size, heads):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_head_dims_block_sizes(head_dim):
     case = _case((3, 129), head_dim_qk=head_dim, num_qo_heads=4, seed=3)
-    for block_n in (16, 32):
-        _check(case, config={"block_n": block_n}, fixed_split_size=4)
+    for config in ({"block_n": 16}, {"block_n": 32, "k_rows": True}):
+        _check(case, config=config, fixed_split_size=4)
 
 
 @pytest.mark.parametrize("feature", [
@@ -120,21 +123,22 @@ def test_empty_and_sink_rows():
 
 
 def test_cuda_graph_replan_in_place():
-    """Graph mode: fixed grid, plan arrays in the workspace. A plan made first and run after a
+    """Graph mode: fixed grid, plan arrays in the int workspace. A plan made first and run after a
     second plan (same batch size, other lengths and page table, same buffers) equals the second:
     what a graph captured on the first plan replays."""
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    iws = torch.zeros(1 << 20, dtype=torch.uint8)
     first = _case((10, 200, 33), use_cuda_graph=True, seed=9)
     buffer = torch.zeros(64, dtype=torch.int32)  # the wrapper's fixed kv_indices buffer
     buffer[:first.params.kv_indices.numel()] = first.params.kv_indices
     first.params.kv_indices = buffer
-    plan1 = _check(first, workspace=ws)
+    plan1 = _check(first, workspace=ws, int_workspace=iws)
     assert plan1.n_merge == 3, "graph grids split every request into a fixed number of slots"
     second = _case((300, 0, 17), use_cuda_graph=True, seed=10)
     # the wrapper copies new page tables into its fixed buffers: emulate that
     buffer[:second.params.kv_indices.numel()] = second.params.kv_indices
     second.params.kv_indices = buffer
-    plan2 = _check(second, workspace=ws)
+    plan2 = _check(second, workspace=ws, int_workspace=iws)
     assert (plan2.n_work, plan2.n_merge) == (plan1.n_work, plan1.n_merge)
     assert plan2.work.data_ptr() == plan1.work.data_ptr()
     ref = second.inputs.out.clone(), second.inputs.lse.clone()

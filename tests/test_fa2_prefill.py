@@ -5,7 +5,6 @@ still cross many query and KV tiles, pages and the causal diagonal.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -153,12 +152,12 @@ def test_causal_equals_tril_custom_mask(kind):
 
 # --- CUDA-graph mode (persistent grid over a workspace list), config, caps -------------------
 def test_graph_mode_replans_into_same_workspace():
-    ws = torch.zeros(1 << 16, dtype=torch.uint8)
+    ws = torch.zeros(1 << 16, dtype=torch.uint8)  # the wrapper's int workspace
     plans = []
     for seed, (qo, kv) in enumerate([([30, 5], [40, 5]), ([3, 64], [3, 80])]):
         case = make_paged_case(qo_lens=qo, kv_lens=kv, page_size=16, mask_mode="causal",
                                use_cuda_graph=True, seed=seed)
-        case.params.workspace = ws
+        case.params.int_workspace = ws
         plan = plan_prefill(case.problem, case.device, case.params)
         plans.append(plan)
         assert plan.grid == plans[0].grid and plan.work.data_ptr() == plans[0].work.data_ptr()
@@ -168,10 +167,10 @@ def test_graph_mode_replans_into_same_workspace():
 
 def test_graph_mode_workspace_errors():
     case = make_paged_case(qo_lens=[300], kv_lens=[300], page_size=16, use_cuda_graph=True)
-    with pytest.raises(ValueError, match="workspace"):
+    with pytest.raises(ValueError, match="int workspace"):
         plan_prefill(case.problem, case.device, case.params)
-    case.params.workspace = torch.zeros(300, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="workspace bytes"):
+    case.params.int_workspace = torch.zeros(300, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="int workspace bytes"):
         plan_prefill(case.problem, case.device, case.params)
 
 
@@ -199,4 +198,4 @@ def test_caps_and_extra_checks():
     codes = {r.code for r in check_caps(PREFILL_CAPS, bad, case.device)}
     assert "head_dim" in codes and "q_len_per_req" in codes
     assert PREFILL_CAPS.min_cc == (8, 0) and "cpu" in PREFILL_CAPS.device_types
-    assert math.isclose(len(PREFILL_CAPS.page_sizes), 128)
+    assert PREFILL_CAPS.page_sizes == frozenset(range(1, 129))

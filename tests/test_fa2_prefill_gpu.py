@@ -124,7 +124,7 @@ def test_cuda_graph_replay_after_replan():
         bufs["out"].fill_(float("nan"))
         bufs["lse"].fill_(float("nan"))
         return dataclasses.replace(prm, qo_indptr=bufs["qo_indptr"], kv_indptr=bufs["kv_indptr"],
-                                   kv_indices=bufs["kv_indices"], workspace=ws)
+                                   kv_indices=bufs["kv_indices"], int_workspace=ws)
 
     def run_inputs():
         return dataclasses.replace(first.inputs, q=bufs["q"], out=bufs["out"], lse=bufs["lse"],

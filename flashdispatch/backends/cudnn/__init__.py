@@ -102,6 +102,12 @@ class CudnnBackend(Backend):
         if problem.op == "decode" and max(dims) > 128 and cc != (9, 0):
             reasons.append(Reason("head_dim", f"head_dim={max(dims)} > 128 in cuDNN decode on sm_{cc[0]}{cc[1]} "
                                   f"(only Hopper decodes up to 256)"))
+        if problem.op == "decode" and problem.return_lse and problem.num_qo_heads != problem.num_kv_heads:
+            # Seen on the H200 with cuDNN 9.19 (frontend 1.32): the decode kernel writes the output of
+            # every head but the lse of only the first head of each GQA group (the rest stay NaN).
+            reasons.append(Reason("feature.lse", f"lse of GQA decode (heads {problem.num_qo_heads}/"
+                                  f"{problem.num_kv_heads}) is not written by cuDNN's decode kernel",
+                                  "use fa2, or decode without lse (cudnn_batch_decode_with_kv_cache)"))
         loaded = backend_version()
         if loaded is not None and loaded < MIN_CUDNN:
             reasons.append(Reason("version", f"cuDNN {_fmt(loaded)} < {_fmt(MIN_CUDNN)}"))

@@ -12,7 +12,7 @@ from ..common import TRITON_INTERPRETED
 from ..base import AttentionInputs, AttentionParams, Backend, MergeInputs, package_version
 from .decode import DECODE_CAPS, plan_decode
 from .merge import MERGE_CAPS, merge_states
-from .prefill import PREFILL_CAPS, plan_prefill
+from .prefill import PREFILL_CAPS, plan_prefill, prefill_extra_checks
 
 class FA2Backend(Backend):
     name = "fa2"
@@ -28,6 +28,12 @@ class FA2Backend(Backend):
     def _availability(cls) -> list[Reason]:
         if not torch.cuda.is_available() and not TRITON_INTERPRETED:
             return [Reason("device", "no CUDA device", "fa2 runs on the CPU only under TRITON_INTERPRET=1 (tests)")]
+        return []
+
+    @classmethod
+    def extra_checks(cls, problem, device) -> list[Reason]:
+        if problem.op in ("prefill_paged", "prefill_ragged"):
+            return prefill_extra_checks(problem, device)
         return []
 
     @classmethod

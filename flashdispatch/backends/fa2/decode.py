@@ -7,7 +7,7 @@ out/lse by the decode kernel; the partials of a split request go to the workspac
 merge kernel (merge.py) combines them. run() only launches.
 
 CUDA graphs: the grid is fixed by the batch size (batch x max_splits programs, idle ones
-exit) and the plan arrays live at fixed offsets of the user's workspace, updated in place,
+exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, updated in place,
 so a graph captured once replays correctly after a later plan() of the same batch size.
 
 Tuning: `DecodeConfig` fields can be overridden per plan (``plan_decode(..., config={...})``)
@@ -16,6 +16,7 @@ or through FLASHDISPATCH_FA2_DECODE_CONFIG='{"block_n": 64, "num_stages": 3, ...
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes
-from .decode_kernel import LOG2E, WORK_COLS, decode_kernel
+from .decode_kernel import WORK_COLS, decode_kernel
 from .merge import MERGE_INFO_COLS, launch_decode_merge
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -59,7 +60,10 @@ class DecodeConfig:
     block_n: tokens per inner step; num_warps / num_stages: Triton launch options;
     max_block_m: most query rows per program (more rows use several row blocks);
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
-    worth a split; max_splits: most chunks of one request (CUDA-graph grids use it).
+    worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
+    k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
+    split_block_n: block_n for plans that split requests by the default policy (few requests,
+    long contexts: fewer, longer steps pay off there); None: block_n.
     """
 
     block_n: int = 32
@@ -69,27 +73,43 @@ class DecodeConfig:
     ctas_per_sm: int = 4
     min_chunk_tokens: int = 256
     max_splits: int = 64
+    k_rows: bool = False
+    split_block_n: int | None = None
 
 
 def default_config(problem: Problem) -> DecodeConfig:
     """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
     d = problem.head_dim_qk
+    if problem.kv_dtype in FP8_DTYPES:
+        return DecodeConfig(block_n=128 if d <= 128 else 64)
+    if problem.page_size == 1 and d <= 128:
+        return DecodeConfig(block_n=128)
     if d <= 64:
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=2)
-    return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+        return DecodeConfig(block_n=64)
+    return DecodeConfig(block_n=32, split_block_n=64 if d <= 128 else None)
+
+
+def _apply(cfg: DecodeConfig, source: dict) -> DecodeConfig:
+    unknown = set(source) - {f.name for f in dataclasses.fields(DecodeConfig)}
+    if unknown:
+        raise ValueError(f"unknown fa2 decode config keys {sorted(unknown)}; "
+                         f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
+    if "block_n" in source and "split_block_n" not in source:
+        source = {**source, "split_block_n": None}
+    return dataclasses.replace(cfg, **source)
+
+
+@functools.lru_cache(maxsize=256)
+def _base_config(head_dim: int, kv_dtype: torch.dtype, page_size: int, env: str | None) -> DecodeConfig:
+    cfg = default_config(Problem("decode", torch.float16, kv_dtype, torch.float16, 1, 1, head_dim, head_dim,
+                                 page_size=page_size))
+    return _apply(cfg, json.loads(env)) if env else cfg
 
 
 def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeConfig:
-    cfg = default_config(problem)
-    env = os.environ.get(CONFIG_ENV)
-    for source in (json.loads(env) if env else None, overrides):
-        if source:
-            unknown = set(source) - {f.name for f in dataclasses.fields(DecodeConfig)}
-            if unknown:
-                raise ValueError(f"unknown fa2 decode config keys {sorted(unknown)}; "
-                                 f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
-            cfg = dataclasses.replace(cfg, **source)
-    return cfg
+    """Defaults, then FLASHDISPATCH_FA2_DECODE_CONFIG (JSON), then ``overrides``."""
+    cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size, os.environ.get(CONFIG_ENV))
+    return _apply(cfg, overrides) if overrides else cfg
 
 
 def _align(n: int) -> int:
@@ -120,13 +140,17 @@ class DecodePlan:
     """A planned decode: the work array on the device, the grid, and the launch options."""
 
     def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: dict | None = None):
-        self.problem, self.config = problem, resolve_config(problem, config)
-        cfg, p = self.config, problem
+        cfg, p = resolve_config(problem, config), problem
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
         rows = self.q_len * self.group
         self.block_m = max(16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
         self.row_blocks = -(-rows // self.block_m)
+        policy_splits = not params.disable_split_kv and params.fixed_split_size is None
+        target = (device.sm_count or 8) * cfg.ctas_per_sm
+        if cfg.split_block_n and policy_splits and params.batch_size * p.num_kv_heads * self.row_blocks < target:
+            cfg = dataclasses.replace(cfg, block_n=cfg.split_block_n)
+        self.problem, self.config = problem, cfg
         self.sm_scale = params.sm_scale
         self.rope = (1.0 / params.rope_scale, math.log2(params.rope_theta))
         self.kv_indices = params.kv_indices
@@ -219,9 +243,8 @@ class DecodePlan:
         p, ql = self.problem, self.q_len
         heads, d = p.num_qo_heads, p.head_dim_vo
         graph = p.use_cuda_graph
-        meta_bytes = _align(meta.nbytes) if graph else 0
         lse_bytes = _align(n_partial * ql * heads * 4)
-        need = meta_bytes + lse_bytes + n_partial * ql * heads * d * 4 if (graph or n_partial) else 0
+        need = lse_bytes + n_partial * ql * heads * d * 4 if n_partial else 0
         ws = params.workspace
         have = 0 if ws is None else ws.numel() * ws.element_size()
         if need > have:
@@ -231,16 +254,20 @@ class DecodePlan:
         if run_device.type == "cuda":
             host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
         if graph:
-            dst = ws.view(-1)[:meta.nbytes].view(torch.int32)
+            # the wrapper's own int workspace: same addresses at every re-plan, never shared
+            iws = params.int_workspace
+            if iws is None or iws.numel() * iws.element_size() < meta.nbytes:
+                raise ValueError(f"fa2 decode with use_cuda_graph needs {meta.nbytes} bytes of int workspace, "
+                                 f"got {0 if iws is None else iws.numel() * iws.element_size()}")
+            dst = iws.view(torch.uint8).reshape(-1)[:meta.nbytes].view(torch.int32)
             dst.copy_(host, non_blocking=True)
         else:
             dst = host.to(run_device, non_blocking=True)
         self.work = dst[:n_work * WORK_COLS]
         self.info = dst[n_work * WORK_COLS:]
-        if need:
-            self.plse = ws[meta_bytes:meta_bytes + n_partial * ql * heads * 4].view(torch.float32)
-            po_start = meta_bytes + lse_bytes
-            self.po = ws[po_start:po_start + n_partial * ql * heads * d * 4].view(torch.float32)
+        if need:  # partials: scratch of run(), at fixed offsets of the (possibly shared) float workspace
+            self.plse = ws[:n_partial * ql * heads * 4].view(torch.float32)
+            self.po = ws[lse_bytes:lse_bytes + n_partial * ql * heads * d * 4].view(torch.float32)
         else:
             self.plse = self.po = self.work  # never written: no request is split
         self.workspace_bytes = need
@@ -260,7 +287,7 @@ class DecodePlan:
             PAGE=p.page_size, HEAD_DIM=p.head_dim_qk, BLOCK_M=self.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=p.mask_mode == "causal" and self.q_len > 1, WINDOW=p.window_left >= 0,
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
-            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks,
+            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, K_ROWS=cfg.k_rows,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def run(self, inputs: AttentionInputs) -> None:

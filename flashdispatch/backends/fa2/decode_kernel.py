@@ -4,7 +4,9 @@ One program = one work item (a request's chunk of tokens) x one KV head x one bl
 query rows. The rows are every (q row, query head) pair that reads this KV head
 (``q_len_per_req * group`` of them, padded to at least 16 for the tensor cores), so each
 KV byte is read once per chunk. Tokens are visited BLOCK_N at a time across pages, with a
-page-table lookup per token row; Triton pipelines the gathers (num_stages).
+page-table lookup per token row; Triton pipelines the gathers (num_stages). K is loaded
+either as K^T tiles [HEAD_DIM, BLOCK_N] or, with K_ROWS, as [BLOCK_N, HEAD_DIM] rows transposed
+in registers (a different shared-memory path; see DecodeConfig.k_rows).
 
 A work row (int32, `WORK_COLS` wide) holds: request, first page index in kv_indices,
 token start, token end, kv_len, output slot (-1: write out/lse directly, else the partial
@@ -17,7 +19,6 @@ import triton
 import triton.language as tl
 
 WORK_COLS = 8
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -47,9 +48,9 @@ def decode_kernel(
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
     ROPE: tl.constexpr, SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
-    Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr,
+    Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
 ):
-    wrow = work_ptr + tl.program_id(0) * 8
+    wrow = work_ptr + tl.program_id(0) * 8  # WORK_COLS
     req = tl.load(wrow)
     if req < 0:
         return
@@ -123,6 +124,9 @@ def decode_kernel(
             k2 = tl.load(k_head + k_off[:, None] + HALF + offs_half[None, :]).to(tl.float32)
             k1r, k2r = _rope(k1, k2, t, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM)
             s = tl.dot(q1, tl.trans(k1r.to(dt))) + tl.dot(q2, tl.trans(k2r.to(dt)))
+        elif K_ROWS:
+            k = tl.load(k_head + k_off[:, None] + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k.to(dt)))
         else:
             k = tl.load(k_head + k_off[None, :] + offs_d[:, None])
             s = tl.dot(q, k.to(dt))

@@ -3,7 +3,7 @@
 plan_prefill() builds the work list once on the host (one item per BLOCK_M query rows of a
 request, heaviest first), copies it to the device and fixes the grid; PrefillPlan.run() only
 reads strides and launches. With ``use_cuda_graph`` the list lives at fixed offsets of the
-user's workspace and a fixed number of persistent programs stride over it, so a captured
+wrapper's int workspace and a fixed number of persistent programs stride over it, so a captured
 run() replays correctly after a re-plan of a same-shaped problem. The kernel is in
 prefill_kernels.py.
 """
@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 import triton.language as tl
 
 from ...dispatch.caps import Caps
@@ -42,7 +41,7 @@ PREFILL_CAPS = Caps(
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_PREFILL_CONFIG"
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-# CUDA-graph mode: item count at byte 0 of the workspace, the items from byte _GRAPH_ITEMS_AT.
+# CUDA-graph mode: item count at byte 0 of the int workspace, the items from byte _GRAPH_ITEMS_AT.
 _GRAPH_ITEMS_AT = 256
 _ITEM_INTS = 4
 
@@ -75,7 +74,9 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
     if problem.head_dim_qk <= 64:
         return PrefillConfig(128, 64, 4, 3)
     if problem.head_dim_qk <= 128:
-        return PrefillConfig(128, 64, 8, 3)
+        # 128-wide KV tiles run out of shared memory with RoPE's second K load or the mask bytes
+        light = problem.features() <= {"causal", "sliding_window", "lse", "cuda_graph", "fp8_kv"}
+        return PrefillConfig(128, 128 if light else 64, 8, 3)
     if problem.head_dim_qk <= 192:
         return PrefillConfig(128, 64, 8, 2)
     return PrefillConfig(64, 64, 4, 2)
@@ -143,7 +144,7 @@ class PrefillPlan:
         self.num_items = len(items)
         flat = torch.tensor([v for it in items for v in it] or [0], dtype=torch.int32)
         if problem.use_cuda_graph:
-            self.work, self.num_work = self._graph_work_list(params.workspace, flat, dev)
+            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev)
             self.grid = (max(device.sm_count, 4) * 2,)
         else:
             self.work = flat.to(dev)
@@ -156,13 +157,13 @@ class PrefillPlan:
             raise ValueError("fa2 prefill: paged KV needs kv_indices")
 
     def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device):
-        """Write the item count and list at fixed offsets of the user's workspace."""
+        """Write the item count and list at fixed offsets of the wrapper's int workspace."""
         if workspace is None:
-            raise ValueError("fa2 prefill: use_cuda_graph needs the workspace buffer")
+            raise ValueError("fa2 prefill: use_cuda_graph needs the wrapper's int workspace")
         capacity = (workspace.numel() * workspace.element_size() - _GRAPH_ITEMS_AT) // (4 * _ITEM_INTS)
         if self.num_items > capacity:
             raise ValueError(f"fa2 prefill: {self.num_items} work items need "
-                             f"{_GRAPH_ITEMS_AT + 16 * self.num_items} workspace bytes, the workspace has "
+                             f"{_GRAPH_ITEMS_AT + 16 * self.num_items} int workspace bytes, the int workspace has "
                              f"{workspace.numel() * workspace.element_size()}")
         ws = workspace.view(torch.uint8).reshape(-1)
         count = ws[:4].view(torch.int32)

@@ -18,20 +18,17 @@ LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 
 
 @triton.jit
-def _kv_page_slot(kv_indices_ptr, kv_start, start_n, offs_n, kv_len,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(page, slot) of KV tokens ``offs_n`` of a request, int64. Ragged (PAGE_SIZE 0): the
-    token row ``kv_start + n`` and slot 0. Paged: page ``kv_indices[kv_start + n // PAGE_SIZE]``,
-    slot ``n % PAGE_SIZE`` (one page-id load per tile when a tile never crosses a page)."""
+def _page_ids(kv_indices_ptr, kv_start, start_n, kv_len, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page id of each token of the KV tile at ``start_n`` (int32 [BLOCK_N]; 0 past kv_len).
+    One load per tile when a tile never crosses a page; zeros for ragged KV."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     if PAGE_SIZE == 0:
-        return (kv_start + offs_n).to(tl.int64), tl.zeros_like(offs_n).to(tl.int64)
+        return tl.zeros([BLOCK_N], tl.int32)
     elif PAGE_SIZE % BLOCK_N == 0:
-        page = tl.load(kv_indices_ptr + kv_start + start_n // PAGE_SIZE).to(tl.int64)
-        slot = (start_n % PAGE_SIZE) + tl.arange(0, BLOCK_N)
-        return tl.zeros_like(offs_n).to(tl.int64) + page, slot.to(tl.int64)
+        page = tl.load(kv_indices_ptr + kv_start + start_n // PAGE_SIZE, mask=start_n < kv_len, other=0)
+        return tl.zeros([BLOCK_N], tl.int32) + page
     else:
-        page = tl.load(kv_indices_ptr + kv_start + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
-        return page.to(tl.int64), (offs_n % PAGE_SIZE).to(tl.int64)
+        return tl.load(kv_indices_ptr + kv_start + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
 
 
 @triton.jit
@@ -85,9 +82,17 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
     offs_dv = tl.arange(0, HEAD_VO)
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
+    # page ids are fetched one tile ahead, so the K/V addresses never wait on an index load
+    page_ids = _page_ids(kv_indices_ptr, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        page, slot = _kv_page_slot(kv_indices_ptr, kv_start, start_n, offs_n, kv_len, PAGE_SIZE, BLOCK_N)
+        if PAGE_SIZE == 0:
+            page = (kv_start + offs_n).to(tl.int64)
+            slot = tl.zeros([BLOCK_N], tl.int64)
+        else:
+            page = page_ids.to(tl.int64)
+            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            page_ids = _page_ids(kv_indices_ptr, kv_start, start_n + BLOCK_N, kv_len, PAGE_SIZE, BLOCK_N)
         k_rows = page * stride_kp + slot * stride_ks
         k = _load_k_part(k_base, k_rows, kv_len, offs_n, offs_da, stride_kd, offs_n,
                          rope_inv_scale, rope_log2_theta, DTYPE, MASKED, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
