@@ -244,6 +244,33 @@ class Backend:
         raise NotImplementedError(f"{self.name} does not merge states")
 
 
+class KernelLessBackend(Backend):
+    """A registered backend whose kernels flashdispatch does not have (or call) yet: it declares
+    its `Caps` so selection and explain() can name it, says why it cannot run, never computes.
+
+    Subclasses set ``device_hint`` (the GPU it needs), ``missing`` (what is not there yet),
+    ``alternative`` (what to use instead) and ``version_dist`` (the package whose version to show).
+    """
+
+    device_hint: ClassVar[str]
+    missing: ClassVar[str]
+    alternative: ClassVar[str]
+    version_dist: ClassVar[str]
+
+    @classmethod
+    def _availability(cls) -> list[Reason]:
+        reasons = []
+        if not torch.cuda.is_available():
+            reasons.append(Reason("device", "no CUDA device", f"{cls.name} needs {cls.device_hint}"))
+        reasons.append(Reason("not_implemented", cls.missing, cls.alternative))
+        return reasons
+
+    @classmethod
+    def version(cls) -> str | None:
+        v = package_version(cls.version_dist)
+        return f"{cls.version_dist} {v}" if v else None
+
+
 def package_version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...dispatch.caps import Caps
-from ...dispatch.reasons import Reason
-from ..base import Backend, package_version
+from ..base import KernelLessBackend
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -28,24 +27,14 @@ MLA_CAPS = Caps(
 )
 
 
-class CutlassBackend(Backend):
+class CutlassBackend(KernelLessBackend):
     name = "cutlass"
     packages = ("cutlass",)
     caps = MLA_CAPS
-
-    @classmethod
-    def _availability(cls) -> list[Reason]:
-        reasons = []
-        if not torch.cuda.is_available():
-            reasons.append(Reason("device", "no CUDA device", "cutlass MLA needs an sm100 GPU"))
-        reasons.append(Reason("not_implemented", "flashdispatch does not call CUTLASS MLA kernels yet",
-                              "use fa2 or fa3 for MLA"))
-        return reasons
-
-    @classmethod
-    def version(cls) -> str | None:
-        v = package_version("nvidia-cutlass-dsl")
-        return f"nvidia-cutlass-dsl {v}" if v else None
+    device_hint = "an sm100 GPU"
+    missing = "flashdispatch does not call CUTLASS MLA kernels yet"
+    alternative = "MLA runs on the reference"
+    version_dist = "nvidia-cutlass-dsl"
 
 
 BACKEND = CutlassBackend

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...dispatch.caps import Caps
-from ...dispatch.reasons import Reason
-from ..base import Backend, package_version
+from ..base import KernelLessBackend
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -35,24 +34,14 @@ MLA_CAPS = Caps(
 )
 
 
-class FA3Backend(Backend):
+class FA3Backend(KernelLessBackend):
     name = "fa3"
     packages = ("triton",)
     caps = {"prefill_paged": PREFILL_CAPS, "prefill_ragged": PREFILL_CAPS, "mla": MLA_CAPS}
-
-    @classmethod
-    def _availability(cls) -> list[Reason]:
-        reasons = []
-        if not torch.cuda.is_available():
-            reasons.append(Reason("device", "no CUDA device", "fa3 needs an sm90+ GPU"))
-        reasons.append(Reason("not_implemented", "flashdispatch has no fa3 kernels yet",
-                              "use cudnn or fa2 for prefill, fa2 for MLA"))
-        return reasons
-
-    @classmethod
-    def version(cls) -> str | None:
-        v = package_version("triton")
-        return f"triton {v}" if v else None
+    device_hint = "an sm90+ GPU"
+    missing = "flashdispatch has no fa3 kernels yet"
+    alternative = "use cudnn or fa2 for prefill; MLA runs on the reference"
+    version_dist = "triton"
 
 
 BACKEND = FA3Backend

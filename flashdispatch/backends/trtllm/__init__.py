@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...dispatch.caps import Caps
-from ...dispatch.reasons import Reason
-from ..base import Backend, package_version
+from ..base import KernelLessBackend
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _FP8 = frozenset({torch.float8_e4m3fn})
@@ -54,25 +53,15 @@ MLA_CAPS = Caps(
 )
 
 
-class TrtllmGenBackend(Backend):
+class TrtllmGenBackend(KernelLessBackend):
     name = "trtllm-gen"
     packages = ("tensorrt_llm",)
     extra = "trtllm"
     caps = {"decode": DECODE_CAPS, "prefill_paged": CONTEXT_CAPS, "mla": MLA_CAPS}
-
-    @classmethod
-    def _availability(cls) -> list[Reason]:
-        reasons = []
-        if not torch.cuda.is_available():
-            reasons.append(Reason("device", "no CUDA device", "trtllm-gen needs an sm100 GPU"))
-        reasons.append(Reason("not_implemented", "flashdispatch does not call tensorrt_llm's kernels yet",
-                              "use fa2 or cudnn"))
-        return reasons
-
-    @classmethod
-    def version(cls) -> str | None:
-        v = package_version("tensorrt-llm")
-        return f"tensorrt-llm {v}" if v else None
+    device_hint = "an sm100 GPU"
+    missing = "flashdispatch does not call tensorrt_llm's kernels yet"
+    alternative = "use fa2 or cudnn"
+    version_dist = "tensorrt-llm"
 
 
 BACKEND = TrtllmGenBackend

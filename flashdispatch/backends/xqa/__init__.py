@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...dispatch.caps import Caps
-from ...dispatch.reasons import Reason
-from ..base import Backend, package_version
+from ..base import KernelLessBackend
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -28,24 +27,14 @@ DECODE_CAPS = Caps(
 )
 
 
-class XQABackend(Backend):
+class XQABackend(KernelLessBackend):
     name = "xqa"
     packages = ("triton",)
     caps = DECODE_CAPS
-
-    @classmethod
-    def _availability(cls) -> list[Reason]:
-        reasons = []
-        if not torch.cuda.is_available():
-            reasons.append(Reason("device", "no CUDA device", "xqa needs an sm80+ GPU"))
-        reasons.append(Reason("not_implemented", "flashdispatch has no xqa kernels yet",
-                              "use fa2 or cudnn for decode"))
-        return reasons
-
-    @classmethod
-    def version(cls) -> str | None:
-        v = package_version("triton")
-        return f"triton {v}" if v else None
+    device_hint = "an sm80+ GPU"
+    missing = "flashdispatch has no xqa kernels yet"
+    alternative = "use fa2 or cudnn for decode"
+    version_dist = "triton"
 
 
 BACKEND = XQABackend
