@@ -193,10 +193,11 @@ class Backend:
             except Exception as e:  # ImportError, or a library that fails to load
                 reasons.append(Reason("package", f"{pkg} not importable: {type(e).__name__}: {e}",
                                       f"pip install 'flashdispatch[{cls.extra or cls.name}]'"))
-        return tuple(reasons + cls._availability())
+        return tuple(reasons or cls._availability())
 
     @classmethod
     def _availability(cls) -> list[Reason]:
+        """Further reasons (device, library versions); called only when ``packages`` import."""
         return []
 
     @classmethod
@@ -258,12 +259,12 @@ class KernelLessBackend(Backend):
     version_dist: ClassVar[str]
 
     @classmethod
-    def _availability(cls) -> list[Reason]:
-        reasons = []
+    def availability(cls) -> tuple[Reason, ...]:
+        """Missing packages and GPU, and always: the kernels are not there yet."""
+        reasons = list(super().availability())
         if not torch.cuda.is_available():
             reasons.append(Reason("device", "no CUDA device", f"{cls.name} needs {cls.device_hint}"))
-        reasons.append(Reason("not_implemented", cls.missing, cls.alternative))
-        return reasons
+        return tuple(reasons + [Reason("not_implemented", cls.missing, cls.alternative)])
 
     @classmethod
     def version(cls) -> str | None:

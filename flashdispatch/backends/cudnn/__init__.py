@@ -32,12 +32,12 @@ def _caps(op: str, paged: bool) -> Caps:
 
 @functools.cache
 def backend_version() -> int | None:
-    """cuDNN version the frontend loaded (e.g. 91900), None if it cannot load one."""
-    import cudnn
-
+    """cuDNN version the frontend loaded (e.g. 91900), None without the frontend or libcudnn."""
     try:
+        import cudnn
+
         return int(cudnn.backend_version())
-    except Exception:  # noqa: BLE001 - no libcudnn: reported by availability()
+    except Exception:  # noqa: BLE001 - no frontend or no libcudnn: reported by availability()
         return None
 
 
