@@ -350,7 +350,7 @@ def cudnn_batch_prefill_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_
     qo_indptr_h[1:] = torch.cumsum(q_lens, 0)
     if q_lens.numel() and int(q_lens.max()) > max_token_per_sequence:
         raise ValueError(f"actual_seq_lens_q holds {int(q_lens.max())} > max_token_per_sequence={max_token_per_sequence}")
-    requested = "cudnn" if backend in (None, "cudnn") else backend
+    requested = backend or "cudnn"
     if block_tables is not None:
         checks.check_tensor(k_cache, "k_cache", ndim=4, device=q.device)
         checks.check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)

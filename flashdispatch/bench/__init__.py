@@ -74,7 +74,7 @@ def default_backends(kind: str) -> tuple[list[str], list[str]]:
 
     names, notes = ["auto"], []
     for name in registry.BACKEND_NAMES:
-        if name == "reference":
+        if name == registry.REFERENCE:  # ground truth, not a contender
             continue
         failure = registry.load_failure(name)
         if failure is not None:

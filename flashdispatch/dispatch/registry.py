@@ -17,6 +17,7 @@ BACKEND_MODULES = {
     "cutlass": "cutlass",
 }
 BACKEND_NAMES = tuple(BACKEND_MODULES)
+REFERENCE = "reference"  # the ground truth: every feature, slow; on a GPU only the last resort
 
 
 def check_backend_name(name: str, what: str = "backend") -> str:

@@ -23,7 +23,7 @@ from .problem import EMPTY_WORKLOAD, Device, Problem, Workload
 from .reasons import Reason, Unsupported
 
 BACKEND_ENV = "FLASHDISPATCH_BACKEND"
-REFERENCE = "reference"
+REFERENCE = registry.REFERENCE
 SELECTED = "selected"
 LAST_RESORT = "last resort on a GPU"
 NOT_IN_ORDER = "not in order"
