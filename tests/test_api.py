@@ -384,3 +384,13 @@ def test_graph_mode_wrappers_sharing_a_workspace_keep_their_own_plans(backend):
         k, v = paged_to_dense(kv, indptr, indices, last, page, b)
         ref, _ = dense_attention(q[b:b + 1], k, v)
         assert rel(out[b], ref[0]) < 4e-3
+
+
+def test_explain_a_described_gpu_judges_capabilities_not_this_machine():
+    from flashdispatch.dispatch.explain import describe_device
+    text = flashinfer.explain(op="decode", heads="32/8", head_dim=128, page_size=16, features="soft_cap",
+                              logits_soft_cap=30.0, device=describe_device("sm90"))
+    lines = {line.split()[0]: line for line in text.splitlines()[2:] if line.startswith("  ") and line.split()}
+    assert "OK" in lines["fa2"] and "<- selected" in lines["fa2"]
+    assert "feature.soft_cap" in lines["cudnn"] and "device" not in lines["cudnn"]
+    assert "not_implemented" in lines["xqa"]

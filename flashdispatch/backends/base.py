@@ -219,8 +219,11 @@ class Backend:
 
     @classmethod
     def supports(cls, problem: Problem, device: Device) -> list[Reason]:
-        """All reasons this backend cannot run ``problem`` on ``device`` (empty: it can)."""
-        reasons = list(cls.availability())
+        """All reasons this backend cannot run ``problem`` on ``device`` (empty: it can).
+
+        For a described device (not this machine's), only missing kernels count of availability.
+        """
+        reasons = [r for r in cls.availability() if not device.described or r.code == "not_implemented"]
         reasons += check_caps(cls.caps_for(problem.op), problem, device)
         if not reasons:
             reasons += cls.extra_checks(problem, device)

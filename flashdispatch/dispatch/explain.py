@@ -95,7 +95,7 @@ def describe_device(spec: str | None = None) -> Device:
     if not (major.isdigit() and minor.isdigit()):
         raise ValueError(f"device={spec!r}: expected cpu, cuda[:N] or a compute capability like sm90 or 9.0")
     cc = (int(major), int(minor))
-    return Device("cuda", 0, cc, "(described)")
+    return Device("cuda", 0, cc, "(described)", described=True)
 
 
 def describe_workload(batch_size: int = 0, kv_len: int = 0, qo_len: int = 1) -> Workload:

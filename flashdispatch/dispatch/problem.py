@@ -116,13 +116,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Device:
-    """Where a problem runs. ``cc`` is the CUDA compute capability, None on CPU."""
+    """Where a problem runs. ``cc`` is the CUDA compute capability, None on CPU.
+
+    ``described``: a GPU named for explain() that is not this machine's (``--device sm90``);
+    backends then judge it by their capabilities, not by what this machine has installed.
+    """
 
     type: str
     index: int = 0
     cc: tuple[int, int] | None = None
     name: str = "cpu"
     sm_count: int = 0
+    described: bool = False
 
     @property
     def is_cuda(self) -> bool:
