@@ -124,7 +124,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                 checks.check_tensor(buf, name, ndim=1, dtypes=(torch.int32,), device=self._device)
             self._graph_buffers = bufs
         self._plan_args: dict | None = None
-        self._by_q_len: dict[int, object] = {}
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -182,17 +181,20 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim)),
             rope_scale=rope_scale_v, rope_theta=rope_theta_v, fixed_split_size=fixed_split_size,
             disable_split_kv=bool(disable_split_kv))
-        self._by_q_len = {}
-        self._planned = self._plan_q_len(1)
+        self._variants = {}
+        self._plan_variant(1, False)
 
-    def _plan_q_len(self, q_len: int):
-        """The plan for ``q_len`` query tokens per request (speculative decode: causal in the block)."""
-        if q_len in self._by_q_len:
-            return self._by_q_len[q_len]
+    def _plan_variant(self, q_len: int, return_lse: bool):
+        """The plan for ``q_len`` query tokens per request (speculative decode: causal in the block),
+        with or without lse; each variant is planned once per plan() (the first run() that asks)."""
+        if (q_len, return_lse) in self._variants:
+            self._planned = self._variants[q_len, return_lse]
+            return self._planned
         a = self._plan_args
         batch = a["indptr_h"].numel() - 1
         qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
-        problem = a["problem"].with_(q_len_per_req=q_len, mask_mode="causal" if q_len > 1 else "none")
+        problem = a["problem"].with_(q_len_per_req=q_len, mask_mode="causal" if q_len > 1 else "none",
+                                     return_lse=return_lse)
         indptr, indices, last = a["indptr"], a["indices"], a["last_page_len"]
         if self._graph_buffers is not None:
             indptr, indices, last = (fixed_buffer(b, t, n) for b, t, n in zip(
@@ -205,7 +207,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                               int_workspace=self._int_workspace() if self._use_cuda_graph else None)
         planned = plan_problem(problem, self._device, params, self._backend, total_q=batch * q_len,
                                max_page_index=a["max_page_index"])
-        self._by_q_len[q_len] = planned
+        self._variants[q_len, return_lse] = self._planned = planned
         return planned
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
@@ -220,10 +222,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         ``return_lse``, the base-2 lse ``[batch * q_len_per_req, num_qo_heads]``.
         """
         checks.reject_extra_args(args, "run")
-        require_plan(self._planned, type(self).__name__)
+        require_plan(self._plan_args, type(self).__name__)
         q_len = checks.check_positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req")
-        planned = self._plan_q_len(q_len)
-        self._planned = planned
+        planned = self._plan_variant(q_len, return_lse)
         kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         return run_attention(planned, q, kv, out=out, lse=lse, return_lse=return_lse,
                              q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)

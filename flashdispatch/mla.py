@@ -12,7 +12,7 @@ from .backends.base import MLAParams
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import WrapperBase, fixed_buffer, plan_problem, require_plan, run_mla
+from .planned import WrapperBase, fixed_buffer, plan_problem, run_mla
 
 LN2 = math.log(2.0)
 
@@ -112,8 +112,7 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         params = _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, self._device,
                              checks.check_scale(sm_scale, "sm_scale", 1.0), bool(causal), self._workspace(),
                              self._int_workspace() if self._use_cuda_graph else None)
-        self._planned = plan_problem(problem, self._device, params, self._backend, total_q=int(qo_indptr_h[-1]),
-                                     max_page_index=max_page_index)
+        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index)
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
@@ -123,7 +122,7 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         [pages, page_size, ckv], ``kpe_cache`` [pages, page_size, kpe]. Returns the output
         [tokens, heads, ckv] and, with ``return_lse``, the lse [tokens, heads] (base 2, or base e
         with ``return_lse_base_on_e``)."""
-        planned = require_plan(self._planned, type(self).__name__)
+        planned = self._variant(return_lse)
         if profiler_buffer is not None:
             raise Unsupported("profiler_buffer: flashdispatch has no in-kernel profiler")
         if kv_len is not None or page_table is not None:

@@ -158,7 +158,9 @@ class WrapperBase:
         self._kv_layout = checks.check_layout(kv_layout)
         self._use_cuda_graph = bool(use_cuda_graph)
         self._backend = check_requested(backend)
-        self._planned: PlannedAttention | None = None
+        self._planned: PlannedAttention | None = None  # the plan run() used last (explain() shows it)
+        self._base_plan: tuple | None = None
+        self._variants: dict = {}
         self._int_workspace_buffer: torch.Tensor | None = None
 
     @property
@@ -173,6 +175,25 @@ class WrapperBase:
     def explain(self) -> str:
         """The selection table of the last plan(): every backend, its verdict and why."""
         return self.decision.explain()
+
+    def _set_plan(self, problem: Problem, params, **plan_kw) -> None:
+        """Record what plan() checked and built, and plan the variant without lse now (errors
+        surface at plan()); a run() asking for lse plans that variant once (see `_variant`)."""
+        self._base_plan = (problem, params, plan_kw)
+        self._variants = {}
+        self._variant(False)
+
+    def _variant(self, return_lse: bool) -> PlannedAttention:
+        """The plan with or without lse: lse is a capability (cuDNN's GQA decode lacks it), so a
+        backend is chosen for it only when a run() asks for it; each variant is planned once."""
+        if self._base_plan is None:
+            require_plan(None, type(self).__name__)
+        if return_lse not in self._variants:
+            problem, params, plan_kw = self._base_plan
+            self._variants[return_lse] = plan_problem(problem.with_(return_lse=return_lse), self._device, params,
+                                                      self._backend, **plan_kw)
+        self._planned = self._variants[return_lse]
+        return self._planned
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Replace the workspace buffer(s); takes effect at the next plan()."""

@@ -12,7 +12,7 @@ from .decode import _split_kv_cache, _check_hnd_cache, paged_attention_from_bloc
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import WrapperBase, fixed_buffer, paged_params, plan_problem, require_plan, run_attention
+from .planned import WrapperBase, fixed_buffer, paged_params, run_attention
 from .quantization import segment_packbits
 
 
@@ -181,8 +181,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
         params = paged_params(qo_indptr_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_lens_h,
                               self._device, **extra)
-        self._planned = plan_problem(problem, self._device, params, self._backend, total_q=int(qo_indptr_h[-1]),
-                                     max_page_index=max_page_index)
+        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index)
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
@@ -191,7 +190,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         (5-D ``[pages, 2, ...]`` or a (k, v) tuple). Returns the output
         ``[qo_indptr[-1], num_qo_heads, head_dim_vo]`` and, with ``return_lse``, the base-2 lse."""
         checks.reject_extra_args(args, "run")
-        planned = require_plan(self._planned, type(self).__name__)
+        planned = self._variant(return_lse)
         kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         return run_attention(planned, q, kv, out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
                              k_scale=k_scale, v_scale=v_scale)
@@ -256,8 +255,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                                  kv_lens=kv_lens_h.to(device=self._device, dtype=torch.int32),
                                  qo_lens_host=(qo_indptr_h[1:] - qo_indptr_h[:-1]).tolist(),
                                  kv_lens_host=kv_lens_h.tolist(), **extra)
-        self._planned = plan_problem(problem, self._device, params, self._backend, total_q=int(qo_indptr_h[-1]),
-                                     total_kv=int(kv_indptr_h[-1]))
+        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), total_kv=int(kv_indptr_h[-1]))
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None, k_scale=None,
             v_scale=None, o_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -267,7 +265,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         heads first). ``o_scale`` multiplies the output. Returns the output and, with
         ``return_lse``, the base-2 lse."""
         checks.reject_extra_args(args, "run")
-        planned = require_plan(self._planned, type(self).__name__)
+        planned = self._variant(return_lse)
         checks.check_tensor(k, "k", ndim=3)
         checks.check_tensor(v, "v", ndim=3)
         if self._kv_layout == "HND":

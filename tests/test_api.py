@@ -394,3 +394,26 @@ def test_explain_a_described_gpu_judges_capabilities_not_this_machine():
     assert "OK" in lines["fa2"] and "<- selected" in lines["fa2"]
     assert "feature.soft_cap" in lines["cudnn"] and "device" not in lines["cudnn"]
     assert "not_implemented" in lines["xqa"]
+
+
+def test_lse_is_chosen_for_when_a_run_asks_for_it(monkeypatch):
+    """A backend without lse serves run(); run(return_lse=True) plans the lse variant then, and an
+    explicitly requested backend that cannot give lse says so."""
+    import dataclasses
+
+    from flashdispatch import planned
+    from flashdispatch.backends.reference import BACKEND as Reference
+    from flashdispatch.dispatch import registry
+
+    caps = {op: dataclasses.replace(c, features=c.features - {"lse"}) for op, c in Reference.caps.items()}
+    NoLse = type("NoLse", (Reference,), {"name": "xqa", "caps": caps})
+    real = registry.backend_class
+    fake = lambda name: NoLse if name == "xqa" else real(name)  # noqa: E731
+    monkeypatch.setattr(registry, "backend_class", fake)
+    monkeypatch.setattr(planned, "get_backend", lambda name: fake(name)())
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(WS, "NHD", backend="xqa")
+    w.plan(SEED_INDPTR, torch.arange(128).int(), SEED_LAST, 8, 8, 64, 16, data_type=torch.float32)
+    kv, q = torch.randn(128, 2, 16, 8, 64), torch.randn(7, 8, 64)
+    assert w.run(q, kv).shape == (7, 8, 64) and w.decision.backend == "xqa"
+    with pytest.raises(flashinfer.Unsupported, match="feature.lse"):
+        w.run(q, kv, return_lse=True)
