@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .backends.base import PagedKV
@@ -117,48 +118,140 @@ def check_run_scale(value, name: str, device: torch.device):
     raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(value).__name__}")
 
 
-def host_indptr(t, name: str, length: int | None = None) -> torch.Tensor:
-    """Check an int32 indptr and return it on the host as int64: starts at 0, non-decreasing."""
-    check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
-    if length is not None and t.numel() != length:
-        raise ValueError(f"{name} has {t.numel()} entries, expected {length} (batch_size + 1)")
-    if t.numel() < 1:
+def check_index_tensor(t, name: str) -> torch.Tensor:
+    """A 1-D int32 index tensor (indptr, page indices, lengths)."""
+    if not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1):
+        check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
+    return t
+
+
+def check_indptr_length(t: torch.Tensor, name: str, length: int | None = None) -> int:
+    """An indptr's entry count (batch_size + 1): at least one, ``length`` when given."""
+    n = t.numel()
+    if length is not None and n != length:
+        raise ValueError(f"{name} has {n} entries, expected {length} (batch_size + 1)")
+    if n < 1:
         raise ValueError(f"{name} must have at least one entry (batch_size + 1)")
-    h = t.detach().to("cpu", torch.int64)
+    return n
+
+
+_positions: dict[torch.device, torch.Tensor] = {}
+
+
+def _device_positions(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` (int32) on ``device``, from a grow-only table copied there once (and
+    synchronously, so any stream may read it)."""
+    table = _positions.get(device)
+    if table is None or table.numel() < n:
+        table = torch.arange(1 << max(n - 1, 0).bit_length(), dtype=torch.int32).to(device)
+        _positions[device] = table
+    return table[:n]
+
+
+def host_arrays(tensors: Sequence[torch.Tensor],
+                indices: torch.Tensor | None = None) -> tuple[list[np.ndarray], tuple[int, int] | None]:
+    """Host int64 copies of small 1-D int32 ``tensors`` and, with ``indices``, the (min, max) of
+    ``indices[:tensors[0][-1]]`` (the first tensor is their indptr; None when that is empty),
+    with at most one device->host copy: the device tensors and the min/max, reduced on the
+    device (the table itself never travels), go in one concatenated transfer."""
+    on_host = [t.is_cpu for t in tensors]
+    if all(on_host) and (indices is None or indices.is_cpu):
+        arrays = [t.numpy().astype(np.int64) for t in tensors]
+        if indices is None:
+            return arrays, None
+        window = indices.numpy()[: max(int(arrays[0][-1]), 0)]
+        return arrays, ((int(window.min()), int(window.max())) if window.size else None)
+    devices = {t.device for t, host in zip(tensors, on_host) if not host}
+    if indices is not None and not indices.is_cpu:
+        devices.add(indices.device)
+    if len(devices) > 1 or (indices is not None and indices.is_cpu):
+        # spread over several devices: one copy each (correct, only slower)
+        return host_arrays([t.cpu() for t in tensors], None if indices is None else indices.cpu())
+    return read_in_one_copy(tensors, on_host, indices)
+
+
+def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
+                     indices: torch.Tensor | None) -> tuple[list[np.ndarray], tuple[int, int] | None]:
+    """`host_arrays` for tensors on one device: those not ``on_host`` and the (min, max) of the
+    used ``indices`` (masked on the device when the indptr is there too) are concatenated and
+    copied once. Works on any device (the CPU tests run it with ``on_host`` all False)."""
+    parts = [t for t, host in zip(tensors, on_host) if not host]
+    with_minmax = indices is not None and indices.numel() > 0
+    if with_minmax:
+        indptr = tensors[0]
+        if on_host[0]:
+            window = indices[: max(int(indptr.numpy()[-1]), 0)]
+        else:  # the number of used pages is on the device: mask the others instead of reading it
+            valid = _device_positions(indices.numel(), indices.device) < indptr[-1:]
+            window = torch.where(valid, indices, indices[:1])
+        with_minmax = window.numel() > 0
+        if with_minmax:
+            low, high = window.aminmax()
+            parts += [low.view(1), high.view(1)]
+    flat = torch.cat(parts).cpu().numpy() if parts else None  # the one device->host copy
+    arrays, offset = [], 0
+    for t, host in zip(tensors, on_host):
+        if host:
+            arrays.append(t.numpy().astype(np.int64))
+        else:
+            arrays.append(flat[offset:offset + t.numel()].astype(np.int64))
+            offset += t.numel()
+    with_minmax = with_minmax and arrays[0][-1] > 0  # masked on the device: nothing was used after all
+    return arrays, ((int(flat[offset]), int(flat[offset + 1])) if with_minmax else None)
+
+
+def check_indptr(h: np.ndarray, name: str) -> np.ndarray:
+    """Check an indptr's host values (starts at 0, non-decreasing); return the per-request
+    counts ``h[1:] - h[:-1]``."""
     if h[0] != 0:
         raise ValueError(f"{name}[0]={int(h[0])}, must be 0")
-    if h.numel() > 1 and bool((h[1:] < h[:-1]).any()):
-        i = int(torch.nonzero(h[1:] < h[:-1])[0]) + 1
+    counts = h[1:] - h[:-1]
+    if counts.min(initial=0) < 0:
+        i = int(np.argmax(counts < 0)) + 1
         raise ValueError(f"{name} must be non-decreasing: {name}[{i}]={int(h[i])} < {name}[{i - 1}]={int(h[i - 1])}")
-    return h
+    return counts
 
 
-def paged_kv_lengths(kv_indptr_h: torch.Tensor, last_page_len, page_size: int) -> torch.Tensor:
-    """kv_len of each request from page counts and last_page_len, checking last_page_len's range."""
-    check_tensor(last_page_len, "last_page_len", ndim=1, dtypes=(torch.int32,))
-    batch = kv_indptr_h.numel() - 1
-    if last_page_len.numel() != batch:
-        raise ValueError(f"last_page_len has {last_page_len.numel()} entries, expected batch_size={batch}")
-    last = last_page_len.detach().to("cpu", torch.int64)
-    pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
-    bad = ((pages > 0) & ((last < 1) | (last > page_size))) | ((pages == 0) & (last != 0))
-    if bool(bad.any()):
-        b = int(torch.nonzero(bad)[0])
+def host_indptr(t, name: str, length: int | None = None) -> torch.Tensor:
+    """Check an int32 indptr and return it on the host as int64: starts at 0, non-decreasing."""
+    check_index_tensor(t, name)
+    check_indptr_length(t, name, length)
+    h = host_arrays([t])[0][0]
+    check_indptr(h, name)
+    return torch.from_numpy(h)
+
+
+def check_lengths_count(t: torch.Tensor, name: str, batch: int) -> None:
+    """A per-request tensor (last_page_len, kv_len_arr) has batch_size entries."""
+    if t.numel() != batch:
+        raise ValueError(f"{name} has {t.numel()} entries, expected batch_size={batch}")
+
+
+def paged_kv_lengths(pages: np.ndarray, last: np.ndarray, page_size: int) -> np.ndarray:
+    """kv_len of each request from its page count and last_page_len (host arrays), checking
+    last_page_len's range: [1, page_size], 0 only for a request with no pages."""
+    if pages.min(initial=1) > 0 and last.min(initial=1) >= 1 and last.max(initial=0) <= page_size:
+        return (pages - 1) * page_size + last  # every request has pages, every last_page_len in range
+    empty = pages == 0
+    bad = np.where(empty, last != 0, (last < 1) | (last > page_size))
+    if bad.any():
+        b = int(np.argmax(bad))
         raise ValueError(f"last_page_len[{b}]={int(last[b])} is outside [1, page_size={page_size}] "
                          f"(0 only for a request with no pages; request {b} has {int(pages[b])} pages)")
-    return torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
+    lens = (pages - 1) * page_size + last
+    lens[empty] = 0
+    return lens
 
 
-def check_page_indices(indices, kv_indptr_h: torch.Tensor) -> int:
-    """Check the page indices (int32, enough of them, >= 0); return the largest index used (-1 if none)."""
-    check_tensor(indices, "indices", ndim=1, dtypes=(torch.int32,))
-    used = int(kv_indptr_h[-1])
-    if indices.numel() < used:
-        raise ValueError(f"indices has {indices.numel()} entries, but indptr[-1]={used} pages are referenced")
+def check_page_indices(num_indices: int, used: int, minmax: tuple[int, int] | None) -> int:
+    """Check the page indices against the ``used`` = indptr[-1] pages (enough of them, >= 0) from
+    their host (min, max) over the used entries (see `host_arrays`); return the largest index
+    used (-1 if none)."""
+    if num_indices < used:
+        raise ValueError(f"indices has {num_indices} entries, but indptr[-1]={used} pages are referenced")
     if used == 0:
         return -1
-    low, high = indices[:used].aminmax()  # on the device: two numbers come back, not the table
-    low, high = torch.stack([low, high]).tolist()
+    low, high = minmax
     if low < 0:
         raise ValueError(f"indices holds a negative page index {low}")
     return high
@@ -166,6 +259,9 @@ def check_page_indices(indices, kv_indptr_h: torch.Tensor) -> int:
 
 def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_cache") -> PagedKV:
     """Split a 5-D [pages, 2, ...] cache or a (k, v) tuple of 4-D tensors into a `PagedKV`."""
+    if isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
+        k, v = paged_kv_cache.unbind(1)
+        return PagedKV(k, v, kv_layout)
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"{name} as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} items")
@@ -179,10 +275,8 @@ def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_
             raise ValueError(f"{name}: k cache {list(k.shape)} and v cache {list(v.shape)} differ")
         return PagedKV(k, v, kv_layout)
     check_tensor(paged_kv_cache, name)
-    if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
-        raise ValueError(f"{name} must be 5-D [pages, 2, ...] or a (k, v) tuple of 4-D tensors, "
-                         f"got shape {list(paged_kv_cache.shape)}")
-    return PagedKV(paged_kv_cache[:, 0], paged_kv_cache[:, 1], kv_layout)
+    raise ValueError(f"{name} must be 5-D [pages, 2, ...] or a (k, v) tuple of 4-D tensors, "
+                     f"got shape {list(paged_kv_cache.shape)}")
 
 
 def check_paged_kv(kv: PagedKV, *, num_kv_heads: int, page_size: int, head_dim_qk: int, head_dim_vo: int,

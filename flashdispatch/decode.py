@@ -7,16 +7,18 @@ it; see `explain()` for why a backend was chosen.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import checks
 from .backends.base import PagedKV
-from .dispatch.problem import Problem
+from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import (WrapperBase, check_requested, fixed_buffer, paged_params, plan_problem, require_plan,
-                      run_attention)
+from .planned import (WrapperBase, check_requested, device_int32, fixed_buffer, on_device, paged_params, plan_problem,
+                      require_plan, run_attention)
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
 
 
@@ -86,6 +88,20 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return result[0]
 
 
+class _DecodePlanArgs(NamedTuple):
+    """What a decode plan() checked, kept for the variants planned at the first run() that asks."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    used_pages: int
+    kv_lens_h: np.ndarray
+    kv_total: int
+    kv_max: int
+    max_page_index: int
+    scalars: tuple
+
+
 class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
     """Batch decode attention over a paged KV cache: ``plan()`` once per step, ``run()`` per layer.
 
@@ -123,7 +139,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                     raise ValueError(f"use_cuda_graph=True needs {name}")
                 checks.check_tensor(buf, name, ndim=1, dtypes=(torch.int32,), device=self._device)
             self._graph_buffers = bufs
-        self._plan_args: dict | None = None
+        self._plan_args: _DecodePlanArgs | None = None
+        self._qo_indptrs: dict[int, torch.Tensor] = {}  # q_len -> qo_indptr of the last batch size
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -148,10 +165,38 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         if indptr is None:
             if block_tables is None or seq_lens is None:
                 raise ValueError("plan() needs indptr/indices/last_page_len, or block_tables with seq_lens")
+            # host tensors: read here without a copy, moved to the device with the params
             indptr, indices, last_page_len, _ = block_table_to_indptr(block_tables, seq_lens, page_size)
-            indptr, indices, last_page_len = (t.to(self._device) for t in (indptr, indices, last_page_len))
         if data_type is not None:
             q_data_type = kv_data_type = data_type
+        scalars = self._scalars(
+            (q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, fixed_split_size,
+             disable_split_kv, head_dim_vo),
+            lambda: self._check_scalars(q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim,
+                                        page_size, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
+                                        rope_scale, rope_theta, fixed_split_size, disable_split_kv, head_dim_vo))
+        for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+            checks.check_index_tensor(t, name)
+        batch = checks.check_indptr_length(indptr, "indptr") - 1
+        checks.check_lengths_count(last_page_len, "last_page_len", batch)
+        (indptr_h, last_h), minmax = checks.host_arrays([indptr, last_page_len], indices)
+        pages = checks.check_indptr(indptr_h, "indptr")
+        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size)
+        used_pages = int(indptr_h[-1])
+        max_page_index = checks.check_page_indices(indices.numel(), used_pages, minmax)
+        if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
+            raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
+                             f"(paged_kv_indptr_buffer), got indptr for batch_size={batch}")
+        self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
+                                          int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars)
+        self._variants = {}
+        self._plan_variant(1, False)
+
+    def _check_scalars(self, q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim, page_size,
+                       pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                       fixed_split_size, disable_split_kv, head_dim_vo) -> tuple[Problem, dict]:
+        """The checked scalar arguments of plan(): the base Problem and the params' scalars."""
         q_dtype = checks.as_dtype(q_data_type if q_data_type is not None else "float16", "q_data_type")
         kv_dtype = checks.as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
         o_dtype = checks.as_dtype(o_data_type, "o_data_type") if o_data_type is not None else (
@@ -161,54 +206,49 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         checks.check_positive_int(page_size, "page_size")
         if fixed_split_size is not None:
             checks.check_positive_int(fixed_split_size, "fixed_split_size")
-        for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
-            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
-        indptr_h = checks.host_indptr(indptr, "indptr")
-        kv_lens_h = checks.paged_kv_lengths(indptr_h, last_page_len, page_size)
-        max_page_index = checks.check_page_indices(indices, indptr_h)
-        if self._graph_buffers is not None and indptr_h.numel() != self._graph_buffers[0].numel():
-            raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
-                             f"(paged_kv_indptr_buffer), got indptr for batch_size={indptr_h.numel() - 1}")
         rope_scale_v, rope_theta_v = _rope_defaults(rope_scale, rope_theta)
-        self._plan_args = dict(
-            indptr=indptr, indices=indices, last_page_len=last_page_len, indptr_h=indptr_h, kv_lens_h=kv_lens_h,
-            max_page_index=max_page_index,
-            problem=Problem(
-                "decode", q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim,
-                head_dim_vo or head_dim, page_size, self._kv_layout, "none", checks.check_window_left(window_left),
-                checks.check_soft_cap(logits_soft_cap), checks.check_pos_encoding(pos_encoding_mode),
-                use_cuda_graph=self._use_cuda_graph),
-            sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim)),
-            rope_scale=rope_scale_v, rope_theta=rope_theta_v, fixed_split_size=fixed_split_size,
-            disable_split_kv=bool(disable_split_kv))
-        self._variants = {}
-        self._plan_variant(1, False)
+        problem = Problem(
+            "decode", q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim, head_dim_vo or head_dim,
+            page_size, self._kv_layout, "none", checks.check_window_left(window_left),
+            checks.check_soft_cap(logits_soft_cap), checks.check_pos_encoding(pos_encoding_mode),
+            use_cuda_graph=self._use_cuda_graph)
+        return problem, dict(sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim)),
+                             rope_scale=rope_scale_v, rope_theta=rope_theta_v, fixed_split_size=fixed_split_size,
+                             disable_split_kv=bool(disable_split_kv))
 
     def _plan_variant(self, q_len: int, return_lse: bool):
         """The plan for ``q_len`` query tokens per request (speculative decode: causal in the block),
         with or without lse; each variant is planned once per plan() (the first run() that asks)."""
-        if (q_len, return_lse) in self._variants:
-            self._planned = self._variants[q_len, return_lse]
-            return self._planned
+        planned = self._variants.get((q_len, return_lse))
+        if planned is None:
+            planned = self._variants[q_len, return_lse] = self._build_variant(q_len, return_lse)
+        self._planned = planned
+        return planned
+
+    def _build_variant(self, q_len: int, return_lse: bool):
         a = self._plan_args
-        batch = a["indptr_h"].numel() - 1
-        qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
-        problem = a["problem"].with_(q_len_per_req=q_len, mask_mode="causal" if q_len > 1 else "none",
-                                     return_lse=return_lse)
-        indptr, indices, last = a["indptr"], a["indices"], a["last_page_len"]
+        base, scalars = a.scalars
+        batch = a.kv_lens_h.size
+        problem = self._problem(base, q_len_per_req=q_len, mask_mode="causal" if q_len > 1 else "none",
+                                return_lse=return_lse)
+        indptr, indices, last = a.indptr, a.indices, a.last_page_len
         if self._graph_buffers is not None:
             indptr, indices, last = (fixed_buffer(b, t, n) for b, t, n in zip(
-                self._graph_buffers, (indptr, indices[: int(a["indptr_h"][-1])], last),
+                self._graph_buffers, (indptr, indices[: a.used_pages], last),
                 ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")))
-        params = paged_params(qo_indptr_h, indptr, indices, last, a["kv_lens_h"], self._device,
-                              sm_scale=a["sm_scale"], rope_scale=a["rope_scale"], rope_theta=a["rope_theta"],
-                              fixed_split_size=a["fixed_split_size"], disable_split_kv=a["disable_split_kv"],
-                              workspace=self._workspace(),
-                              int_workspace=self._int_workspace() if self._use_cuda_graph else None)
-        planned = plan_problem(problem, self._device, params, self._backend, total_q=batch * q_len,
-                               max_page_index=a["max_page_index"])
-        self._variants[q_len, return_lse] = self._planned = planned
-        return planned
+        params = paged_params(self._qo_indptr(batch, q_len), a.kv_lens_h, indptr, indices, last, self._device,
+                              qo_lens_host=[q_len] * batch, workspace=self._workspace(),
+                              int_workspace=self._int_workspace() if self._use_cuda_graph else None, **scalars)
+        workload = Workload(batch, batch * q_len, q_len if batch else 0, a.kv_total, a.kv_max)
+        return self._plan(problem, params, total_q=batch * q_len, max_page_index=a.max_page_index,
+                          workload=workload)
+
+    def _qo_indptr(self, batch: int, q_len: int) -> torch.Tensor:
+        """``arange(batch + 1) * q_len`` (int32) on the device, kept while the batch size stays."""
+        qo = self._qo_indptrs.get(q_len)
+        if qo is None or qo.numel() != batch + 1:
+            qo = self._qo_indptrs[q_len] = device_int32(self._device, np.arange(batch + 1) * q_len)[0]
+        return qo
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
@@ -313,9 +353,9 @@ def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq
                       checks.check_window_left(window_left), return_lse=return_lse, sinks=sinks is not None,
                       spec_decode_mask=spec_decode_mask,
                       q_len_per_req=int(qo_lens.max()) if op == "decode" and qo_lens.numel() else 1)
-    params = paged_params(qo_indptr_h, indptr, indices, last, kv_lens_h, dev, sm_scale=sm_scale,
-                          packed_mask=None if packed_mask is None else packed_mask.to(dev),
-                          mask_indptr=None if mask_indptr is None else mask_indptr.to(dev))
+    params = paged_params(qo_indptr_h.numpy(), kv_lens_h.numpy(), indptr, indices, last, dev, qo_lens.tolist(),
+                          sm_scale=sm_scale, packed_mask=on_device(packed_mask, dev),
+                          mask_indptr=on_device(mask_indptr, dev))
     planned = plan_problem(problem, dev, params, backend, total_q=query.shape[0],
                            max_page_index=int(indices.max()) if indices.numel() else -1)
     v_scale = v_scale_t if v_scale_t is not None else v_scale_f

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import checks
@@ -12,7 +13,7 @@ from .backends.base import MLAParams
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import WrapperBase, fixed_buffer, plan_problem, run_mla
+from .planned import WrapperBase, device_int32, fixed_buffer, host_workload, on_device, plan_problem, run_mla
 
 LN2 = math.log(2.0)
 
@@ -24,30 +25,25 @@ def _mla_problem(q_dtype, kv_dtype, o_dtype, num_heads, ckv, kpe, page_size, cau
                    head_dim_kpe=kpe)
 
 
-def _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, device, sm_scale, causal, workspace,
-                int_workspace=None) -> MLAParams:
-    return MLAParams(qo_indptr=qo_indptr_h.to(device=device, dtype=torch.int32), kv_indptr=kv_indptr.to(device),
-                     kv_indices=kv_indices.to(device), kv_lens=kv_lens_h.to(device=device, dtype=torch.int32),
+def _mla_params(qo_indptr_h: np.ndarray, kv_indptr, kv_indices, kv_lens_h: np.ndarray, device, sm_scale, causal,
+                workspace, int_workspace=None) -> MLAParams:
+    qo_indptr, kv_lens = device_int32(device, qo_indptr_h, kv_lens_h)
+    return MLAParams(qo_indptr=qo_indptr, kv_indptr=on_device(kv_indptr, device),
+                     kv_indices=on_device(kv_indices, device), kv_lens=kv_lens,
                      qo_lens_host=(qo_indptr_h[1:] - qo_indptr_h[:-1]).tolist(), kv_lens_host=kv_lens_h.tolist(),
                      sm_scale=sm_scale, causal=causal, workspace=workspace,
                      int_workspace=int_workspace)
 
 
-def _check_kv_lens(kv_lens, kv_indptr_h, qo_indptr_h, page_size) -> torch.Tensor:
-    checks.check_tensor(kv_lens, "kv_len_arr", ndim=1, dtypes=(torch.int32,))
-    batch = kv_indptr_h.numel() - 1
-    if kv_lens.numel() != batch:
-        raise ValueError(f"kv_len_arr has {kv_lens.numel()} entries, expected batch_size={batch}")
-    lens = kv_lens.detach().to("cpu", torch.int64)
-    pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
+def _check_kv_lens(lens: np.ndarray, pages: np.ndarray, qo: np.ndarray, page_size: int) -> np.ndarray:
+    """kv_len_arr's host values against the page counts and the query lengths."""
     bad = (lens < 0) | (lens > pages * page_size) | ((pages > 0) & (lens <= (pages - 1) * page_size))
-    if bool(bad.any()):
-        b = int(torch.nonzero(bad)[0])
+    if bad.any():
+        b = int(np.argmax(bad))
         raise ValueError(f"kv_len_arr[{b}]={int(lens[b])} does not fit request {b}'s {int(pages[b])} pages of "
                          f"page_size={page_size}")
-    qo = qo_indptr_h[1:] - qo_indptr_h[:-1]
-    if bool((qo > lens).any()):
-        b = int(torch.nonzero(qo > lens)[0])
+    if (qo > lens).any():
+        b = int(np.argmax(qo > lens))
         raise ValueError(f"request {b} has {int(qo[b])} query tokens but kv_len_arr[{b}]={int(lens[b])}")
     return lens
 
@@ -95,12 +91,18 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         checks.check_positive_int(head_dim_ckv, "head_dim_ckv")
         checks.check_positive_int(head_dim_kpe, "head_dim_kpe")
         checks.check_positive_int(page_size, "page_size")
-        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
-            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
-        kv_indptr_h = checks.host_indptr(kv_indptr, "kv_indptr")
-        qo_indptr_h = checks.host_indptr(qo_indptr, "qo_indptr", kv_indptr_h.numel())
-        kv_lens_h = _check_kv_lens(kv_len_arr, kv_indptr_h, qo_indptr_h, page_size)
-        max_page_index = checks.check_page_indices(kv_indices, kv_indptr_h)
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                        ("kv_len_arr", kv_len_arr)):
+            checks.check_index_tensor(t, name)
+        n = checks.check_indptr_length(kv_indptr, "kv_indptr")
+        checks.check_indptr_length(qo_indptr, "qo_indptr", n)
+        checks.check_lengths_count(kv_len_arr, "kv_len_arr", n - 1)
+        (kv_indptr_h, qo_indptr_h, lens_h), minmax = checks.host_arrays([kv_indptr, qo_indptr, kv_len_arr],
+                                                                        kv_indices)
+        pages = checks.check_indptr(kv_indptr_h, "kv_indptr")
+        qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
+        kv_lens_h = _check_kv_lens(lens_h, pages, qo_lens_h, page_size)
+        max_page_index = checks.check_page_indices(kv_indices.numel(), int(kv_indptr_h[-1]), minmax)
         if self._graph_buffers is not None:
             qo_indptr, kv_indptr, kv_indices, kv_len_arr = (
                 fixed_buffer(b, t, n) for b, t, n in zip(
@@ -112,7 +114,8 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         params = _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, self._device,
                              checks.check_scale(sm_scale, "sm_scale", 1.0), bool(causal), self._workspace(),
                              self._int_workspace() if self._use_cuda_graph else None)
-        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index)
+        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
+                       workload=host_workload(qo_lens_h, kv_lens_h))
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
@@ -153,7 +156,8 @@ def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens,
         q_nope.dtype if q_nope.dtype.itemsize > 1 else torch.bfloat16)
     problem = _mla_problem(q_nope.dtype, ckv_cache.dtype, o_dtype, q_nope.shape[1], q_nope.shape[2],
                            q_pe.shape[2], page_size, q_len_per_req > 1, return_lse=return_lse)
-    params = _mla_params(qo_indptr_h, indptr, indices, kv_lens_h, dev, float(sm_scale), q_len_per_req > 1, None)
+    params = _mla_params(qo_indptr_h.numpy(), indptr, indices, kv_lens_h.numpy(), dev, float(sm_scale),
+                         q_len_per_req > 1, None)
     planned = plan_problem(problem, dev, params, backend, total_q=q_nope.shape[0],
                            max_page_index=int(indices.max()) if indices.numel() else -1)
     if q_scale is not None:

@@ -5,9 +5,9 @@ what run() needs to check tensors without a device synchronisation).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import checks
@@ -22,38 +22,57 @@ def workload_of(qo_lens: list[int], kv_lens: list[int]) -> Workload:
     return Workload(len(kv_lens), sum(qo_lens), max(qo_lens, default=0), sum(kv_lens), max(kv_lens, default=0))
 
 
+def host_workload(qo_lens_h: np.ndarray, kv_lens_h: np.ndarray) -> Workload:
+    """The `Workload` of checked host arrays (query and kv lengths per request)."""
+    if kv_lens_h.size == 0:
+        return Workload(0, 0, 0, 0, 0)
+    return Workload(kv_lens_h.size, int(qo_lens_h.sum()), int(qo_lens_h.max()), int(kv_lens_h.sum()),
+                    int(kv_lens_h.max()))
+
+
 @dataclass
 class PlannedAttention:
-    """A planned problem: the decision, the backend's plan and the facts run() checks against."""
+    """A planned problem: the decision, the backend's plan and the facts run() checks against
+    (expected shapes worked out once here, so run() compares tuples)."""
 
     problem: Problem
     device: Device
     torch_device: torch.device
     decision: Decision
-    params: Any
-    plan: Any
+    params: object
+    plan: object
+    backend: object  # the selected backend's instance
     total_q: int
     max_page_index: int = -1
     total_kv: int = 0
-    extra: dict = field(default_factory=dict)
 
-    @property
-    def backend(self):
-        return get_backend(self.decision.backend)
+    def __post_init__(self) -> None:
+        p = self.problem
+        self.q_shape = (self.total_q, p.num_qo_heads, p.head_dim_qk)
+        self.out_shape = (self.total_q, p.num_qo_heads, p.head_dim_vo)
+        self.lse_shape = (self.total_q, p.num_qo_heads)
+        if p.kv_layout == "NHD":
+            self.k_tail = (p.page_size, p.num_kv_heads, p.head_dim_qk)
+            self.v_tail = (p.page_size, p.num_kv_heads, p.head_dim_vo)
+        else:
+            self.k_tail = (p.num_kv_heads, p.page_size, p.head_dim_qk)
+            self.v_tail = (p.num_kv_heads, p.page_size, p.head_dim_vo)
 
     def explain(self) -> str:
         return self.decision.explain()
 
 
-def plan_problem(problem: Problem, torch_device: torch.device, params, requested: str, *,
-                 total_q: int, max_page_index: int = -1, total_kv: int = 0) -> PlannedAttention:
+def plan_problem(problem: Problem, torch_device: torch.device, params, requested: str, *, total_q: int,
+                 max_page_index: int = -1, total_kv: int = 0, device: Device | None = None,
+                 workload: Workload | None = None) -> PlannedAttention:
     """Select the backend for ``problem`` and let it plan; raises `Unsupported` with every reason."""
-    device = device_of(torch_device)
-    workload = workload_of(params.qo_lens_host, params.kv_lens_host)
+    device = device_of(torch_device) if device is None else device
+    if workload is None:
+        workload = workload_of(params.qo_lens_host, params.kv_lens_host)
     decision = select(problem, device, workload, requested)
     backend = get_backend(decision.backend)
     backend_plan = backend.plan(problem, device, params)
-    return PlannedAttention(problem, device, torch_device, decision, params, backend_plan, total_q,
+    return PlannedAttention(problem, device, torch_device, decision, params, backend_plan, backend, total_q,
                             max_page_index, total_kv)
 
 
@@ -63,36 +82,59 @@ def require_plan(planned: PlannedAttention | None, wrapper: str) -> PlannedAtten
     return planned
 
 
-def _outputs(planned: PlannedAttention, out, lse, return_lse: bool, rows: int, heads: int, dim: int):
+def _is(t, dtype: torch.dtype, shape: tuple, device: torch.device) -> bool:
+    """The fast path of the run() checks: a tensor of exactly this dtype, shape and device,
+    contiguous in its last dimension (anything else goes through the checks that explain)."""
+    return (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape and t.device == device
+            and t.stride(-1) == 1)
+
+
+def _outputs(planned: PlannedAttention, out, lse, return_lse: bool):
     p, dev = planned.problem, planned.torch_device
     if out is None:
-        out = torch.empty(rows, heads, dim, dtype=p.o_dtype, device=dev)
-    else:
-        checks.check_out(out, "out", (rows, heads, dim), p.o_dtype, dev)
+        out = torch.empty(planned.out_shape, dtype=p.o_dtype, device=dev)
+    elif not (isinstance(out, torch.Tensor) and out.dtype == p.o_dtype and out.shape == planned.out_shape
+              and out.device == dev):
+        checks.check_out(out, "out", planned.out_shape, p.o_dtype, dev)
     if return_lse:
         if not p.return_lse:
             raise Unsupported("return_lse=True, but this problem was planned without lse")
         if lse is None:
-            lse = torch.empty(rows, heads, dtype=torch.float32, device=dev)
-        else:
-            checks.check_out(lse, "lse", (rows, heads), torch.float32, dev)
+            lse = torch.empty(planned.lse_shape, dtype=torch.float32, device=dev)
+        elif not (isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.shape == planned.lse_shape
+                  and lse.device == dev):
+            checks.check_out(lse, "lse", planned.lse_shape, torch.float32, dev)
     else:
         lse = None
     return out, lse
+
+
+def _check_q(planned: PlannedAttention, q) -> None:
+    p, dev = planned.problem, planned.torch_device
+    if not _is(q, p.q_dtype, planned.q_shape, dev):
+        checks.check_tensor(q, "q", dtypes=(p.q_dtype,), device=dev, shape=planned.q_shape)
+        if q.stride(-1) != 1:
+            raise ValueError("q must be contiguous in its last (head_dim) dimension")
+
+
+def _check_paged(planned: PlannedAttention, kv: PagedKV) -> None:
+    p, dev = planned.problem, planned.torch_device
+    k, v = kv.k, kv.v
+    if not (kv.layout == p.kv_layout and k.shape[1:] == planned.k_tail and v.shape[1:] == planned.v_tail
+            and k.dtype == p.kv_dtype and v.dtype == p.kv_dtype and k.device == dev and v.device == dev
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and planned.max_page_index < k.shape[0]):
+        checks.check_paged_kv(kv, num_kv_heads=p.num_kv_heads, page_size=p.page_size, head_dim_qk=p.head_dim_qk,
+                              head_dim_vo=p.head_dim_vo, dtype=p.kv_dtype, device=dev,
+                              max_page_index=planned.max_page_index)
 
 
 def run_attention(planned: PlannedAttention, q: torch.Tensor, kv: PagedKV | RaggedKV, *, out=None, lse=None,
                   return_lse: bool = False, q_scale=None, k_scale=None, v_scale=None, sinks=None):
     """Check the run tensors against the plan, then launch. Returns out or (out, lse)."""
     p, dev = planned.problem, planned.torch_device
-    checks.check_tensor(q, "q", dtypes=(p.q_dtype,), device=dev,
-                        shape=(planned.total_q, p.num_qo_heads, p.head_dim_qk))
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in its last (head_dim) dimension")
+    _check_q(planned, q)
     if isinstance(kv, PagedKV):
-        checks.check_paged_kv(kv, num_kv_heads=p.num_kv_heads, page_size=p.page_size, head_dim_qk=p.head_dim_qk,
-                              head_dim_vo=p.head_dim_vo, dtype=p.kv_dtype, device=dev,
-                              max_page_index=planned.max_page_index)
+        _check_paged(planned, kv)
     else:
         checks.check_tensor(kv.k, "k", dtypes=(p.kv_dtype,), device=dev,
                             shape=(planned.total_kv, p.num_kv_heads, p.head_dim_qk))
@@ -104,11 +146,11 @@ def run_attention(planned: PlannedAttention, q: torch.Tensor, kv: PagedKV | Ragg
         checks.check_tensor(sinks, "sinks", dtypes=(torch.float32,), device=dev, shape=(p.num_qo_heads,))
     elif p.sinks:
         raise ValueError("the problem was planned with sinks, but run() got sinks=None")
-    out, lse = _outputs(planned, out, lse, return_lse, planned.total_q, p.num_qo_heads, p.head_dim_vo)
-    inputs = AttentionInputs(q, kv, out, lse,
-                             checks.check_run_scale(q_scale, "q_scale", dev),
-                             checks.check_run_scale(k_scale, "k_scale", dev),
-                             checks.check_run_scale(v_scale, "v_scale", dev), sinks)
+    out, lse = _outputs(planned, out, lse, return_lse)
+    if q_scale is not None or k_scale is not None or v_scale is not None:
+        q_scale, k_scale, v_scale = (checks.check_run_scale(s, n, dev) for s, n in (
+            (q_scale, "q_scale"), (k_scale, "k_scale"), (v_scale, "v_scale")))
+    inputs = AttentionInputs(q, kv, out, lse, q_scale, k_scale, v_scale, sinks)
     planned.backend.run(planned.plan, inputs)
     return (out, lse) if return_lse else out
 
@@ -126,35 +168,59 @@ def run_mla(planned: PlannedAttention, q_nope, q_pe, ckv_cache, kpe_cache, *, ou
     if planned.max_page_index >= ckv_cache.shape[0]:
         raise ValueError(f"kv_indices reference page {planned.max_page_index}, but ckv_cache has only "
                          f"{ckv_cache.shape[0]} pages")
-    out, lse = _outputs(planned, out, lse, return_lse, planned.total_q, h, ckv)
+    out, lse = _outputs(planned, out, lse, return_lse)
     inputs = MLAInputs(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, checks.check_run_scale(v_scale, "v_scale", dev))
     planned.backend.run(planned.plan, inputs)
     return (out, lse) if return_lse else out
 
 
-def paged_params(qo_indptr_h, kv_indptr, kv_indices, kv_last_page_len, kv_lens_h, device, **kw) -> AttentionParams:
-    """AttentionParams for a paged problem from checked host arrays and the device index tensors."""
-    qo_lens = (qo_indptr_h[1:] - qo_indptr_h[:-1]).tolist()
+def on_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``t`` on ``device`` (itself when already there; a host tensor is copied without a sync)."""
+    return t if t is None or t.device == device else t.to(device, non_blocking=True)
+
+
+def device_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """int32 copies of host arrays on ``device``, in one host->device transfer (views of one buffer)."""
+    if device.type == "cpu":
+        return [torch.from_numpy(a.astype(np.int32)) for a in arrays]
+    flat = torch.from_numpy(np.concatenate(arrays).astype(np.int32)).to(device, non_blocking=True)
+    views, offset = [], 0
+    for a in arrays:
+        views.append(flat[offset:offset + a.size])
+        offset += a.size
+    return views
+
+
+def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv_indptr, kv_indices,
+                 kv_last_page_len, device, qo_lens_host: list[int], **kw) -> AttentionParams:
+    """AttentionParams for a paged problem from checked host arrays (int64 numpy) and the index
+    tensors (moved to ``device`` if they are elsewhere). ``qo_indptr`` is a host array (copied
+    with the kv lengths in one transfer) or already an int32 tensor on ``device``."""
+    if isinstance(qo_indptr, np.ndarray):
+        qo_indptr, kv_lens = device_int32(device, qo_indptr, kv_lens_h)
+    else:
+        kv_lens = device_int32(device, kv_lens_h)[0]
     return AttentionParams(
-        qo_indptr=qo_indptr_h.to(device=device, dtype=torch.int32),
-        kv_indptr=kv_indptr.to(device), kv_lens=kv_lens_h.to(device=device, dtype=torch.int32),
-        qo_lens_host=qo_lens, kv_lens_host=kv_lens_h.tolist(), kv_indices=kv_indices.to(device),
-        kv_last_page_len=kv_last_page_len.to(device), **kw)
+        qo_indptr=qo_indptr, kv_indptr=on_device(kv_indptr, device), kv_lens=kv_lens, qo_lens_host=qo_lens_host,
+        kv_lens_host=kv_lens_h.tolist(), kv_indices=on_device(kv_indices, device),
+        kv_last_page_len=on_device(kv_last_page_len, device), **kw)
 
 
 INT_WORKSPACE_BYTES = 8 << 20
 
 
 class WrapperBase:
-    """What every plan()/run() wrapper shares: workspace, layout, backend request, the last plan."""
+    """What every plan()/run() wrapper shares: workspace, layout, backend request, the last plan,
+    and what stays the same from one plan() to the next (device, scalar arguments' checks)."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  backend: str = "auto", jit_args=None, jit_kwargs=None):
         checks.check_tensor(float_workspace_buffer, "float_workspace_buffer")
         if jit_args is not None or jit_kwargs is not None:
             raise Unsupported("jit_args/jit_kwargs: custom JIT attention variants are not supported by flashdispatch")
-        self._float_workspace_buffer = float_workspace_buffer
         self._device = float_workspace_buffer.device
+        self._device_info = device_of(self._device)
+        self._set_workspace(float_workspace_buffer)
         self._kv_layout = checks.check_layout(kv_layout)
         self._use_cuda_graph = bool(use_cuda_graph)
         self._backend = check_requested(backend)
@@ -162,6 +228,10 @@ class WrapperBase:
         self._base_plan: tuple | None = None
         self._variants: dict = {}
         self._int_workspace_buffer: torch.Tensor | None = None
+        self._int_workspace_bytes: torch.Tensor | None = None
+        self._scalar_key: tuple | None = None
+        self._scalar_value = None
+        self._problems: tuple[Problem | None, dict] = (None, {})
 
     @property
     def device(self) -> torch.device:
@@ -176,6 +246,28 @@ class WrapperBase:
         """The selection table of the last plan(): every backend, its verdict and why."""
         return self.decision.explain()
 
+    def _scalars(self, key: tuple, build):
+        """``build()`` (the checked scalar arguments: Problem, scales), reused while ``key`` (the
+        raw scalar arguments, compared with their types) stays what the last plan() got."""
+        key += tuple(map(type, key))
+        if key != self._scalar_key:
+            self._scalar_value = build()
+            self._scalar_key = key
+        return self._scalar_value
+
+    def _problem(self, base: Problem, **changes) -> Problem:
+        """``base.with_(**changes)``, remembered per base problem (a plan asks for the same few)."""
+        if self._problems[0] is not base:
+            self._problems = (base, {})
+        key = tuple(changes.items())
+        problem = self._problems[1].get(key)
+        if problem is None:
+            problem = self._problems[1][key] = base.with_(**changes)
+        return problem
+
+    def _plan(self, problem: Problem, params, **plan_kw) -> PlannedAttention:
+        return plan_problem(problem, self._device, params, self._backend, device=self._device_info, **plan_kw)
+
     def _set_plan(self, problem: Problem, params, **plan_kw) -> None:
         """Record what plan() checked and built, and plan the variant without lse now (errors
         surface at plan()); a run() asking for lse plans that variant once (see `_variant`)."""
@@ -186,31 +278,39 @@ class WrapperBase:
     def _variant(self, return_lse: bool) -> PlannedAttention:
         """The plan with or without lse: lse is a capability (cuDNN's GQA decode lacks it), so a
         backend is chosen for it only when a run() asks for it; each variant is planned once."""
-        if self._base_plan is None:
-            require_plan(None, type(self).__name__)
-        if return_lse not in self._variants:
+        planned = self._variants.get(return_lse)
+        if planned is None:
+            if self._base_plan is None:
+                require_plan(None, type(self).__name__)
             problem, params, plan_kw = self._base_plan
-            self._variants[return_lse] = plan_problem(problem.with_(return_lse=return_lse), self._device, params,
-                                                      self._backend, **plan_kw)
-        self._planned = self._variants[return_lse]
-        return self._planned
+            planned = self._variants[return_lse] = self._plan(self._problem(problem, return_lse=return_lse),
+                                                              params, **plan_kw)
+        self._planned = planned
+        return planned
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Replace the workspace buffer(s); takes effect at the next plan()."""
         checks.check_tensor(float_workspace_buffer, "float_workspace_buffer", device=self._device)
-        self._float_workspace_buffer = float_workspace_buffer
+        self._set_workspace(float_workspace_buffer)
         if int_workspace_buffer is not None:
             checks.check_tensor(int_workspace_buffer, "int_workspace_buffer", device=self._device)
             self._int_workspace_buffer = int_workspace_buffer
+            self._int_workspace_bytes = None
+
+    def _set_workspace(self, float_workspace_buffer: torch.Tensor) -> None:
+        self._float_workspace_buffer = float_workspace_buffer
+        self._workspace_bytes = float_workspace_buffer.view(torch.uint8).reshape(-1)
 
     def _workspace(self) -> torch.Tensor:
-        return self._float_workspace_buffer.view(torch.uint8).reshape(-1)
+        return self._workspace_bytes
 
     def _int_workspace(self) -> torch.Tensor:
         """This wrapper's own metadata buffer (8 MiB, allocated at the first plan, as FlashInfer does)."""
-        if self._int_workspace_buffer is None:
-            self._int_workspace_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
-        return self._int_workspace_buffer.view(torch.uint8).reshape(-1)
+        if self._int_workspace_bytes is None:
+            if self._int_workspace_buffer is None:
+                self._int_workspace_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+            self._int_workspace_bytes = self._int_workspace_buffer.view(torch.uint8).reshape(-1)
+        return self._int_workspace_bytes
 
 
 def fixed_buffer(buf, data: torch.Tensor, name: str) -> torch.Tensor:
@@ -223,5 +323,6 @@ def fixed_buffer(buf, data: torch.Tensor, name: str) -> torch.Tensor:
     return view
 
 
-__all__ = ["WrapperBase", "check_requested", "fixed_buffer", "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params",
-           "MLAParams", "workload_of"]
+__all__ = ["WrapperBase", "check_requested", "device_int32", "fixed_buffer", "host_workload", "on_device",
+           "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params", "MLAParams",
+           "workload_of"]

@@ -2,8 +2,10 @@
 paged and ragged batch prefill wrappers, and the cuDNN / TensorRT-LLM style entry points."""
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
 import torch
 
 from . import checks
@@ -12,35 +14,29 @@ from .decode import _split_kv_cache, _check_hnd_cache, paged_attention_from_bloc
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import WrapperBase, fixed_buffer, paged_params, run_attention
+from .planned import WrapperBase, device_int32, fixed_buffer, host_workload, on_device, paged_params, run_attention
 from .quantization import segment_packbits
 
 
-def _mask_bytes_indptr(qo_lens: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(qo_lens.numel() + 1, dtype=torch.int64)
-    out[1:] = torch.cumsum((qo_lens * kv_lens + 7) // 8, 0)
-    return out
-
-
-def _packed_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens, device):
+def _packed_mask(custom_mask, packed_custom_mask, qo_lens: np.ndarray, kv_lens: np.ndarray, device):
     """(packed uint8 mask, byte mask_indptr) from a flattened bool mask or an already packed one
     (per-request segments packed with ``segment_packbits(..., bitorder="little")``)."""
-    byte_indptr = _mask_bytes_indptr(qo_lens, kv_lens)
+    bits = qo_lens * kv_lens
     if packed_custom_mask is not None:
         checks.check_tensor(packed_custom_mask, "packed_custom_mask", ndim=1, dtypes=(torch.uint8,))
+        byte_indptr = np.concatenate([[0], np.cumsum((bits + 7) // 8)])
         if packed_custom_mask.numel() < int(byte_indptr[-1]):
             raise ValueError(f"packed_custom_mask has {packed_custom_mask.numel()} bytes, the lengths need "
                              f"{int(byte_indptr[-1])} (sum of ceil(qo_len * kv_len / 8))")
-        return packed_custom_mask.to(device), byte_indptr.to(device=device, dtype=torch.int32)
+        return on_device(packed_custom_mask, device), device_int32(device, byte_indptr)[0]
     checks.check_tensor(custom_mask, "custom_mask")
-    bits = int((qo_lens * kv_lens).sum())
-    if custom_mask.numel() != bits:
-        raise ValueError(f"custom_mask has {custom_mask.numel()} elements, expected sum(qo_len * kv_len) = {bits}")
-    bit_indptr = torch.zeros(qo_lens.numel() + 1, dtype=torch.int64)
-    bit_indptr[1:] = torch.cumsum(qo_lens * kv_lens, 0)
+    if custom_mask.numel() != int(bits.sum()):
+        raise ValueError(f"custom_mask has {custom_mask.numel()} elements, expected sum(qo_len * kv_len) = "
+                         f"{int(bits.sum())}")
+    bit_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(bits)]))
     packed, indptr = segment_packbits(custom_mask.contiguous().view(-1), bit_indptr.to(custom_mask.device),
                                       bitorder="little")
-    return packed.to(device), indptr.to(device)
+    return on_device(packed, device), on_device(indptr, device)
 
 
 class _PrefillWrapper(WrapperBase):
@@ -48,17 +44,38 @@ class _PrefillWrapper(WrapperBase):
 
     _UNSUPPORTED_PLAN_ARGS = ("prefix_len_ptr", "token_pos_in_items_ptr", "max_item_len_ptr")
 
-    def _check_unsupported(self, kwargs: dict) -> None:
-        for name in self._UNSUPPORTED_PLAN_ARGS:
-            if kwargs.get(name) is not None:
+    def _check_unsupported(self, prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
+                           max_item_len_ptr) -> None:
+        for name, value in zip(self._UNSUPPORTED_PLAN_ARGS, (prefix_len_ptr, token_pos_in_items_ptr,
+                                                             max_item_len_ptr)):
+            if value is not None:
                 raise Unsupported(f"{name}: multi-item scoring is not supported by flashdispatch")
-        if kwargs.get("token_pos_in_items_len", 0):
+        if token_pos_in_items_len:
             raise Unsupported("token_pos_in_items_len: multi-item scoring is not supported by flashdispatch")
 
-    def _problem_and_params(self, op, qo_indptr_h, kv_lens_h, *, num_qo_heads, num_kv_heads, head_dim_qk,
+    def _problem_and_params(self, op, qo_lens_h, kv_lens_h, *, num_qo_heads, num_kv_heads, head_dim_qk,
                             head_dim_vo, page_size, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
                             sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type,
                             kv_data_type, o_data_type, fixed_split_size, disable_split_kv, mask_bufs):
+        """The Problem and the params' keyword arguments; the scalar part is checked only when the
+        scalar arguments differ from the last plan()'s."""
+        masked = custom_mask is not None or packed_custom_mask is not None
+        key = (op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, masked, causal,
+               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type,
+               kv_data_type, o_data_type, fixed_split_size, disable_split_kv)
+        problem, scalars = self._scalars(key, lambda: self._check_scalars(*key))
+        packed = mask_indptr = None
+        if masked:
+            packed, mask_indptr = _packed_mask(custom_mask, packed_custom_mask, qo_lens_h, kv_lens_h, self._device)
+            if mask_bufs is not None:
+                packed = fixed_buffer(mask_bufs[0], packed, "custom_mask_buf")
+                mask_indptr = fixed_buffer(mask_bufs[1], mask_indptr, "mask_indptr_buf")
+        return problem, dict(scalars, packed_mask=packed, mask_indptr=mask_indptr, workspace=self._workspace(),
+                             int_workspace=self._int_workspace() if self._use_cuda_graph else None)
+
+    def _check_scalars(self, op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, masked, causal,
+                       pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
+                       q_data_type, kv_data_type, o_data_type, fixed_split_size, disable_split_kv):
         checks.check_heads(num_qo_heads, num_kv_heads)
         checks.check_positive_int(head_dim_qk, "head_dim_qk")
         head_dim_vo = checks.check_positive_int(head_dim_vo, "head_dim_vo") if head_dim_vo else head_dim_qk
@@ -68,25 +85,15 @@ class _PrefillWrapper(WrapperBase):
         kv_dtype = checks.as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
         o_dtype = checks.as_dtype(o_data_type, "o_data_type") if o_data_type is not None else (
             q_dtype if q_dtype.itemsize > 1 else torch.float16)
-        qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
-        packed = mask_indptr = None
-        if custom_mask is not None or packed_custom_mask is not None:
-            packed, mask_indptr = _packed_mask(custom_mask, packed_custom_mask, qo_lens, kv_lens_h, self._device)
-            if mask_bufs is not None:
-                packed = fixed_buffer(mask_bufs[0], packed, "custom_mask_buf")
-                mask_indptr = fixed_buffer(mask_bufs[1], mask_indptr, "mask_indptr_buf")
-        mask_mode = "custom" if packed is not None else ("causal" if causal else "none")
+        mask_mode = "custom" if masked else ("causal" if causal else "none")
         problem = Problem(op, q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                           page_size, self._kv_layout, mask_mode, checks.check_window_left(window_left),
                           checks.check_soft_cap(logits_soft_cap), checks.check_pos_encoding(pos_encoding_mode),
                           use_cuda_graph=self._use_cuda_graph)
-        extra = dict(sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim_qk)),
-                     rope_scale=checks.check_scale(rope_scale, "rope_scale", 1.0),
-                     rope_theta=checks.check_scale(rope_theta, "rope_theta", 1e4), packed_mask=packed,
-                     mask_indptr=mask_indptr, fixed_split_size=fixed_split_size,
-                     disable_split_kv=bool(disable_split_kv), workspace=self._workspace(),
-                     int_workspace=self._int_workspace() if self._use_cuda_graph else None)
-        return problem, extra
+        return problem, dict(sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim_qk)),
+                             rope_scale=checks.check_scale(rope_scale, "rope_scale", 1.0),
+                             rope_theta=checks.check_scale(rope_theta, "rope_theta", 1e4),
+                             fixed_split_size=fixed_split_size, disable_split_kv=bool(disable_split_kv))
 
     def run_return_lse(self, *args, **kwargs):
         """`run` with ``return_lse=True``."""
@@ -151,37 +158,43 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         ``use_fp16_qk_reduction`` only permits lower precision; results keep float32 accumulation.
         ``seq_lens``/``block_tables`` may replace the page-table arguments.
         """
-        self._check_unsupported(dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
-                                     token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr))
+        self._check_unsupported(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
         checks.check_positive_int(page_size, "page_size")
         if paged_kv_indptr is None:
             if block_tables is None or seq_lens is None:
                 raise ValueError("plan() needs paged_kv_indptr/indices/last_page_len, or block_tables with seq_lens")
-            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, _ = (
-                t.to(self._device) if isinstance(t, torch.Tensor) else t
-                for t in block_table_to_indptr(block_tables, seq_lens, page_size))
+            # host tensors: read here without a copy, moved to the device with the params
+            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, _ = block_table_to_indptr(
+                block_tables, seq_lens, page_size)
         names = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
         tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         for name, t in zip(names, tensors):
-            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
-        kv_indptr_h = checks.host_indptr(paged_kv_indptr, "paged_kv_indptr")
-        qo_indptr_h = checks.host_indptr(qo_indptr, "qo_indptr", kv_indptr_h.numel())
-        kv_lens_h = checks.paged_kv_lengths(kv_indptr_h, paged_kv_last_page_len, page_size)
-        max_page_index = checks.check_page_indices(paged_kv_indices, kv_indptr_h)
+            checks.check_index_tensor(t, name)
+        n = checks.check_indptr_length(paged_kv_indptr, "paged_kv_indptr")
+        checks.check_indptr_length(qo_indptr, "qo_indptr", n)
+        checks.check_lengths_count(paged_kv_last_page_len, "last_page_len", n - 1)
+        (kv_indptr_h, qo_indptr_h, last_h), minmax = checks.host_arrays(
+            [paged_kv_indptr, qo_indptr, paged_kv_last_page_len], paged_kv_indices)
+        pages = checks.check_indptr(kv_indptr_h, "paged_kv_indptr")
+        qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
+        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size)
+        max_page_index = checks.check_page_indices(paged_kv_indices.numel(), int(kv_indptr_h[-1]), minmax)
+        qo_param = qo_indptr_h  # copied to the device with the kv lengths, unless the graph buffer holds it
         if self._graph_buffers is not None:
             tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices[: int(kv_indptr_h[-1])], paged_kv_last_page_len)
-            qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len = (
+            qo_param, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len = (
                 fixed_buffer(b, t, n + "_buf") for b, t, n in zip(self._graph_buffers, tensors, names))
         problem, extra = self._problem_and_params(
-            "prefill_paged", qo_indptr_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            "prefill_paged", qo_lens_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, custom_mask=custom_mask,
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
-        params = paged_params(qo_indptr_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_lens_h,
-                              self._device, **extra)
-        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index)
+        params = paged_params(qo_param, kv_lens_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                              self._device, qo_lens_h.tolist(), **extra)
+        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
+                       workload=host_workload(qo_lens_h, kv_lens_h))
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
@@ -231,31 +244,33 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         """Plan ragged prefill: ``qo_indptr``/``kv_indptr`` [batch+1] int32 row offsets of q and k/v.
         Masks and the other arguments as in `BatchPrefillWithPagedKVCacheWrapper.plan`.
         ``v_indptr``/``o_indptr`` (cuDNN's separate offsets) must equal kv_indptr/qo_indptr."""
-        self._check_unsupported(dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
-                                     token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr))
+        self._check_unsupported(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
-            checks.check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
-        kv_indptr_h = checks.host_indptr(kv_indptr, "kv_indptr")
-        qo_indptr_h = checks.host_indptr(qo_indptr, "qo_indptr", kv_indptr_h.numel())
+            checks.check_index_tensor(t, name)
+        n = checks.check_indptr_length(kv_indptr, "kv_indptr")
+        checks.check_indptr_length(qo_indptr, "qo_indptr", n)
+        (kv_indptr_h, qo_indptr_h), _ = checks.host_arrays([kv_indptr, qo_indptr])
+        kv_lens_h = checks.check_indptr(kv_indptr_h, "kv_indptr")
+        qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
         for name, given, same in (("v_indptr", v_indptr, kv_indptr), ("o_indptr", o_indptr, qo_indptr)):
             if given is not None and not torch.equal(given.to(same.device), same):
                 raise Unsupported(f"{name} different from {'kv' if name[0] == 'v' else 'qo'}_indptr is not supported")
         if self._graph_buffers is not None:
             qo_indptr = fixed_buffer(self._graph_buffers[0], qo_indptr, "qo_indptr_buf")
             kv_indptr = fixed_buffer(self._graph_buffers[1], kv_indptr, "kv_indptr_buf")
-        kv_lens_h = kv_indptr_h[1:] - kv_indptr_h[:-1]
         problem, extra = self._problem_and_params(
-            "prefill_ragged", qo_indptr_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            "prefill_ragged", qo_lens_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=0, custom_mask=custom_mask,
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
-        params = AttentionParams(qo_indptr=qo_indptr.to(self._device), kv_indptr=kv_indptr.to(self._device),
-                                 kv_lens=kv_lens_h.to(device=self._device, dtype=torch.int32),
-                                 qo_lens_host=(qo_indptr_h[1:] - qo_indptr_h[:-1]).tolist(),
-                                 kv_lens_host=kv_lens_h.tolist(), **extra)
-        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), total_kv=int(kv_indptr_h[-1]))
+        params = AttentionParams(qo_indptr=on_device(qo_indptr, self._device),
+                                 kv_indptr=on_device(kv_indptr, self._device),
+                                 kv_lens=device_int32(self._device, kv_lens_h)[0],
+                                 qo_lens_host=qo_lens_h.tolist(), kv_lens_host=kv_lens_h.tolist(), **extra)
+        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), total_kv=int(kv_indptr_h[-1]),
+                       workload=host_workload(qo_lens_h, kv_lens_h))
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None, k_scale=None,
             v_scale=None, o_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -277,6 +292,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
 
     forward = run
     begin_forward = plan
+
+
+SINGLE_PREFILL_WORKSPACE_BYTES = 32 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _scratch_workspace(device: torch.device) -> torch.Tensor:
+    """A float workspace kept per CUDA device for single prefill (split-KV partials of a long KV),
+    as FlashInfer keeps one; on the CPU nothing splits, so it is empty."""
+    size = SINGLE_PREFILL_WORKSPACE_BYTES if device.type == "cuda" else 0
+    return torch.empty(size, dtype=torch.uint8, device=device)
 
 
 def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q=None, scale_k=None,
@@ -302,7 +328,7 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     checks.check_layout(kv_layout)
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
     dev = q.device
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=dev), kv_layout,
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(_scratch_workspace(dev), kv_layout,
                                                    backend=backend)
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                  q.shape[1], num_kv_heads, q.shape[2],

@@ -1,18 +1,23 @@
 """fa2 prefill kernel under the Triton interpreter (CPU): every feature against the float64 oracle.
 
 Tiny shapes (the interpreter is slow); the CPU config uses 32x16 tiles so lengths up to 200
-still cross many query and KV tiles, pages and the causal diagonal.
+still cross many query and KV tiles, pages and the causal diagonal. Split-KV tests use 16x32
+tiles, two query heads and small forced chunks (fixed_split_size, or the policy on a device
+described with a few SMs) so a few hundred keys make several chunks per query tile.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
 
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
 from flashdispatch.backends.common import TRITON_INTERPRETED
-from flashdispatch.backends.fa2.prefill import (CONFIG_ENV, PREFILL_CAPS, PrefillConfig, config_from_env,
-                                                default_config, plan_prefill, prefill_extra_checks)
+from flashdispatch.backends.fa2.prefill import (CONFIG_ENV, PREFILL_CAPS, PrefillConfig, balanced_chunks,
+                                                config_from_env, default_config, fixed_chunks, plan_prefill,
+                                                policy_splits, prefill_extra_checks, tile_ranges)
 from flashdispatch.dispatch.caps import check_caps
 from flashdispatch.dispatch.reasons import Unsupported
 from oracle import assert_close, make_paged_case, make_ragged_case
@@ -182,11 +187,17 @@ def test_config_override(monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, "64,16,4,2")
     assert config_from_env(base) == PrefillConfig(64, 16, 4, 2)
     check(case)  # planned with the env config
+    monkeypatch.setenv(CONFIG_ENV, "ctas_per_sm=4,min_chunk_tokens=256,max_splits=8")
+    assert config_from_env(base) == replace(base, ctas_per_sm=4, min_chunk_tokens=256, max_splits=8)
+    monkeypatch.setenv(CONFIG_ENV, "min_chunk_tokens=0")
+    with pytest.raises(ValueError, match="min_chunk_tokens"):
+        config_from_env(base)
     monkeypatch.setenv(CONFIG_ENV, "block_m=24")
     with pytest.raises(ValueError, match=CONFIG_ENV):
         config_from_env(base)
     monkeypatch.delenv(CONFIG_ENV)
-    check(make_ragged_case(qo_lens=[40], kv_lens=[70], mask_mode="causal", head_dim_qk=64), config=PrefillConfig(16, 64, 4, 1))
+    check(make_ragged_case(qo_lens=[40], kv_lens=[70], mask_mode="causal", head_dim_qk=64),
+          config=PrefillConfig(16, 64, 4, 1))
 
 
 def test_caps_and_extra_checks():
@@ -199,3 +210,162 @@ def test_caps_and_extra_checks():
     assert "head_dim" in codes and "q_len_per_req" in codes
     assert PREFILL_CAPS.min_cc == (8, 0) and "cpu" in PREFILL_CAPS.device_types
     assert PREFILL_CAPS.page_sizes == frozenset(range(1, 129))
+
+
+# --- split-KV ---------------------------------------------------------------------------------
+SPLIT_CFG = PrefillConfig(16, 32, 4, 1, min_chunk_tokens=64)
+WORKSPACE_BYTES = 1 << 21
+
+
+def plan_split(case, fixed=None, config=SPLIT_CFG, workspace_bytes=WORKSPACE_BYTES, device=None):
+    case.params.fixed_split_size = fixed
+    case.params.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8) if workspace_bytes else None
+    return plan_prefill(case.problem, device or case.device, case.params, config)
+
+
+def check_split(case, fixed, tol=None):
+    """Run with fixed_split_size=``fixed`` (some tile must be split) and compare with the oracle."""
+    plan = plan_split(case, fixed)
+    assert plan.n_merge > 0
+    plan.run(case.inputs)
+    ref_out, ref_lse = case.oracle()
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol or DEFAULT_TOLERANCE[case.problem.q_dtype])
+    return ref_out, ref_lse
+
+
+SPLIT_LENS = dict(qo_lens=[3, 20, 0, 9], kv_lens=[150, 400, 5, 220])
+H2 = dict(num_qo_heads=2, num_kv_heads=1)
+# name: (paged page size or 0 for ragged, fixed_split_size, case options); chunk sizes are mostly
+# not multiples of BLOCK_N=32, so chunk edges fall inside KV tiles
+SPLIT_FEATURES = {
+    "causal_hnd": (16, 5, dict(mask_mode="causal", kv_layout="HND")),
+    "window_causal": (0, 100, dict(mask_mode="causal", window_left=70)),
+    "window_only": (7, 9, dict(window_left=150)),
+    "soft_cap_alibi": (0, 64, dict(mask_mode="causal", logits_soft_cap=2.5, sm_scale=0.6,
+                                   pos_encoding_mode="ALIBI")),
+    "rope": (16, 4, dict(mask_mode="causal", pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e3)),
+    "sinks": (0, 90, dict(mask_mode="causal", sinks=True)),
+    "fp8_scales": (16, 6, dict(mask_mode="causal", q_dtype=F16, kv_dtype=torch.float8_e4m3fn, q_scale=0.5,
+                               k_scale=torch.tensor([0.7]), v_scale=torch.tensor(1.3))),
+    "custom_window": (0, 100, dict(mask_mode="custom", window_left=120, pos_encoding_mode="ALIBI")),
+    "no_lse": (16, 5, dict(return_lse=False, v_scale=0.3)),
+    "everything": (0, 77, dict(mask_mode="causal", window_left=150, logits_soft_cap=4.0, sinks=True,
+                               pos_encoding_mode="ROPE_LLAMA", k_scale=0.8, v_scale=torch.tensor([2.0]))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_FEATURES))
+def test_split_features(name):
+    page, fixed, feats = SPLIT_FEATURES[name]
+    if page:
+        case = make_paged_case(page_size=page, seed=5, **SPLIT_LENS, **H2, **feats)
+    else:
+        case = make_ragged_case(seed=6, **SPLIT_LENS, **H2, **feats)
+    check_split(case, fixed, tol=DEFAULT_TOLERANCE[F16] if name == "fp8_scales" else None)
+
+
+def test_split_qk_vo_192_128():
+    check_split(make_ragged_case(qo_lens=[5, 18], kv_lens=[300, 200], head_dim_qk=192, head_dim_vo=128,
+                                 mask_mode="causal", **H2), 100)
+
+
+def test_split_rows_that_see_nothing():
+    """Rows masked out of some chunks get -inf partials the merge ignores; rows masked out of every
+    chunk (custom mask, causal rows before the first key) stay exactly 0 with lse -inf."""
+    gen = torch.Generator().manual_seed(7)
+    masks = [torch.rand(6, 400, generator=gen) < 0.5, torch.zeros(4, 150, dtype=torch.bool)]
+    masks[0][2] = False
+    masks[0][4] = False
+    masks[0][4, 300:310] = True  # one chunk only
+    _, ref_lse = check_split(make_ragged_case(qo_lens=[6, 4], kv_lens=[400, 150], mask_mode="custom",
+                                              custom_masks=masks, **H2), 64)
+    assert torch.isinf(ref_lse[2]).all() and torch.isinf(ref_lse[6:]).all()
+    _, ref_lse = check_split(make_ragged_case(qo_lens=[16], kv_lens=[10], mask_mode="causal", **H2), 3)
+    assert torch.isinf(ref_lse[:6]).all()
+    # with a sink (carried by chunk 0 only) those rows get out 0 and lse = the sink
+    _, ref_lse = check_split(make_ragged_case(qo_lens=[16], kv_lens=[10], mask_mode="causal", sinks=True, **H2), 3)
+    assert torch.isfinite(ref_lse).all()
+
+
+def test_split_policy_equals_no_split():
+    """The occupancy policy splits on a device with few SMs; the result matches the oracle and the
+    unsplit run. CPU (no SM count), no workspace, disable_split_kv and CUDA-graph mode never split."""
+    case = make_ragged_case(qo_lens=[20], kv_lens=[600], mask_mode="causal", sinks=True, seed=8, **H2)
+    few_sms = dataclasses.replace(case.device, sm_count=4)
+    plan = plan_split(case, device=few_sms)
+    assert plan.n_merge == 20 and plan.num_items == 4  # 2 tiles x 2 chunks
+    plan.run(case.inputs)
+    out_split, lse_split = case.inputs.out.clone(), case.inputs.lse.clone()
+    assert_close(out_split, lse_split, *case.oracle(), DEFAULT_TOLERANCE[F32])
+    assert plan_split(case).n_merge == 0
+    assert plan_split(case, workspace_bytes=0, device=few_sms).n_merge == 0
+    case.params.disable_split_kv = True
+    plan = plan_split(case, fixed=4, device=few_sms)
+    assert plan.n_merge == 0
+    plan.run(case.inputs)
+    torch.testing.assert_close(case.inputs.out, out_split, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(case.inputs.lse, lse_split, atol=1e-5, rtol=1e-5)
+    case.params.disable_split_kv = False
+    case.problem = case.problem.with_(use_cuda_graph=True)
+    case.params.int_workspace = torch.zeros(1 << 16, dtype=torch.uint8)
+    assert plan_split(case, fixed=4, device=few_sms).n_merge == 0
+
+
+def test_split_batch_invariance():
+    """fixed_split_size: a request's output is bitwise the same in another batch (other requests, order)."""
+    big = make_paged_case(qo_lens=[5, 12, 18], kv_lens=[150, 300, 200], page_size=16, mask_mode="causal",
+                          seed=9, **H2)
+    plan_split(big, fixed=5).run(big.inputs)
+    prm, inp = big.params, big.inputs
+    qo, pages = prm.qo_indptr.tolist(), prm.kv_indptr.tolist()
+    keep = [2, 1]  # another batch: request 2, then request 1
+    rows = torch.cat([torch.arange(qo[b], qo[b + 1]) for b in keep])
+    counts = [pages[b + 1] - pages[b] for b in keep]
+    sub_prm = dataclasses.replace(
+        prm, qo_lens_host=[prm.qo_lens_host[b] for b in keep], kv_lens_host=[prm.kv_lens_host[b] for b in keep],
+        qo_indptr=torch.tensor([0, *torch.tensor([qo[b + 1] - qo[b] for b in keep]).cumsum(0)], dtype=torch.int32),
+        kv_indptr=torch.tensor([0, *torch.tensor(counts).cumsum(0)], dtype=torch.int32),
+        kv_indices=torch.cat([prm.kv_indices[pages[b]:pages[b + 1]] for b in keep]),
+        kv_lens=prm.kv_lens[keep], kv_last_page_len=prm.kv_last_page_len[keep])
+    sub = dataclasses.replace(big, params=sub_prm, inputs=dataclasses.replace(
+        inp, q=inp.q[rows], out=torch.full_like(inp.out[rows], float("nan")),
+        lse=torch.full_like(inp.lse[rows], float("nan"))))
+    plan = plan_split(sub, fixed=5)
+    assert plan.n_merge > 0
+    plan.run(sub.inputs)
+    assert torch.equal(sub.inputs.out, inp.out[rows]) and torch.equal(sub.inputs.lse, inp.lse[rows])
+
+
+def test_split_workspace_and_out_errors():
+    case = make_ragged_case(qo_lens=[20], kv_lens=[300], mask_mode="causal", **H2)
+    with pytest.raises(ValueError, match=r"float_workspace_buffer too small: 1000 bytes.* needs \d+ bytes"):
+        plan_split(case, fixed=50, workspace_bytes=1000)
+    with pytest.raises(ValueError, match="float_workspace_buffer too small: 0 bytes"):
+        plan_split(case, fixed=50, workspace_bytes=0)
+    plan = plan_split(case, fixed=50)
+    assert plan.workspace_bytes <= WORKSPACE_BYTES
+    case.inputs.out = torch.zeros(20, 2, 64)[..., ::2]
+    with pytest.raises(ValueError, match="contiguous head_dim"):
+        plan.run(case.inputs)
+
+
+def test_split_chunking_rules():
+    """Chunks cover the visible range exactly, none empty; the policy splits few long tiles only."""
+    for lo, hi, n in [(0, 600, 4), (37, 520, 3), (100, 133, 2), (5, 6, 3)]:
+        chunks = balanced_chunks(lo, hi, n, 32)
+        assert chunks[0][0] == lo and chunks[-1][1] == hi and len(chunks) <= n
+        assert all(a < z for a, z in chunks) and all(z == a2 for (_, z), (a2, _) in zip(chunks, chunks[1:]))
+        assert all(a % 32 == 0 for a, _ in chunks[1:])
+    assert fixed_chunks(150, 330, 400, 100) == [(100, 200), (200, 300), (300, 400)]
+    assert fixed_chunks(7, 7, 400, 100) == [(0, 400)]
+    # causal tiles see keys up to their last row, window tiles from their first row's window start
+    tiles = tile_ranges([40, 12], [300, 5], 16, True, 50)
+    assert [t[4:] for t in tiles] == [(210, 276), (226, 292), (242, 300), (0, 5)]
+    cfg = PrefillConfig(128, 128, 8, 3)
+    # one request of 128 new tokens over 32k (H200: 132 SMs, 32 heads): 8 chunks per tile
+    assert policy_splits([32768], 32, cfg, 132) == [8]
+    # 4 x 64 new tokens over 16k: 2 chunks each; a full GPU (300 tiles) or short KV: none
+    assert policy_splits([16384] * 4, 32, cfg, 132) == [2] * 4
+    assert policy_splits([32768] * 300, 32, cfg, 132) is None
+    assert policy_splits([600], 32, cfg, 132) is None
+    assert policy_splits([32768], 32, cfg, 0) is None

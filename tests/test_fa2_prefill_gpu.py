@@ -1,5 +1,7 @@
 """fa2 prefill on a CUDA GPU: feature x shape grid in bf16/fp16 against the reference backend,
-lse, fp8 KV, and CUDA-graph capture replayed after re-plans (run with ``pytest -m gpu``)."""
+lse, fp8 KV, CUDA-graph capture replayed after re-plans, and split-KV (the occupancy policy on few
+query tiles over long KV, fixed_split_size with every feature, batch invariance); run with
+``pytest -m gpu``."""
 from __future__ import annotations
 
 import dataclasses
@@ -143,3 +145,95 @@ def test_cuda_graph_replay_after_replan():
         nq = sum(qo)
         ref_out, ref_lse = reference(case)
         assert_close(bufs["out"][:nq], bufs["lse"][:nq], ref_out, ref_lse, DEFAULT_TOLERANCE[BF16])
+
+
+# --- split-KV ---------------------------------------------------------------------------------
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+
+
+def run_split(case, fixed=None, disable=False):
+    """Plan with a 128 MiB float workspace (and fixed_split_size / disable_split_kv) and run."""
+    case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    case.params.fixed_split_size = fixed
+    case.params.disable_split_kv = disable
+    plan = plan_prefill(case.problem, case.device, case.params)
+    plan.run(case.inputs)
+    torch.cuda.synchronize()
+    return plan
+
+
+SPLIT_SHAPES = {
+    "one_128_over_32k": dict(qo_lens=[128], kv_lens=[32768]),
+    "four_64_over_16k": dict(qo_lens=[64] * 4, kv_lens=[16384] * 4),
+    "mixed_short_q": dict(qo_lens=[1, 17, 200], kv_lens=[9000, 20000, 4000]),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SPLIT_SHAPES))
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_split_policy_shapes(shape, kind):
+    """32 heads x a few query tiles leave most SMs idle: the policy splits, the result matches the
+    reference and the unsplit run."""
+    kw = dict(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, q_dtype=BF16, mask_mode="causal",
+              device="cuda", **SPLIT_SHAPES[shape])
+    case = make_paged_case(page_size=16, **kw) if kind == "paged" else make_ragged_case(**kw)
+    plan = run_split(case)
+    assert plan.n_merge > 0
+    ref_out, ref_lse = reference(case)
+    tol = DEFAULT_TOLERANCE[BF16]
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
+    split_out, split_lse = case.inputs.out.clone(), case.inputs.lse.clone()
+    case.inputs.out.fill_(float("nan"))
+    case.inputs.lse.fill_(float("nan"))
+    assert run_split(case, disable=True).n_merge == 0
+    assert_close(case.inputs.out, case.inputs.lse, split_out.float(), split_lse, tol)
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_split_features(feature):
+    """fixed_split_size=37 pages (592 tokens: chunk edges inside KV tiles) with every feature."""
+    extra = dict(k_scale=torch.tensor([0.5], device="cuda")) if feature == "sinks_scales" else {}
+    case = make_paged_case(page_size=16, num_qo_heads=8, num_kv_heads=2, head_dim_qk=128, q_dtype=BF16,
+                           device="cuda", qo_lens=[16, 3, 130, 0], kv_lens=[3000, 1999, 4096, 7],
+                           **FEATURES[feature], **extra)
+    assert run_split(case, fixed=37).n_merge > 0
+    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[BF16])
+
+
+@pytest.mark.parametrize("feature", ["causal", "window", "rope", "custom"])
+@pytest.mark.parametrize("dims", [(64, 64), (256, 256), (192, 128)])
+def test_split_ragged_dims(feature, dims):
+    case = make_ragged_case(qo_lens=[5, 70], kv_lens=[2500, 3333], head_dim_qk=dims[0], head_dim_vo=dims[1],
+                            num_qo_heads=4, num_kv_heads=2, q_dtype=F16, device="cuda", **FEATURES[feature])
+    assert run_split(case, fixed=100).n_merge > 0
+    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[F16])
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_split_fp8_kv(fp8):
+    case = make_paged_case(qo_lens=[64, 9], kv_lens=[9000, 5000], page_size=16, num_qo_heads=8, num_kv_heads=2,
+                           head_dim_qk=128, q_dtype=BF16, kv_dtype=fp8, mask_mode="causal", sinks=True,
+                           k_scale=torch.tensor(0.8, device="cuda"), v_scale=1.2, device="cuda")
+    assert run_split(case).n_merge > 0
+    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[fp8])
+
+
+def test_split_batch_invariance():
+    """fixed_split_size: request 1 gives bitwise the same out/lse alone and in the batch."""
+    big = make_paged_case(qo_lens=[40, 100, 700], kv_lens=[5000, 12000, 3000], page_size=16, num_qo_heads=8,
+                          num_kv_heads=2, head_dim_qk=128, q_dtype=BF16, mask_mode="causal", device="cuda", seed=3)
+    run_split(big, fixed=64)
+    prm, inp = big.params, big.inputs
+    qo, pages = prm.qo_indptr.tolist(), prm.kv_indptr.tolist()
+    i32 = dict(dtype=torch.int32, device="cuda")
+    sub_prm = dataclasses.replace(
+        prm, qo_lens_host=[prm.qo_lens_host[1]], kv_lens_host=[prm.kv_lens_host[1]],
+        qo_indptr=torch.tensor([0, qo[2] - qo[1]], **i32), kv_indptr=torch.tensor([0, pages[2] - pages[1]], **i32),
+        kv_indices=prm.kv_indices[pages[1]:pages[2]], kv_lens=prm.kv_lens[1:2],
+        kv_last_page_len=prm.kv_last_page_len[1:2])
+    rows = slice(qo[1], qo[2])
+    sub = dataclasses.replace(big, params=sub_prm, inputs=dataclasses.replace(
+        inp, q=inp.q[rows], out=torch.full_like(inp.out[rows], float("nan")),
+        lse=torch.full_like(inp.lse[rows], float("nan"))))
+    assert run_split(sub, fixed=64).n_merge > 0
+    assert torch.equal(sub.inputs.out, inp.out[rows]) and torch.equal(sub.inputs.lse, inp.lse[rows])

@@ -2,10 +2,13 @@
 
 plan_prefill() builds the work list once on the host (one item per BLOCK_M query rows of a
 request, heaviest first), copies it to the device and fixes the grid; PrefillPlan.run() only
-reads strides and launches. With ``use_cuda_graph`` the list lives at fixed offsets of the
-wrapper's int workspace and a fixed number of persistent programs stride over it, so a captured
-run() replays correctly after a re-plan of a same-shaped problem. The kernel is in
-prefill_kernels.py.
+reads strides and launches. Split-KV: when the query tiles x heads are far below what fills the
+GPU and the KV is long, or when ``fixed_split_size`` asks for it, a tile's visible KV range is cut
+into chunks, one work item per (tile, chunk); the chunks' fp32 partial states go to the float
+workspace and fa2's merge kernel (merge.py) combines them per query row. With ``use_cuda_graph``
+the list lives at fixed offsets of the wrapper's int workspace and a fixed number of persistent
+programs stride over it, so a captured run() replays correctly after a re-plan of a same-shaped
+problem; split-KV is off in that mode. The kernel is in prefill_kernels.py.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import triton.language as tl
 
@@ -21,7 +25,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from ..common import TRITON_INTERPRETED, alibi_slopes
-from .prefill_kernels import fa2_prefill_kernel
+from .merge import MERGE_INFO_COLS, launch_decode_merge
+from .prefill_kernels import WORK_COLS, fa2_prefill_kernel
 
 _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
@@ -43,17 +48,22 @@ CONFIG_ENV = "FLASHDISPATCH_FA2_PREFILL_CONFIG"
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # CUDA-graph mode: item count at byte 0 of the int workspace, the items from byte _GRAPH_ITEMS_AT.
 _GRAPH_ITEMS_AT = 256
-_ITEM_INTS = 4
+_ALIGN = 256  # byte alignment of the partial-output region of the float workspace
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tile shape and launch parameters of the prefill kernel."""
+    """Tile shape and launch parameters of the prefill kernel, and the split-KV policy knobs:
+    ctas_per_sm (programs per SM the policy aims for), min_chunk_tokens (shortest KV chunk it
+    cuts), max_splits (most chunks of one query tile)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    ctas_per_sm: int = 2
+    min_chunk_tokens: int = 512
+    max_splits: int = 32
 
     def validate(self) -> "PrefillConfig":
         for name in ("block_m", "block_n"):
@@ -62,6 +72,9 @@ class PrefillConfig:
                 raise ValueError(f"fa2 prefill {name}={v}: must be a power of two >= 16")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"fa2 prefill config {self}: num_warps in {{1,2,4,8,16}}, num_stages >= 1")
+        for name in ("ctas_per_sm", "min_chunk_tokens", "max_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"fa2 prefill {name}={getattr(self, name)}: must be >= 1")
         return self
 
 
@@ -84,7 +97,7 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
 
 def config_from_env(base: PrefillConfig) -> PrefillConfig:
     """Apply FLASHDISPATCH_FA2_PREFILL_CONFIG: ``block_m=128,block_n=64,num_warps=8,num_stages=3``
-    (any subset) or the four numbers ``128,64,8,3``."""
+    (any subset of the fields, split knobs included) or the four numbers ``128,64,8,3``."""
     text = os.environ.get(CONFIG_ENV, "").strip()
     if not text:
         return base
@@ -107,18 +120,82 @@ def prefill_extra_checks(problem: Problem, device: Device) -> list[Reason]:
     return []
 
 
-def build_work_list(qo_lens: list[int], kv_lens: list[int], block_m: int, causal: bool,
-                    window_left: int) -> list[tuple[int, int, int, int]]:
-    """(request, first row, qo_len, kv_len) per BLOCK_M query rows, most KV work first."""
-    items = []
+def tile_ranges(qo_lens: list[int], kv_lens: list[int], block_m: int, causal: bool,
+                window_left: int) -> list[tuple[int, int, int, int, int, int]]:
+    """(request, first row, qo_len, kv_len, first visible key, end of visible keys) per BLOCK_M
+    query rows: the keys any row of the tile can see under causal and window bounds."""
+    tiles = []
     for req, (q, k) in enumerate(zip(qo_lens, kv_lens)):
         for m0 in range(0, q, block_m):
             p_min, p_max = m0 + k - q, min(m0 + block_m, q) - 1 + k - q
-            hi = min(k, p_max + 1) if causal else k
-            lo = max(0, p_min - window_left) if window_left >= 0 else 0
-            items.append((max(hi - lo, 0), req, m0, q, k))
+            hi = max(min(k, p_max + 1), 0) if causal else k
+            lo = min(max(0, p_min - window_left), hi) if window_left >= 0 else 0
+            tiles.append((req, m0, q, k, lo, hi))
+    return tiles
+
+
+def policy_splits(works: list[int], heads: int, cfg: PrefillConfig, sm_count: int) -> list[int] | None:
+    """Chunks per query tile when (tiles x heads) programs leave the GPU idle, else None.
+
+    Each tile gets a share of ``sm_count * ctas_per_sm`` programs proportional to its visible
+    KV tokens (rounded), with chunks of at least ``min_chunk_tokens`` and at most ``max_splits``.
+    """
+    target = sm_count * cfg.ctas_per_sm
+    total = sum(works)
+    if target == 0 or total == 0 or len(works) * heads >= target:
+        return None
+    per_token = target / (heads * total)  # programs per visible KV token of one head
+    splits = [max(1, min(cfg.max_splits, w // cfg.min_chunk_tokens, round(w * per_token))) for w in works]
+    return splits if max(splits) > 1 else None
+
+
+def balanced_chunks(lo: int, hi: int, n: int, block_n: int) -> list[tuple[int, int]]:
+    """[lo, hi) in at most ``n`` chunks of equal length, starting and ending on BLOCK_N
+    boundaries (except the first start and the last end), none empty."""
+    start = lo // block_n * block_n
+    per_chunk = -(-(hi - start) // n)
+    size = -(-per_chunk // block_n) * block_n
+    return [(max(a, lo), min(a + size, hi)) for a in range(start, hi, size)]
+
+
+def fixed_chunks(lo: int, hi: int, kv_len: int, chunk: int) -> list[tuple[int, int]]:
+    """The chunks [j * chunk, (j + 1) * chunk) that meet [lo, hi): fixed positions, so a request's
+    result does not depend on the rest of the batch."""
+    if hi <= lo:
+        return [(0, kv_len)]
+    return [(j * chunk, min((j + 1) * chunk, kv_len)) for j in range(lo // chunk, (hi - 1) // chunk + 1)]
+
+
+@dataclass
+class WorkList:
+    """items [n, WORK_COLS] int32 (heaviest first); merge [m, MERGE_INFO_COLS] int32, one row per
+    query row whose tile is split: (output row, first partial row, chunks, 0)."""
+
+    items: np.ndarray
+    merge: np.ndarray
+    partial_rows: int
+
+
+def build_work_list(tiles, chunks_of, block_m: int, qo_starts: list[int]) -> WorkList:
+    """One item per (tile, chunk); ``chunks_of(tile index)`` gives the tile's chunks [(kv_lo, kv_hi)].
+    A tile with one chunk is written to out/lse directly; query row i of a split tile owns the
+    partial rows base + i * chunks + c."""
+    items, merge, part_rows = [], [], 0
+    for t, (req, m0, q, k, lo, hi) in enumerate(tiles):
+        chunks = chunks_of(t)
+        if len(chunks) <= 1:
+            items.append((hi - lo, req, m0, q, k, 0, k, -1, 0, 1))
+            continue
+        n, rows = len(chunks), np.arange(min(block_m, q - m0))
+        for c, (a, z) in enumerate(chunks):
+            items.append((min(z, hi) - max(a, lo), req, m0, q, k, a, z, part_rows, c, n))
+        merge.append(np.stack([qo_starts[req] + m0 + rows, part_rows + rows * n, np.full_like(rows, n),
+                               np.zeros_like(rows)], 1))
+        part_rows += len(rows) * n
     items.sort(key=lambda it: -it[0])
-    return [it[1:] for it in items]
+    return WorkList(np.array([it[1:] for it in items], dtype=np.int32).reshape(-1, WORK_COLS),
+                    np.concatenate(merge).astype(np.int32) if merge else np.zeros((0, MERGE_INFO_COLS), np.int32),
+                    part_rows)
 
 
 def _scale_arg(scale, dummy: torch.Tensor) -> tuple[float, torch.Tensor, bool]:
@@ -138,36 +215,88 @@ class PrefillPlan:
     def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig):
         self.problem, self.params, self.config = problem, params, config
         self.paged = problem.op == "prefill_paged"
-        dev = params.qo_indptr.device
-        items = build_work_list(params.qo_lens_host, params.kv_lens_host, config.block_m,
-                                problem.mask_mode == "causal", problem.window_left)
-        self.num_items = len(items)
-        flat = torch.tensor([v for it in items for v in it] or [0], dtype=torch.int32)
-        if problem.use_cuda_graph:
-            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev)
-            self.grid = (max(device.sm_count, 4) * 2,)
-        else:
-            self.work = flat.to(dev)
-            self.num_work = self.work
-            self.grid = (self.num_items * problem.num_qo_heads,)
-        self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
         if problem.mask_mode == "custom" and (params.packed_mask is None or params.mask_indptr is None):
             raise ValueError("fa2 prefill: mask_mode='custom' needs packed_mask and mask_indptr")
         if self.paged and params.kv_indices is None:
             raise ValueError("fa2 prefill: paged KV needs kv_indices")
+        dev = params.qo_indptr.device
+        tiles = tile_ranges(params.qo_lens_host, params.kv_lens_host, config.block_m,
+                            problem.mask_mode == "causal", problem.window_left)
+        qo_starts = np.cumsum([0, *params.qo_lens_host]).tolist()
+        work = build_work_list(tiles, self._chunking(tiles, device, params), config.block_m, qo_starts)
+        self.num_items, self.n_merge, self.partial_rows = len(work.items), len(work.merge), work.partial_rows
+        self.workspace_bytes = self._carve_partials(params.workspace)
+        if problem.use_cuda_graph:
+            flat = torch.from_numpy(work.items.ravel())
+            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev)
+            self.info = None
+            self.grid = (max(device.sm_count, 4) * 2,)
+        else:
+            host = torch.from_numpy(np.concatenate([work.items.ravel(), work.merge.ravel()]))
+            if dev.type == "cuda":
+                host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
+            meta = host.to(dev, non_blocking=True)
+            self.work = self.num_work = meta[:work.items.size]
+            self.info = meta[work.items.size:]
+            self.grid = (self.num_items * problem.num_qo_heads,)
+        self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
+
+    def _chunking(self, tiles, device: Device, params: AttentionParams):
+        """chunks_of(tile index) -> [(kv_lo, kv_hi)]: fixed_split_size chunks (KV tokens for ragged,
+        pages for paged KV), the occupancy policy's chunks (needs the SM count and a float
+        workspace), or the whole KV; never split with disable_split_kv or in CUDA-graph mode."""
+        p, cfg = self.problem, self.config
+
+        def whole(t):
+            return [(0, tiles[t][3])]
+
+        ws = params.workspace
+        if params.disable_split_kv or p.use_cuda_graph:
+            return whole
+        if params.fixed_split_size is not None:
+            size = params.fixed_split_size * (p.page_size if self.paged else 1)
+            return lambda t: fixed_chunks(tiles[t][4], tiles[t][5], tiles[t][3], size)
+        if ws is None or ws.numel() == 0:
+            return whole
+        splits = policy_splits([hi - lo for *_, lo, hi in tiles], p.num_qo_heads, cfg, device.sm_count)
+        if splits is None:
+            return whole
+        return lambda t: (balanced_chunks(tiles[t][4], tiles[t][5], splits[t], cfg.block_n)
+                          if splits[t] > 1 else whole(t))
+
+    def _carve_partials(self, workspace: torch.Tensor | None) -> int:
+        """Views of the float workspace for the partial lse [rows, heads] and outputs
+        [rows, heads, head_dim_vo] (fp32, at offset 0: run() scratch); returns the bytes used."""
+        heads, dim = self.problem.num_qo_heads, self.problem.head_dim_vo
+        n = self.partial_rows * heads
+        self.po = self.plse = None
+        if n == 0:
+            return 0
+        lse_bytes = -(-n * 4 // _ALIGN) * _ALIGN
+        need = lse_bytes + n * dim * 4
+        have = 0 if workspace is None else workspace.numel() * workspace.element_size()
+        if need > have:
+            raise ValueError(f"float_workspace_buffer too small: {have} bytes, this fa2 prefill plan needs {need} "
+                             f"bytes for {self.partial_rows} split-KV partial rows x {heads} heads x "
+                             f"({dim} + 1) float32; pass a larger float_workspace_buffer, a larger "
+                             "fixed_split_size or disable_split_kv=True")
+        ws = workspace.view(torch.uint8).reshape(-1)
+        self.plse = ws[:n * 4].view(torch.float32)
+        self.po = ws[lse_bytes:need].view(torch.float32)
+        return need
 
     def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device):
         """Write the item count and list at fixed offsets of the wrapper's int workspace."""
         if workspace is None:
             raise ValueError("fa2 prefill: use_cuda_graph needs the wrapper's int workspace")
-        capacity = (workspace.numel() * workspace.element_size() - _GRAPH_ITEMS_AT) // (4 * _ITEM_INTS)
-        if self.num_items > capacity:
-            raise ValueError(f"fa2 prefill: {self.num_items} work items need "
-                             f"{_GRAPH_ITEMS_AT + 16 * self.num_items} int workspace bytes, the int workspace has "
-                             f"{workspace.numel() * workspace.element_size()}")
+        have = workspace.numel() * workspace.element_size()
+        need = _GRAPH_ITEMS_AT + 4 * flat.numel()
+        if need > have:
+            raise ValueError(f"fa2 prefill: {self.num_items} work items need {need} int workspace bytes, "
+                             f"the int workspace has {have}")
         ws = workspace.view(torch.uint8).reshape(-1)
         count = ws[:4].view(torch.int32)
-        work = ws[_GRAPH_ITEMS_AT:_GRAPH_ITEMS_AT + 4 * flat.numel()].view(torch.int32)
+        work = ws[_GRAPH_ITEMS_AT:need].view(torch.int32)
         count.copy_(torch.tensor([self.num_items], dtype=torch.int32))
         work.copy_(flat)
         return work, count
@@ -177,6 +306,9 @@ class PrefillPlan:
         q, out = inputs.q, inputs.out
         if self.grid[0] == 0:
             return
+        if self.n_merge and out.stride(2) != 1:
+            raise ValueError(f"fa2 prefill with split-KV needs out with a contiguous head_dim (strides "
+                             f"{tuple(out.stride())}); pass a contiguous out or plan with disable_split_kv=True")
         kv = inputs.kv
         if self.paged:
             if not isinstance(kv, PagedKV):
@@ -204,7 +336,8 @@ class PrefillPlan:
         custom = p.mask_mode == "custom"
         head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
         fa2_prefill_kernel[self.grid](
-            q, k, v, out, lse if lse is not None else out, self.work, self.num_work,
+            q, k, v, out, lse if lse is not None else out,
+            self.po if self.n_merge else out, self.plse if self.n_merge else out, self.work, self.num_work,
             prm.qo_indptr, prm.kv_indptr, kv_indices,
             prm.packed_mask if custom else prm.qo_indptr, prm.mask_indptr if custom else prm.qo_indptr,
             inputs.sinks if inputs.sinks is not None else prm.qo_indptr,
@@ -220,9 +353,11 @@ class PrefillPlan:
             CAUSAL=p.mask_mode == "causal", CUSTOM_MASK=custom, WINDOW=p.window_left >= 0,
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
             ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=inputs.sinks is not None,
-            HAS_LSE=lse is not None, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t,
+            HAS_LSE=lse is not None, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
             PERSISTENT=p.use_cuda_graph, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        if self.n_merge:
+            launch_decode_merge(self.po, self.plse, out, lse, self.info, self.n_merge, 1)
 
 
 def plan_prefill(problem: Problem, device: Device, params: AttentionParams,

@@ -1,12 +1,16 @@
 """Triton FlashAttention-2 style prefill kernel (paged or ragged KV), read top to bottom.
 
 One program computes one (work item, query head) pair: a tile of BLOCK_M query rows of one
-request against that request's KV, walked in BLOCK_N tiles with an online softmax in base 2
-(log2(e) is folded into the score scale, so only exp2 is used). A work item is four int32:
-(request id, first query row of the tile inside the request, qo_len, kv_len); plan() builds
-the list on the host. The KV range of a tile is split into three loops: masked tiles left of
-the fully visible band (sliding window), the unmasked band, masked tiles on the right
-(causal diagonal, KV end). Every feature is a tl.constexpr, so a feature that is off costs
+request against one chunk [kv_lo, kv_hi) of that request's KV (the whole KV unless split),
+walked in BLOCK_N tiles with an online softmax in base 2 (log2(e) is folded into the score
+scale, so only exp2 is used). A work item is `WORK_COLS` int32 that plan() builds on the host:
+(request, first query row of the tile inside the request, qo_len, kv_len, kv_lo, kv_hi,
+partial base, chunk, chunks). Partial base -1: the program writes out/lse. Otherwise (split-KV)
+query row i of the tile writes its fp32 output and base-2 lse to partial row
+base + i * chunks + chunk of the workspace, the merge kernel (merge.py) combines them, and only
+chunk 0 carries the sink. The KV range of a tile is three loops: masked tiles left of the fully
+visible band (sliding window, chunk start), the unmasked band, masked tiles on the right (causal
+diagonal, chunk end, KV end). Every feature is a tl.constexpr, so a feature that is off costs
 nothing on the hot path.
 """
 from __future__ import annotations
@@ -15,6 +19,8 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
+WORK_COLS = 9  # int32 per work item, see the module docstring
+_WORK_COLS = tl.constexpr(WORK_COLS)
 
 
 @triton.jit
@@ -67,7 +73,7 @@ def _load_k_part(k_base, row_off, kv_len, offs_n, offs_d, stride_kd, pos_n, rope
 
 @triton.jit
 def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
-                K, V, kv_indices_ptr, mask_ptr, kv_start, kv_len, kvh, mask_off,
+                K, V, kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
                 offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd,
                 stride_vp, stride_vs, stride_vh, stride_vd,
                 qk_scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
@@ -75,8 +81,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                 HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
                 CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
-                SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr):
-    """Online-softmax update over KV tiles [lo, hi); MASKED tiles apply every mask."""
+                SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr):
+    """Online-softmax update over KV tiles [lo, hi); MASKED tiles apply every mask, the chunk
+    bounds [kv_lo, kv_hi) included."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     offs_da = tl.arange(0, HEAD_QK_A)
     offs_dv = tl.arange(0, HEAD_VO)
@@ -115,7 +122,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             if ALIBI:
                 s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         if MASKED:
-            keep = (offs_n < kv_len)[None, :]
+            keep = (offs_n < kv_hi)[None, :]
+            if SPLIT:
+                keep = keep & (offs_n >= kv_lo)[None, :]
             if CUSTOM_MASK:
                 bit = offs_m.to(tl.int64)[:, None] * kv_len + offs_n[None, :]
                 in_bounds = (offs_m < qo_len)[:, None] & keep
@@ -161,7 +170,7 @@ def _load_q_part(Q, q_row_off, offs_m, qo_len, offs_d, stride_qd, pos_m, rope_in
 
 
 @triton.jit
-def _prefill_one(pid, Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
                  mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                  qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                  stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
@@ -174,14 +183,24 @@ def _prefill_one(pid, Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, k
                  CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                  HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                 V_SCALE_T: tl.constexpr):
+                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr):
     """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head."""
     head = pid % NUM_QO_HEADS
     item = pid // NUM_QO_HEADS
-    req = tl.load(work_ptr + item * 4)
-    m0 = tl.load(work_ptr + item * 4 + 1)
-    qo_len = tl.load(work_ptr + item * 4 + 2)
-    kv_len = tl.load(work_ptr + item * 4 + 3)
+    row = work_ptr + item * _WORK_COLS
+    req = tl.load(row)
+    m0 = tl.load(row + 1)
+    qo_len = tl.load(row + 2)
+    kv_len = tl.load(row + 3)
+    kv_lo = 0
+    kv_hi = kv_len
+    chunk = 0
+    if SPLIT:
+        kv_lo = tl.load(row + 4)
+        kv_hi = tl.load(row + 5)
+        part_base = tl.load(row + 6)
+        chunk = tl.load(row + 7)
+        num_chunks = tl.load(row + 8)
     q_start = tl.load(qo_indptr_ptr + req)
     kv_start = tl.load(kv_indptr_ptr + req)
     mask_off = 0
@@ -211,18 +230,20 @@ def _prefill_one(pid, Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, k
     if ALIBI:
         alibi_log2 = tl.load(alibi_ptr + head) * LOG2E
 
-    # KV tile ranges: masked [lo, b), unmasked [b, c), masked [c, hi)
+    # KV tile ranges inside the chunk [kv_lo, kv_hi): masked [lo, b), unmasked [b, c), masked [c, hi)
     p_min = m0 + delta
     p_max = tl.minimum(m0 + BLOCK_M, qo_len) - 1 + delta
-    hi = kv_len
+    hi = kv_hi
     if CAUSAL and not CUSTOM_MASK:
         hi = tl.minimum(hi, p_max + 1)
-    lo = 0
-    full_lo = 0
+    first_key = kv_lo
+    full_lo = kv_lo
     if WINDOW:
-        lo = (tl.maximum(p_min - window_left, 0) // BLOCK_N) * BLOCK_N
-        full_lo = ((tl.maximum(p_max - window_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    full_hi = kv_len
+        first_key = tl.maximum(first_key, p_min - window_left)
+        full_lo = tl.maximum(full_lo, p_max - window_left)
+    lo = (tl.maximum(first_key, 0) // BLOCK_N) * BLOCK_N
+    full_lo = ((tl.maximum(full_lo, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_hi = kv_hi
     if CAUSAL and not CUSTOM_MASK:
         full_hi = tl.minimum(full_hi, p_min + 1)
     full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
@@ -233,49 +254,58 @@ def _prefill_one(pid, Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, k
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if SINKS:
-        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
-        l_i = l_i + 1.0
+    if SINKS:  # the sink joins the softmax of chunk 0 only, so the merge counts it once
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        carry = (tl.zeros([BLOCK_M], tl.int32) + chunk) == 0
+        m_i = tl.where(carry, sink, m_i)
+        l_i = tl.where(carry, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_VO], tl.float32)
 
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, K, V, kv_indices_ptr, mask_ptr, kv_start,
-                                kv_len, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh,
-                                stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
+                                kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks,
+                                stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
                                 soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True,
                                 BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                WINDOW, SOFT_CAP, ALIBI, ROPE)
+                                WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, K, V, kv_indices_ptr, mask_ptr, kv_start,
-                                kv_len, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh,
-                                stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
+                                kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks,
+                                stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
                                 soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, False,
                                 BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                WINDOW, SOFT_CAP, ALIBI, ROPE)
+                                WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, K, V, kv_indices_ptr, mask_ptr, kv_start,
-                                kv_len, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh,
-                                stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
+                                kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks,
+                                stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
                                 soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True,
                                 BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                WINDOW, SOFT_CAP, ALIBI, ROPE)
+                                WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
 
     seen = l_i > 0.0
     out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
     if V_SCALE_T:
         out_scale = out_scale * tl.load(v_scale_ptr).to(tl.float32)
     out = acc * out_scale[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     row_ok = offs_m < qo_len
-    o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
     offs_dv = tl.arange(0, HEAD_VO)
-    tl.store(O + o_rows[:, None] + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    direct = row_ok
+    if SPLIT:  # a chunk of a split tile: partial state [partial row, head, HEAD_VO] fp32, [partial row, head]
+        partial = row_ok & (part_base >= 0)
+        direct = row_ok & (part_base < 0)
+        prow = (part_base + (offs_m - m0) * num_chunks + chunk).to(tl.int64) * NUM_QO_HEADS + head
+        tl.store(PO + prow[:, None] * HEAD_VO + offs_dv[None, :], out, mask=partial[:, None])
+        tl.store(PLSE + prow, lse, mask=partial)
+    o_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(O + o_rows[:, None] + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty), mask=direct[:, None])
     if HAS_LSE:
-        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         l_rows = (q_start + offs_m).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
-        tl.store(LSE + l_rows, lse, mask=row_ok)
+        tl.store(LSE + l_rows, lse, mask=direct)
 
 
 @triton.jit
-def fa2_prefill_kernel(Q, K, V, O, LSE, work_ptr, num_work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-                       mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_indptr_ptr, kv_indptr_ptr,
+                       kv_indices_ptr, mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr,
+                       q_scale_ptr, k_scale_ptr, v_scale_ptr,
                        qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                        stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                        stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
@@ -287,26 +317,27 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, work_ptr, num_work_ptr, qo_indptr_ptr, k
                        CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                        SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                        HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                       V_SCALE_T: tl.constexpr, PERSISTENT: tl.constexpr):
+                       V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr):
     """Grid: one program per (work item, head) or, PERSISTENT (CUDA-graph mode), a fixed
-    number of programs striding over item * heads with the item count read from memory."""
+    number of programs striding over item * heads with the item count read from memory.
+    SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT)."""
     if PERSISTENT:
         total = tl.load(num_work_ptr) * NUM_QO_HEADS
         for pid in range(tl.program_id(0), total, tl.num_programs(0)):
-            _prefill_one(pid, Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+            _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
                          mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                          qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                          stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                          stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                          BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T)
+                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
     else:
-        _prefill_one(tl.program_id(0), Q, K, V, O, LSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-                     mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
-                     qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
+        _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
+                     kv_indices_ptr, mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
+                     v_scale_ptr, qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                      stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T)
+                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
