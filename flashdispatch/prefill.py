@@ -67,6 +67,9 @@ class _PrefillWrapper(WrapperBase):
         packed = mask_indptr = None
         if masked:
             packed, mask_indptr = _packed_mask(custom_mask, packed_custom_mask, qo_lens_h, kv_lens_h, self._device)
+            if self._use_cuda_graph and mask_bufs is None:
+                raise ValueError("use_cuda_graph=True with a custom mask needs custom_mask_buf and mask_indptr_buf "
+                                 "(the mask must stay at the address a captured graph reads)")
             if mask_bufs is not None:
                 packed = fixed_buffer(mask_bufs[0], packed, "custom_mask_buf")
                 mask_indptr = fixed_buffer(mask_bufs[1], mask_indptr, "mask_indptr_buf")

@@ -212,3 +212,12 @@ def test_cascade_and_packbits_reject():
         fi.merge_state(v, torch.randn(3, 2).half(), v, torch.randn(3, 2))
     with pytest.raises(ValueError, match="bitorder='middle'"):
         fi.packbits(torch.ones(3, dtype=torch.bool), "middle")
+
+
+def test_graph_mode_mask_needs_its_fixed_buffers():
+    qo = torch.tensor([0, 3, 7], dtype=torch.int32)
+    kv = torch.tensor([0, 5, 9], dtype=torch.int32)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, use_cuda_graph=True, qo_indptr_buf=torch.zeros(3, dtype=torch.int32),
+                                                kv_indptr_buf=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="custom_mask_buf and mask_indptr_buf"):
+        w.plan(qo, kv, 4, 2, 32, custom_mask=torch.ones(3 * 5 + 4 * 4, dtype=torch.bool))

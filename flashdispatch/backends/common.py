@@ -21,5 +21,13 @@ def _alibi_slopes_list(num_heads: int) -> tuple[float, ...]:
 
 def alibi_slopes(num_heads: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The standard ALiBi slope of each head, float32 [num_heads] (geometric series; for a
-    head count that is not a power of two, the odd terms of the next series fill the rest)."""
+    head count that is not a power of two, the odd terms of the next series fill the rest).
+
+    One tensor per (heads, device), kept for the process: a CUDA graph captured on one plan reads
+    it at the same address after any re-plan. Do not modify it in place."""
+    return _alibi_tensor(num_heads, torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _alibi_tensor(num_heads: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(_alibi_slopes_list(num_heads), dtype=torch.float32, device=device)
