@@ -18,7 +18,7 @@ from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, check_requested, device_int32, fixed_buffer, on_device, paged_params, plan_problem,
-                      require_plan, run_attention)
+                      require_plan, run_attention, scratch_workspace)
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
 
 
@@ -74,7 +74,7 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} differ in their first two dimensions")
     dev = q.device
     indptr = torch.tensor([0, kv_len], dtype=torch.int32)
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=dev), kv_layout,
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(scratch_workspace(dev), kv_layout,
                                                  backend=backend)
     wrapper.plan(indptr, torch.arange(kv_len, dtype=torch.int32), torch.tensor([1 if kv_len else 0], dtype=torch.int32),
                  q.shape[0], num_kv_heads,
@@ -191,6 +191,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
                                           int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars)
         self._variants = {}
+        for q_len, return_lse in self._graph_variants((1, False)):
+            self._plan_variant(q_len, return_lse)
         self._plan_variant(1, False)
 
     def _check_scalars(self, q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -238,7 +240,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                 ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")))
         params = paged_params(self._qo_indptr(batch, q_len), a.kv_lens_h, indptr, indices, last, self._device,
                               qo_lens_host=[q_len] * batch, workspace=self._workspace(),
-                              int_workspace=self._int_workspace() if self._use_cuda_graph else None, **scalars)
+                              int_workspace=self._int_workspace((q_len, return_lse)) if self._use_cuda_graph else None,
+                              **scalars)
         workload = Workload(batch, batch * q_len, q_len if batch else 0, a.kv_total, a.kv_max)
         return self._plan(problem, params, total_q=batch * q_len, max_page_index=a.max_page_index,
                           workload=workload)
@@ -413,6 +416,9 @@ def cudnn_batch_decode_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_c
     ``actual_seq_lens_kv`` ``[batch, 1, 1, 1]`` (or ``[batch]``) int32; ``scale`` the softmax scale.
     Ragged ``batch_offsets_*`` are not supported.
     """
+    if is_cuda_graph_compatible:
+        raise Unsupported("is_cuda_graph_compatible=True: this entry point reads the lengths on the host at every "
+                          "call, so it cannot be captured; use a wrapper with use_cuda_graph=True")
     if any(t is not None for t in (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v)):
         raise Unsupported("batch_offsets_q/o/k/v (ragged q/o/kv offsets) are not supported")
     checks.check_tensor(q, "q", ndim=3)

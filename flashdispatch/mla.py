@@ -112,8 +112,7 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         problem = _mla_problem(q_dtype, kv_dtype, o_dtype, num_heads, head_dim_ckv, head_dim_kpe, page_size,
                                causal, self._use_cuda_graph)
         params = _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, self._device,
-                             checks.check_scale(sm_scale, "sm_scale", 1.0), bool(causal), self._workspace(),
-                             self._int_workspace() if self._use_cuda_graph else None)
+                             checks.check_scale(sm_scale, "sm_scale", 1.0), bool(causal), self._workspace())
         self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
                        workload=host_workload(qo_lens_h, kv_lens_h))
 
@@ -148,9 +147,8 @@ def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens,
     qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len_per_req
     if int(qo_indptr_h[-1]) != q_nope.shape[0]:
         raise ValueError(f"query has {q_nope.shape[0]} rows, expected batch x q_len_per_req = {int(qo_indptr_h[-1])}")
-    q_scale = None
     if isinstance(sm_scale, torch.Tensor):
-        sm_scale, q_scale = 1.0, sm_scale
+        sm_scale = float(sm_scale)  # one host read: the MLA contract has no run-time q scale
     dev = q_nope.device
     o_dtype = checks.as_dtype(out_dtype, "out_dtype") if out_dtype is not None else (
         q_nope.dtype if q_nope.dtype.itemsize > 1 else torch.bfloat16)
@@ -160,8 +158,6 @@ def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens,
                          q_len_per_req > 1, None)
     planned = plan_problem(problem, dev, params, backend, total_q=q_nope.shape[0],
                            max_page_index=int(indices.max()) if indices.numel() else -1)
-    if q_scale is not None:
-        q_nope, q_pe = q_nope * q_scale, q_pe * q_scale
     return run_mla(planned, q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse, return_lse=return_lse,
                    v_scale=v_scale)
 

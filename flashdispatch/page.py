@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_layout, check_tensor, unpack_paged_kv_cache
+from .checks import check_layout, check_positive_int, check_tensor, unpack_paged_kv_cache
 
 
 def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -73,9 +73,10 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
 def block_table_to_indptr(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, *,
                           seq_lens_name: str = "seq_lens"):
     """Convert a ``[batch, max_pages]`` block table and KV lengths into (kv_indptr, kv_indices,
-    kv_last_page_len, kv_lens), all on the host (int32, last as int64 lengths), checking that each
-    request's pages fit in its row of the table."""
+    kv_last_page_len: int32; kv_lens: int64), all on the host, checking that each request's pages
+    fit in its row of the table and that the pages it uses are not negative."""
     check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,))
+    check_positive_int(page_size, "page_size")
     lens = seq_lens.detach().reshape(-1).to("cpu", torch.int64)
     batch, max_pages = block_tables.shape
     if lens.numel() != batch:
@@ -92,5 +93,7 @@ def block_table_to_indptr(block_tables: torch.Tensor, seq_lens: torch.Tensor, pa
     table = block_tables.detach().to("cpu", torch.int64)
     keep = torch.arange(max_pages)[None, :] < pages[:, None]
     indices = table[keep]
+    if indices.numel() and int(indices.min()) < 0:
+        raise ValueError(f"block_tables holds a negative page index {int(indices.min())} among the pages in use")
     last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
     return indptr.to(torch.int32), indices.to(torch.int32), last.to(torch.int32), lens

@@ -5,6 +5,8 @@ what run() needs to check tensors without a device synchronisation).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,6 +209,15 @@ def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv
 
 
 INT_WORKSPACE_BYTES = 8 << 20
+SCRATCH_WORKSPACE_BYTES = 32 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def scratch_workspace(device: torch.device) -> torch.Tensor:
+    """The float workspace of the single-request functions (split-KV partials of a long KV), one
+    per device for the process, as FlashInfer keeps one (calls on one device share it: run them
+    on one stream)."""
+    return torch.empty(SCRATCH_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
 class WrapperBase:
@@ -227,8 +238,8 @@ class WrapperBase:
         self._planned: PlannedAttention | None = None  # the plan run() used last (explain() shows it)
         self._base_plan: tuple | None = None
         self._variants: dict = {}
-        self._int_workspace_buffer: torch.Tensor | None = None
-        self._int_workspace_bytes: torch.Tensor | None = None
+        self._int_workspace_buffer: torch.Tensor | None = None  # the user's, from reset_workspace_buffer()
+        self._int_workspaces: dict = {}  # plan variant -> its own metadata buffer (graph mode)
         self._scalar_key: tuple | None = None
         self._scalar_value = None
         self._problems: tuple[Problem | None, dict] = (None, {})
@@ -270,10 +281,18 @@ class WrapperBase:
 
     def _set_plan(self, problem: Problem, params, **plan_kw) -> None:
         """Record what plan() checked and built, and plan the variant without lse now (errors
-        surface at plan()); a run() asking for lse plans that variant once (see `_variant`)."""
+        surface at plan()); a run() asking for lse plans that variant once (see `_variant`).
+        In graph mode every variant used before is planned again now, into its own metadata
+        buffer, so a graph captured on any of them replays the new plan."""
         self._base_plan = (problem, params, plan_kw)
         self._variants = {}
+        for key in self._graph_variants(False):
+            self._variant(key)
         self._variant(False)
+
+    def _graph_variants(self, default) -> list:
+        """The variants to re-plan at plan(): the default, and in graph mode every one used before."""
+        return [default] + [k for k in self._int_workspaces if k != default] if self._use_cuda_graph else [default]
 
     def _variant(self, return_lse: bool) -> PlannedAttention:
         """The plan with or without lse: lse is a capability (cuDNN's GQA decode lacks it), so a
@@ -283,6 +302,8 @@ class WrapperBase:
             if self._base_plan is None:
                 require_plan(None, type(self).__name__)
             problem, params, plan_kw = self._base_plan
+            if self._use_cuda_graph:
+                params = dataclasses.replace(params, int_workspace=self._int_workspace(return_lse))
             planned = self._variants[return_lse] = self._plan(self._problem(problem, return_lse=return_lse),
                                                               params, **plan_kw)
         self._planned = planned
@@ -295,7 +316,7 @@ class WrapperBase:
         if int_workspace_buffer is not None:
             checks.check_tensor(int_workspace_buffer, "int_workspace_buffer", device=self._device)
             self._int_workspace_buffer = int_workspace_buffer
-            self._int_workspace_bytes = None
+            self._int_workspaces = {}
 
     def _set_workspace(self, float_workspace_buffer: torch.Tensor) -> None:
         self._float_workspace_buffer = float_workspace_buffer
@@ -304,13 +325,19 @@ class WrapperBase:
     def _workspace(self) -> torch.Tensor:
         return self._workspace_bytes
 
-    def _int_workspace(self) -> torch.Tensor:
-        """This wrapper's own metadata buffer (8 MiB, allocated at the first plan, as FlashInfer does)."""
-        if self._int_workspace_bytes is None:
-            if self._int_workspace_buffer is None:
-                self._int_workspace_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
-            self._int_workspace_bytes = self._int_workspace_buffer.view(torch.uint8).reshape(-1)
-        return self._int_workspace_bytes
+    def _int_workspace(self, variant) -> torch.Tensor:
+        """The metadata buffer of plan variant ``variant`` (8 MiB, as FlashInfer's int workspace):
+        each variant has its own, kept for the wrapper's life, so a graph captured on a variant
+        reads its metadata at the same address after any re-plan. The user's int workspace
+        (reset_workspace_buffer) serves the first variant."""
+        buf = self._int_workspaces.get(variant)
+        if buf is None:
+            if not self._int_workspaces and self._int_workspace_buffer is not None:
+                buf = self._int_workspace_buffer
+            else:
+                buf = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+            buf = self._int_workspaces[variant] = buf.view(torch.uint8).reshape(-1)
+        return buf
 
 
 def fixed_buffer(buf, data: torch.Tensor, name: str) -> torch.Tensor:

@@ -2,7 +2,6 @@
 paged and ragged batch prefill wrappers, and the cuDNN / TensorRT-LLM style entry points."""
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -14,7 +13,8 @@ from .decode import _split_kv_cache, _check_hnd_cache, paged_attention_from_bloc
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import WrapperBase, device_int32, fixed_buffer, host_workload, on_device, paged_params, run_attention
+from .planned import (WrapperBase, device_int32, fixed_buffer, host_workload, on_device, paged_params, run_attention,
+                      scratch_workspace)
 from .quantization import segment_packbits
 
 
@@ -73,8 +73,7 @@ class _PrefillWrapper(WrapperBase):
             if mask_bufs is not None:
                 packed = fixed_buffer(mask_bufs[0], packed, "custom_mask_buf")
                 mask_indptr = fixed_buffer(mask_bufs[1], mask_indptr, "mask_indptr_buf")
-        return problem, dict(scalars, packed_mask=packed, mask_indptr=mask_indptr, workspace=self._workspace(),
-                             int_workspace=self._int_workspace() if self._use_cuda_graph else None)
+        return problem, dict(scalars, packed_mask=packed, mask_indptr=mask_indptr, workspace=self._workspace())
 
     def _check_scalars(self, op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, masked, causal,
                        pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
@@ -297,17 +296,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     begin_forward = plan
 
 
-SINGLE_PREFILL_WORKSPACE_BYTES = 32 << 20
-
-
-@functools.lru_cache(maxsize=None)
-def _scratch_workspace(device: torch.device) -> torch.Tensor:
-    """A float workspace kept per CUDA device for single prefill (split-KV partials of a long KV),
-    as FlashInfer keeps one; on the CPU nothing splits, so it is empty."""
-    size = SINGLE_PREFILL_WORKSPACE_BYTES if device.type == "cuda" else 0
-    return torch.empty(size, dtype=torch.uint8, device=device)
-
-
 def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q=None, scale_k=None,
                                  scale_v=None, o_dtype: torch.dtype | None = None,
                                  custom_mask: torch.Tensor | None = None,
@@ -331,7 +319,7 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     checks.check_layout(kv_layout)
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
     dev = q.device
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(_scratch_workspace(dev), kv_layout,
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(dev), kv_layout,
                                                    backend=backend)
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                  q.shape[1], num_kv_heads, q.shape[2],
@@ -364,6 +352,9 @@ def cudnn_batch_prefill_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_
     ``actual_seq_lens_kv``. Returns ``(out, lse)`` (lse base 2, or None without ``return_lse``).
     Ragged ``batch_offsets_*`` are not supported.
     """
+    if is_cuda_graph_compatible:
+        raise Unsupported("is_cuda_graph_compatible=True: this entry point reads the lengths on the host at every "
+                          "call, so it cannot be captured; use a wrapper with use_cuda_graph=True")
     if any(t is not None for t in (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v,
                                    batch_offsets_stats)):
         raise Unsupported("batch_offsets_* (custom ragged offsets) are not supported")

@@ -417,3 +417,65 @@ def test_lse_is_chosen_for_when_a_run_asks_for_it(monkeypatch):
     assert w.run(q, kv).shape == (7, 8, 64) and w.decision.backend == "xqa"
     with pytest.raises(flashinfer.Unsupported, match="feature.lse"):
         w.run(q, kv, return_lse=True)
+
+
+def test_graph_mode_variants_keep_their_own_metadata_and_are_replanned():
+    """Graph mode: q_len/lse variants of one plan() have their own metadata buffers (no clash when a
+    run switches variant), and a re-plan refreshes every variant used before (what a captured
+    graph replays: emulated by running the old plan object on the new inputs)."""
+    from flashdispatch.backends.base import AttentionInputs, PagedKV
+
+    torch.manual_seed(13)
+    page, hq, hkv, d, pages = 16, 4, 2, 64, 64  # long enough for fa2 to split: the metadata differs per q_len
+    bufs = [torch.zeros(3, dtype=torch.int32), torch.zeros(pages, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)]
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(  # fa2: Triton (interpreted here), plans in the int workspace
+        torch.zeros(1 << 22, dtype=torch.uint8), use_cuda_graph=True, backend="fa2", paged_kv_indptr_buffer=bufs[0],
+        paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2])
+    kv = torch.randn(pages, 2, page, hkv, d).half()
+
+    def plan(lens, seed):
+        g = torch.Generator().manual_seed(seed)
+        n = [(x + page - 1) // page for x in lens]
+        table = (torch.tensor([0, n[0], sum(n)], dtype=torch.int32), torch.randperm(pages, generator=g)[:sum(n)].int(),
+                 torch.tensor([x - (c - 1) * page for x, c in zip(lens, n)], dtype=torch.int32))
+        w.plan(*table, hq, hkv, d, page, data_type=torch.float16)
+        return table
+
+    def check(out, table, q, q_len):
+        for b in range(2):
+            k, v = paged_to_dense(kv, table[0], table[1], table[2], page, b)
+            ref, _ = dense_attention(q[b * q_len:(b + 1) * q_len], k, v, causal=q_len > 1)
+            assert rel(out[b * q_len:(b + 1) * q_len], ref) < 4e-3
+
+    table = plan([600, 250], 0)
+    q1, q32 = torch.randn(2, hq, d).half(), torch.randn(64, hq, d).half()
+    check(w.run(q1, kv), table, q1, 1)
+    check(w.run(q32, kv, q_len_per_req=32), table, q32, 32)
+    out, lse = w.run(q1, kv, return_lse=True)
+    check(out, table, q1, 1)
+    check(w.run(q1, kv), table, q1, 1)  # back to the first variant: its metadata is intact
+    captured = w._variants[32, False]
+    table = plan([300, 700], 1)  # re-plan: other lengths and pages, same batch
+    out = torch.full((64, hq, d), float("nan"), dtype=torch.float16)
+    captured.backend.run(captured.plan, AttentionInputs(q32, PagedKV(kv[:, 0], kv[:, 1], "NHD"), out))
+    check(out, table, q32, 32)
+
+
+def test_single_decode_on_fa2_with_a_long_kv_has_a_workspace_for_its_split():
+    torch.manual_seed(14)
+    q, k, v = torch.randn(32, 64).half(), torch.randn(600, 8, 64).half(), torch.randn(600, 8, 64).half()
+    o = flashinfer.single_decode_with_kv_cache(q, k, v, backend="fa2")
+    ref, _ = dense_attention(q[None], k, v)
+    assert rel(o, ref[0]) < 4e-3
+
+
+def test_trtllm_mla_accepts_a_tensor_bmm1_scale():
+    torch.manual_seed(15)
+    kv = torch.randn(6, 8, 80)
+    tables = torch.tensor([[4, 1, 0], [2, 5, 5]], dtype=torch.int32)
+    seq = torch.tensor([19, 3], dtype=torch.int32)
+    query = torch.randn(2, 1, 4, 80)
+    args = (query, kv, WS, 128, 64, 16, tables, seq, 24)
+    o_f = flashinfer.trtllm_batch_decode_with_kv_cache_mla(*args, bmm1_scale=0.1)
+    o_t = flashinfer.trtllm_batch_decode_with_kv_cache_mla(*args, bmm1_scale=torch.tensor([0.1]))
+    assert torch.allclose(o_f, o_t)

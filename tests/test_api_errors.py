@@ -221,3 +221,23 @@ def test_graph_mode_mask_needs_its_fixed_buffers():
                                                 kv_indptr_buf=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="custom_mask_buf and mask_indptr_buf"):
         w.plan(qo, kv, 4, 2, 32, custom_mask=torch.ones(3 * 5 + 4 * 4, dtype=torch.bool))
+
+
+def test_block_tables_with_negative_pages_are_rejected():
+    q = torch.randn(2, 8, 64).half()
+    kv = torch.randn(10, 2, 2, 16, 64).half()
+    tables = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="negative page index -1"):
+        fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables, torch.tensor([20, 4]), 32)
+    with pytest.raises(ValueError, match="page_size=0"):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(WS)
+        w.plan(None, None, None, 8, 2, 64, 0, block_tables=tables, seq_lens=torch.tensor([20, 4]))
+
+
+def test_cudnn_entry_points_refuse_graph_capture_they_cannot_honour():
+    q = torch.randn(2, 8, 64).half()
+    hnd = torch.randn(10, 2, 16, 64).half()
+    with pytest.raises(fi.Unsupported, match="is_cuda_graph_compatible"):
+        fi.cudnn_batch_decode_with_kv_cache(q, hnd, hnd, 0.1, WS, max_sequence_kv=48, is_cuda_graph_compatible=True,
+                                            actual_seq_lens_kv=torch.tensor([40, 33], dtype=torch.int32),
+                                            block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32))

@@ -373,7 +373,8 @@ def test_explain_requested(fakes):
 # --- describing problems, devices and workloads ----------------------------------------------------
 def test_describe_problem_defaults():
     p = describe_problem()
-    assert p == Problem("decode", torch.bfloat16, torch.bfloat16, torch.bfloat16, 32, 8, 128, 128, page_size=16)
+    assert p == Problem("decode", torch.bfloat16, torch.bfloat16, torch.bfloat16, 32, 8, 128, 128, page_size=16,
+                        return_lse=False)  # like a wrapper's plan: lse only when a run asks (features="lse")
     assert describe_problem("prefill_ragged").page_size == 0
     m = describe_problem("mla")
     assert (m.num_qo_heads, m.num_kv_heads, m.head_dim_qk, m.head_dim_vo, m.head_dim_kpe, m.page_size) == \
@@ -382,7 +383,7 @@ def test_describe_problem_defaults():
 
 def test_describe_problem_features():
     p = describe_problem("prefill_paged", heads="64/8", head_dim="192/128", q_dtype="fp16", layout="HND",
-                         features="causal, fp8_kv,alibi,sinks,cuda_graph,soft_cap,sliding_window,spec_decode",
+                         features="causal, fp8_kv,alibi,sinks,cuda_graph,soft_cap,sliding_window,spec_decode,lse",
                          logits_soft_cap=30.0, window_left=127, page_size=32)
     assert (p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo, p.page_size) == (64, 8, 192, 128, 32)
     assert p.q_dtype == torch.float16 and p.kv_dtype == torch.float8_e4m3fn and p.o_dtype == torch.float16

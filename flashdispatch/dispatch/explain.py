@@ -114,7 +114,7 @@ def describe_problem(op: str = "decode", heads: int | str | tuple | None = None,
                      o_dtype: str | torch.dtype | None = None, layout: str = "NHD",
                      features: str | list[str] | tuple[str, ...] = (), window_left: int = -1,
                      logits_soft_cap: float = 0.0, q_len_per_req: int = 1,
-                     return_lse: bool = True) -> Problem:
+                     return_lse: bool = False) -> Problem:
     """A Problem from CLI-style arguments (``python -m flashdispatch explain``).
 
     heads: ``"32/8"`` (qo/kv) or one number; default 32/8, for MLA 128/1.

@@ -53,6 +53,10 @@ class ReferenceBackend(Backend):
         if problem.pos_encoding_mode == "ROPE_LLAMA" and problem.head_dim_qk % 2:
             reasons.append(Reason("head_dim", f"head_dim_qk={problem.head_dim_qk} is odd: "
                                               "rotate-half RoPE needs an even head_dim_qk"))
+        if problem.use_cuda_graph and device.is_cuda:
+            reasons.append(Reason("feature.cuda_graph", "the reference builds new gather tensors at every plan(), so "
+                                  "a graph captured on one plan would replay it after a re-plan",
+                                  "use fa2 or cudnn for CUDA graphs"))
         if problem.num_qo_heads % problem.num_kv_heads:
             reasons.append(Reason("heads", f"num_qo_heads={problem.num_qo_heads} is not a multiple of "
                                            f"num_kv_heads={problem.num_kv_heads}"))
