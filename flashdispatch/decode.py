@@ -17,7 +17,7 @@ from .backends.base import PagedKV
 from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import (WrapperBase, check_requested, device_int32, fixed_buffer, on_device, paged_params, plan_problem,
+from .planned import (WrapperBase, check_requested, device_int32, on_device, paged_params, plan_problem,
                       require_plan, run_attention, scratch_workspace)
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
 
@@ -144,6 +144,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
+        """Whether this wrapper was made with ``use_cuda_graph=True``."""
         return self._use_cuda_graph
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
@@ -235,7 +236,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                 return_lse=return_lse)
         indptr, indices, last = a.indptr, a.indices, a.last_page_len
         if self._graph_buffers is not None:
-            indptr, indices, last = (fixed_buffer(b, t, n) for b, t, n in zip(
+            indptr, indices, last = (self._fixed_buffer(b, t, n) for b, t, n in zip(
                 self._graph_buffers, (indptr, indices[: a.used_pages], last),
                 ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")))
         params = paged_params(self._qo_indptr(batch, q_len), a.kv_lens_h, indptr, indices, last, self._device,
@@ -288,7 +289,9 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
     """`BatchDecodeWithPagedKVCacheWrapper` with ``use_cuda_graph=True`` and its fixed buffers.
 
     ``plan()`` cannot be captured; ``run()`` can, and a captured run replays correctly after later
-    ``plan()`` calls with the same batch size.
+    ``plan()`` calls with the same batch size. Each variant of a run (``return_lse``,
+    ``q_len_per_req``) is planned at its first use: run it once eagerly before capturing it; every
+    variant used so far is planned again by each later ``plan()``.
     """
 
     def __init__(self, workspace_buffer: torch.Tensor, indptr_buffer: torch.Tensor, indices_buffer: torch.Tensor,

@@ -13,7 +13,7 @@ from .backends.base import MLAParams
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import WrapperBase, device_int32, fixed_buffer, host_workload, on_device, plan_problem, run_mla
+from .planned import WrapperBase, device_int32, host_workload, on_device, plan_problem, run_mla
 
 LN2 = math.log(2.0)
 
@@ -105,7 +105,7 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         max_page_index = checks.check_page_indices(kv_indices.numel(), int(kv_indptr_h[-1]), minmax)
         if self._graph_buffers is not None:
             qo_indptr, kv_indptr, kv_indices, kv_len_arr = (
-                fixed_buffer(b, t, n) for b, t, n in zip(
+                self._fixed_buffer(b, t, n) for b, t, n in zip(
                     self._graph_buffers, (qo_indptr, kv_indptr, kv_indices[: int(kv_indptr_h[-1])], kv_len_arr),
                     ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")))
         o_dtype = q_dtype if q_dtype.itemsize > 1 else torch.bfloat16

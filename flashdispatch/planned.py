@@ -325,6 +325,16 @@ class WrapperBase:
     def _workspace(self) -> torch.Tensor:
         return self._workspace_bytes
 
+    def _fixed_buffer(self, buf, data: torch.Tensor, name: str) -> torch.Tensor:
+        """Copy ``data`` into the front of a user's CUDA-graph buffer (on the wrapper's device, so
+        a captured graph reads it in place) and return that view."""
+        checks.check_tensor(buf, name, ndim=1, dtypes=(data.dtype,), device=self._device)
+        if buf.numel() < data.numel():
+            raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
+        view = buf[: data.numel()]
+        view.copy_(data, non_blocking=True)
+        return view
+
     def _int_workspace(self, variant) -> torch.Tensor:
         """The metadata buffer of plan variant ``variant`` (8 MiB, as FlashInfer's int workspace):
         each variant has its own, kept for the wrapper's life, so a graph captured on a variant
@@ -340,16 +350,6 @@ class WrapperBase:
         return buf
 
 
-def fixed_buffer(buf, data: torch.Tensor, name: str) -> torch.Tensor:
-    """Copy ``data`` into the front of a user's CUDA-graph buffer and return that view."""
-    checks.check_tensor(buf, name, ndim=1, dtypes=(data.dtype,))
-    if buf.numel() < data.numel():
-        raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
-    view = buf[: data.numel()]
-    view.copy_(data, non_blocking=True)
-    return view
-
-
-__all__ = ["WrapperBase", "check_requested", "device_int32", "fixed_buffer", "host_workload", "on_device",
+__all__ = ["WrapperBase", "check_requested", "device_int32", "host_workload", "on_device",
            "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params", "MLAParams",
            "workload_of"]

@@ -13,7 +13,7 @@ from .decode import _split_kv_cache, _check_hnd_cache, paged_attention_from_bloc
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import (WrapperBase, device_int32, fixed_buffer, host_workload, on_device, paged_params, run_attention,
+from .planned import (WrapperBase, device_int32, host_workload, on_device, paged_params, run_attention,
                       scratch_workspace)
 from .quantization import segment_packbits
 
@@ -71,8 +71,8 @@ class _PrefillWrapper(WrapperBase):
                 raise ValueError("use_cuda_graph=True with a custom mask needs custom_mask_buf and mask_indptr_buf "
                                  "(the mask must stay at the address a captured graph reads)")
             if mask_bufs is not None:
-                packed = fixed_buffer(mask_bufs[0], packed, "custom_mask_buf")
-                mask_indptr = fixed_buffer(mask_bufs[1], mask_indptr, "mask_indptr_buf")
+                packed = self._fixed_buffer(mask_bufs[0], packed, "custom_mask_buf")
+                mask_indptr = self._fixed_buffer(mask_bufs[1], mask_indptr, "mask_indptr_buf")
         return problem, dict(scalars, packed_mask=packed, mask_indptr=mask_indptr, workspace=self._workspace())
 
     def _check_scalars(self, op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, masked, causal,
@@ -185,7 +185,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         if self._graph_buffers is not None:
             tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices[: int(kv_indptr_h[-1])], paged_kv_last_page_len)
             qo_param, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len = (
-                fixed_buffer(b, t, n + "_buf") for b, t, n in zip(self._graph_buffers, tensors, names))
+                self._fixed_buffer(b, t, n + "_buf") for b, t, n in zip(self._graph_buffers, tensors, names))
         problem, extra = self._problem_and_params(
             "prefill_paged", qo_lens_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, custom_mask=custom_mask,
@@ -258,8 +258,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             if given is not None and not torch.equal(given.to(same.device), same):
                 raise Unsupported(f"{name} different from {'kv' if name[0] == 'v' else 'qo'}_indptr is not supported")
         if self._graph_buffers is not None:
-            qo_indptr = fixed_buffer(self._graph_buffers[0], qo_indptr, "qo_indptr_buf")
-            kv_indptr = fixed_buffer(self._graph_buffers[1], kv_indptr, "kv_indptr_buf")
+            qo_indptr = self._fixed_buffer(self._graph_buffers[0], qo_indptr, "qo_indptr_buf")
+            kv_indptr = self._fixed_buffer(self._graph_buffers[1], kv_indptr, "kv_indptr_buf")
         problem, extra = self._problem_and_params(
             "prefill_ragged", qo_lens_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=0, custom_mask=custom_mask,
