@@ -241,3 +241,10 @@ def test_cudnn_entry_points_refuse_graph_capture_they_cannot_honour():
         fi.cudnn_batch_decode_with_kv_cache(q, hnd, hnd, 0.1, WS, max_sequence_kv=48, is_cuda_graph_compatible=True,
                                             actual_seq_lens_kv=torch.tensor([40, 33], dtype=torch.int32),
                                             block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32))
+
+
+def test_graph_buffers_must_be_on_the_wrapper_device():
+    meta = [torch.zeros(3, dtype=torch.int32, device="meta"), torch.zeros(3, dtype=torch.int32)]
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, use_cuda_graph=True, qo_indptr_buf=meta[0], kv_indptr_buf=meta[1])
+    with pytest.raises(ValueError, match="qo_indptr_buf is on meta"):
+        w.plan(torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32), 4, 2, 32)
