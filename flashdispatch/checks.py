@@ -37,6 +37,21 @@ def as_dtype(value: str | torch.dtype, name: str) -> torch.dtype:
     return dtype
 
 
+def attention_dtypes(q_data_type, kv_data_type, o_data_type) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(q, kv, o) dtypes of a plan: kv defaults to q, o to q (fp16 for an fp8 q), as in FlashInfer."""
+    q_dtype = as_dtype(q_data_type, "q_data_type")
+    kv_dtype = as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
+    o_dtype = as_dtype(o_data_type, "o_data_type") if o_data_type is not None else (
+        q_dtype if q_dtype.itemsize > 1 else torch.float16)
+    return q_dtype, kv_dtype, o_dtype
+
+
+def check_rope(rope_scale, rope_theta) -> dict:
+    """The RoPE scalars of a plan with their defaults (scale 1, theta 1e4), both finite and > 0."""
+    return dict(rope_scale=check_scale(rope_scale, "rope_scale", 1.0),
+                rope_theta=check_scale(rope_theta, "rope_theta", 1e4))
+
+
 def check_tensor(t, name: str, *, ndim: int | None = None, dtypes: Sequence[torch.dtype] | None = None,
                  device: torch.device | None = None, shape: Sequence[int | None] | None = None) -> torch.Tensor:
     """Check that ``t`` is a tensor with the given rank, dtype, device and shape (None: any size)."""

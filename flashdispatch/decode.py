@@ -22,10 +22,6 @@ from .planned import (WrapperBase, check_requested, device_int32, on_device, pag
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
 
 
-def _rope_defaults(rope_scale, rope_theta) -> tuple[float, float]:
-    return checks.check_scale(rope_scale, "rope_scale", 1.0), checks.check_scale(rope_theta, "rope_theta", 1e4)
-
-
 def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
                                 pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
                                 q_scale: float | None = None, k_scale: float | None = None,
@@ -200,23 +196,20 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                        pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
                        fixed_split_size, disable_split_kv, head_dim_vo) -> tuple[Problem, dict]:
         """The checked scalar arguments of plan(): the base Problem and the params' scalars."""
-        q_dtype = checks.as_dtype(q_data_type if q_data_type is not None else "float16", "q_data_type")
-        kv_dtype = checks.as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
-        o_dtype = checks.as_dtype(o_data_type, "o_data_type") if o_data_type is not None else (
-            q_dtype if q_dtype.itemsize > 1 else torch.float16)
+        q_dtype, kv_dtype, o_dtype = checks.attention_dtypes(
+            q_data_type if q_data_type is not None else "float16", kv_data_type, o_data_type)
         checks.check_heads(num_qo_heads, num_kv_heads)
         checks.check_positive_int(head_dim, "head_dim")
         checks.check_positive_int(page_size, "page_size")
         if fixed_split_size is not None:
             checks.check_positive_int(fixed_split_size, "fixed_split_size")
-        rope_scale_v, rope_theta_v = _rope_defaults(rope_scale, rope_theta)
         problem = Problem(
             "decode", q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim, head_dim_vo or head_dim,
             page_size, self._kv_layout, "none", checks.check_window_left(window_left),
             checks.check_soft_cap(logits_soft_cap), checks.check_pos_encoding(pos_encoding_mode),
             use_cuda_graph=self._use_cuda_graph)
         return problem, dict(sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim)),
-                             rope_scale=rope_scale_v, rope_theta=rope_theta_v, fixed_split_size=fixed_split_size,
+                             **checks.check_rope(rope_scale, rope_theta), fixed_split_size=fixed_split_size,
                              disable_split_kv=bool(disable_split_kv))
 
     def _plan_variant(self, q_len: int, return_lse: bool):

@@ -20,12 +20,9 @@ from .dispatch.registry import get_backend
 from .dispatch.select import Decision, check_requested, select
 
 
-def workload_of(qo_lens: list[int], kv_lens: list[int]) -> Workload:
-    return Workload(len(kv_lens), sum(qo_lens), max(qo_lens, default=0), sum(kv_lens), max(kv_lens, default=0))
-
-
-def host_workload(qo_lens_h: np.ndarray, kv_lens_h: np.ndarray) -> Workload:
-    """The `Workload` of checked host arrays (query and kv lengths per request)."""
+def host_workload(qo_lens_h, kv_lens_h) -> Workload:
+    """The `Workload` of the query and kv lengths per request (numpy arrays or lists)."""
+    qo_lens_h, kv_lens_h = np.asarray(qo_lens_h), np.asarray(kv_lens_h)
     if kv_lens_h.size == 0:
         return Workload(0, 0, 0, 0, 0)
     return Workload(kv_lens_h.size, int(qo_lens_h.sum()), int(qo_lens_h.max()), int(kv_lens_h.sum()),
@@ -70,7 +67,7 @@ def plan_problem(problem: Problem, torch_device: torch.device, params, requested
     """Select the backend for ``problem`` and let it plan; raises `Unsupported` with every reason."""
     device = device_of(torch_device) if device is None else device
     if workload is None:
-        workload = workload_of(params.qo_lens_host, params.kv_lens_host)
+        workload = host_workload(params.qo_lens_host, params.kv_lens_host)
     decision = select(problem, device, workload, requested)
     backend = get_backend(decision.backend)
     backend_plan = backend.plan(problem, device, params)
@@ -351,5 +348,4 @@ class WrapperBase:
 
 
 __all__ = ["WrapperBase", "check_requested", "device_int32", "host_workload", "on_device",
-           "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params", "MLAParams",
-           "workload_of"]
+           "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params", "MLAParams"]

@@ -83,18 +83,14 @@ class _PrefillWrapper(WrapperBase):
         head_dim_vo = checks.check_positive_int(head_dim_vo, "head_dim_vo") if head_dim_vo else head_dim_qk
         if fixed_split_size is not None:
             checks.check_positive_int(fixed_split_size, "fixed_split_size")
-        q_dtype = checks.as_dtype(q_data_type, "q_data_type")
-        kv_dtype = checks.as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
-        o_dtype = checks.as_dtype(o_data_type, "o_data_type") if o_data_type is not None else (
-            q_dtype if q_dtype.itemsize > 1 else torch.float16)
+        q_dtype, kv_dtype, o_dtype = checks.attention_dtypes(q_data_type, kv_data_type, o_data_type)
         mask_mode = "custom" if masked else ("causal" if causal else "none")
         problem = Problem(op, q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                           page_size, self._kv_layout, mask_mode, checks.check_window_left(window_left),
                           checks.check_soft_cap(logits_soft_cap), checks.check_pos_encoding(pos_encoding_mode),
                           use_cuda_graph=self._use_cuda_graph)
         return problem, dict(sm_scale=checks.check_scale(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim_qk)),
-                             rope_scale=checks.check_scale(rope_scale, "rope_scale", 1.0),
-                             rope_theta=checks.check_scale(rope_theta, "rope_theta", 1e4),
+                             **checks.check_rope(rope_scale, rope_theta),
                              fixed_split_size=fixed_split_size, disable_split_kv=bool(disable_split_kv))
 
     def run_return_lse(self, *args, **kwargs):
