@@ -119,6 +119,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
     jit_args : not supported (custom JIT variants); must be None.
     """
 
+    _DEFAULT_VARIANT = (1, False)  # (q_len_per_req, return_lse)
+
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
                  paged_kv_indices_buffer: torch.Tensor | None = None,
@@ -187,10 +189,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                              f"(paged_kv_indptr_buffer), got indptr for batch_size={batch}")
         self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
                                           int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars)
-        self._variants = {}
-        for q_len, return_lse in self._graph_variants((1, False)):
-            self._plan_variant(q_len, return_lse)
-        self._plan_variant(1, False)
+        self._plan_variants()
 
     def _check_scalars(self, q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim, page_size,
                        pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
@@ -212,16 +211,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                              **checks.check_rope(rope_scale, rope_theta), fixed_split_size=fixed_split_size,
                              disable_split_kv=bool(disable_split_kv))
 
-    def _plan_variant(self, q_len: int, return_lse: bool):
+    def _build_variant(self, key: tuple[int, bool]):
         """The plan for ``q_len`` query tokens per request (speculative decode: causal in the block),
-        with or without lse; each variant is planned once per plan() (the first run() that asks)."""
-        planned = self._variants.get((q_len, return_lse))
-        if planned is None:
-            planned = self._variants[q_len, return_lse] = self._build_variant(q_len, return_lse)
-        self._planned = planned
-        return planned
-
-    def _build_variant(self, q_len: int, return_lse: bool):
+        with or without lse."""
+        q_len, return_lse = key
         a = self._plan_args
         base, scalars = a.scalars
         batch = a.kv_lens_h.size
@@ -234,7 +227,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                 ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")))
         params = paged_params(self._qo_indptr(batch, q_len), a.kv_lens_h, indptr, indices, last, self._device,
                               qo_lens_host=[q_len] * batch, workspace=self._workspace(),
-                              int_workspace=self._int_workspace((q_len, return_lse)) if self._use_cuda_graph else None,
+                              int_workspace=self._int_workspace(key) if self._use_cuda_graph else None,
                               **scalars)
         workload = Workload(batch, batch * q_len, q_len if batch else 0, a.kv_total, a.kv_max)
         return self._plan(problem, params, total_q=batch * q_len, max_page_index=a.max_page_index,
@@ -261,7 +254,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         checks.reject_extra_args(args, "run")
         require_plan(self._plan_args, type(self).__name__)
         q_len = checks.check_positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req")
-        planned = self._plan_variant(q_len, return_lse)
+        planned = self._variant((q_len, return_lse))
         kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         return run_attention(planned, q, kv, out=out, lse=lse, return_lse=return_lse,
                              q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)

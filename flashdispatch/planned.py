@@ -276,35 +276,43 @@ class WrapperBase:
     def _plan(self, problem: Problem, params, **plan_kw) -> PlannedAttention:
         return plan_problem(problem, self._device, params, self._backend, device=self._device_info, **plan_kw)
 
+    # --- plan variants: what a run() may ask beyond the plan (lse; for decode, q_len_per_req) ---
+    _DEFAULT_VARIANT = False  # the key of the variant plan() makes; here: return_lse
+
     def _set_plan(self, problem: Problem, params, **plan_kw) -> None:
-        """Record what plan() checked and built, and plan the variant without lse now (errors
-        surface at plan()); a run() asking for lse plans that variant once (see `_variant`).
-        In graph mode every variant used before is planned again now, into its own metadata
-        buffer, so a graph captured on any of them replays the new plan."""
+        """Record what plan() checked and built, then plan the variants (see `_plan_variants`)."""
         self._base_plan = (problem, params, plan_kw)
+        self._plan_variants()
+
+    def _plan_variants(self) -> None:
+        """Plan the default variant now (errors surface at plan()); a run() asking for another
+        plans that one once (see `_variant`). In graph mode every variant used before is planned
+        again now, into its own metadata buffer, so a graph captured on any of them replays the
+        new plan."""
         self._variants = {}
-        for key in self._graph_variants(False):
-            self._variant(key)
-        self._variant(False)
+        default = self._DEFAULT_VARIANT
+        if self._use_cuda_graph:
+            for key in [k for k in self._int_workspaces if k != default]:
+                self._variant(key)
+        self._variant(default)
 
-    def _graph_variants(self, default) -> list:
-        """The variants to re-plan at plan(): the default, and in graph mode every one used before."""
-        return [default] + [k for k in self._int_workspaces if k != default] if self._use_cuda_graph else [default]
-
-    def _variant(self, return_lse: bool) -> PlannedAttention:
-        """The plan with or without lse: lse is a capability (cuDNN's GQA decode lacks it), so a
-        backend is chosen for it only when a run() asks for it; each variant is planned once."""
-        planned = self._variants.get(return_lse)
+    def _variant(self, key) -> PlannedAttention:
+        """The plan of variant ``key``, planned once per plan() and made the current one."""
+        planned = self._variants.get(key)
         if planned is None:
-            if self._base_plan is None:
-                require_plan(None, type(self).__name__)
-            problem, params, plan_kw = self._base_plan
-            if self._use_cuda_graph:
-                params = dataclasses.replace(params, int_workspace=self._int_workspace(return_lse))
-            planned = self._variants[return_lse] = self._plan(self._problem(problem, return_lse=return_lse),
-                                                              params, **plan_kw)
+            planned = self._variants[key] = self._build_variant(key)
         self._planned = planned
         return planned
+
+    def _build_variant(self, return_lse: bool) -> PlannedAttention:
+        """The plan with or without lse: lse is a capability (cuDNN's GQA decode lacks it), so a
+        backend is chosen for it only when a run() asks for it."""
+        if self._base_plan is None:
+            require_plan(None, type(self).__name__)
+        problem, params, plan_kw = self._base_plan
+        if self._use_cuda_graph:
+            params = dataclasses.replace(params, int_workspace=self._int_workspace(return_lse))
+        return self._plan(self._problem(problem, return_lse=return_lse), params, **plan_kw)
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Replace the workspace buffer(s); takes effect at the next plan()."""
