@@ -242,7 +242,7 @@ def check_lengths_count(t: torch.Tensor, name: str, batch: int) -> None:
         raise ValueError(f"{name} has {t.numel()} entries, expected batch_size={batch}")
 
 
-def paged_kv_lengths(pages: np.ndarray, last: np.ndarray, page_size: int) -> np.ndarray:
+def paged_kv_lengths(pages: np.ndarray, last: np.ndarray, page_size: int, name: str = "last_page_len") -> np.ndarray:
     """kv_len of each request from its page count and last_page_len (host arrays), checking
     last_page_len's range: [1, page_size], 0 only for a request with no pages."""
     if pages.min(initial=1) > 0 and last.min(initial=1) >= 1 and last.max(initial=0) <= page_size:
@@ -251,24 +251,25 @@ def paged_kv_lengths(pages: np.ndarray, last: np.ndarray, page_size: int) -> np.
     bad = np.where(empty, last != 0, (last < 1) | (last > page_size))
     if bad.any():
         b = int(np.argmax(bad))
-        raise ValueError(f"last_page_len[{b}]={int(last[b])} is outside [1, page_size={page_size}] "
+        raise ValueError(f"{name}[{b}]={int(last[b])} is outside [1, page_size={page_size}] "
                          f"(0 only for a request with no pages; request {b} has {int(pages[b])} pages)")
     lens = (pages - 1) * page_size + last
     lens[empty] = 0
     return lens
 
 
-def check_page_indices(num_indices: int, used: int, minmax: tuple[int, int] | None) -> int:
+def check_page_indices(num_indices: int, used: int, minmax: tuple[int, int] | None, name: str = "indices",
+                       indptr_name: str = "indptr") -> int:
     """Check the page indices against the ``used`` = indptr[-1] pages (enough of them, >= 0) from
     their host (min, max) over the used entries (see `host_arrays`); return the largest index
     used (-1 if none)."""
     if num_indices < used:
-        raise ValueError(f"indices has {num_indices} entries, but indptr[-1]={used} pages are referenced")
+        raise ValueError(f"{name} has {num_indices} entries, but {indptr_name}[-1]={used} pages are referenced")
     if used == 0:
         return -1
     low, high = minmax
     if low < 0:
-        raise ValueError(f"indices holds a negative page index {low}")
+        raise ValueError(f"{name} holds a negative page index {low}")
     return high
 
 

@@ -102,7 +102,8 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         pages = checks.check_indptr(kv_indptr_h, "kv_indptr")
         qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
         kv_lens_h = _check_kv_lens(lens_h, pages, qo_lens_h, page_size)
-        max_page_index = checks.check_page_indices(kv_indices.numel(), int(kv_indptr_h[-1]), minmax)
+        max_page_index = checks.check_page_indices(kv_indices.numel(), int(kv_indptr_h[-1]), minmax, "kv_indices",
+                                                   "kv_indptr")
         if self._graph_buffers is not None:
             qo_indptr, kv_indptr, kv_indices, kv_len_arr = (
                 self._fixed_buffer(b, t, n) for b, t, n in zip(

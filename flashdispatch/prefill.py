@@ -170,13 +170,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             checks.check_index_tensor(t, name)
         n = checks.check_indptr_length(paged_kv_indptr, "paged_kv_indptr")
         checks.check_indptr_length(qo_indptr, "qo_indptr", n)
-        checks.check_lengths_count(paged_kv_last_page_len, "last_page_len", n - 1)
+        checks.check_lengths_count(paged_kv_last_page_len, "paged_kv_last_page_len", n - 1)
         (kv_indptr_h, qo_indptr_h, last_h), minmax = checks.host_arrays(
             [paged_kv_indptr, qo_indptr, paged_kv_last_page_len], paged_kv_indices)
         pages = checks.check_indptr(kv_indptr_h, "paged_kv_indptr")
         qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
-        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size)
-        max_page_index = checks.check_page_indices(paged_kv_indices.numel(), int(kv_indptr_h[-1]), minmax)
+        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, "paged_kv_last_page_len")
+        max_page_index = checks.check_page_indices(paged_kv_indices.numel(), int(kv_indptr_h[-1]), minmax,
+                                                   "paged_kv_indices", "paged_kv_indptr")
         qo_param = qo_indptr_h  # copied to the device with the kv lengths, unless the graph buffer holds it
         if self._graph_buffers is not None:
             tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices[: int(kv_indptr_h[-1])], paged_kv_last_page_len)

@@ -248,3 +248,12 @@ def test_graph_buffers_must_be_on_the_wrapper_device():
     w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, use_cuda_graph=True, qo_indptr_buf=meta[0], kv_indptr_buf=meta[1])
     with pytest.raises(ValueError, match="qo_indptr_buf is on meta"):
         w.plan(torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32), 4, 2, 32)
+
+
+def test_prefill_errors_name_the_prefill_arguments():
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    qo = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"paged_kv_last_page_len\[1\]=9"):
+        w.plan(qo, INDPTR, INDICES, torch.tensor([3, 9], dtype=torch.int32), 4, 2, 32, 8)
+    with pytest.raises(ValueError, match="paged_kv_indices has 3 entries, but paged_kv_indptr"):
+        w.plan(qo, INDPTR, INDICES[:3], LAST, 4, 2, 32, 8)
