@@ -77,7 +77,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests)
       if "$PY" -c "import pytest" 2>/dev/null; then
-        run_step tests "${TESTS_S:-420}" "$OUT/tests.log" "$PY" -m pytest -m gpu -x -q -p no:cacheprovider
+        run_step tests "${TESTS_S:-420}" "$OUT/tests.log" "$PY" -m pytest -m gpu -q -p no:cacheprovider --maxfail=15 --durations=12 -rfE
       else
         echo "tests: pytest is not importable here (carry its wheel in .whl/)" | tee "$OUT/tests.log"
         rc[tests]=skipped
