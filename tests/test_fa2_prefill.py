@@ -155,17 +155,41 @@ def test_causal_equals_tril_custom_mask(kind):
     torch.testing.assert_close(lse_c, lse_m, atol=1e-3, rtol=1e-3)
 
 
+def test_custom_mask_tile_lists():
+    """Empty KV tiles are left out of an item's list, whole ones are walked without mask reads,
+    partial ones (a few bits, the KV end) with them; the result matches the oracle either way."""
+    mask = torch.zeros(64, 75, dtype=torch.bool)  # CPU tiles: 32 query rows x 16 keys
+    mask[:32, :16] = True  # rows 0-31: KV tile 0 whole,
+    mask[:32, 40:44] = True  # tile 2 partial,
+    mask[32:, 64:] = True  # rows 32-63: tile 4 only, cut by the KV end at 75
+    mask[40, 3] = True  # and one bit of tile 0
+    case = make_ragged_case(qo_lens=[64], kv_lens=[75], mask_mode="custom", custom_masks=[mask],
+                            head_dim_qk=64)
+    plan = plan_prefill(case.problem, case.device, case.params)
+    lists = {}
+    for row in plan.work.view(-1, 10).tolist():
+        base = row[9]
+        count = int(plan.tiles[base])
+        lists[row[1]] = plan.tiles[base + 1:base + 1 + count].tolist()
+    assert lists == {0: [0 << 1, 2 << 1 | 1], 32: [0 << 1 | 1, 4 << 1 | 1]}
+    plan.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
+
+
 # --- CUDA-graph mode (persistent grid over a workspace list), config, caps -------------------
-def test_graph_mode_replans_into_same_workspace():
+@pytest.mark.parametrize("mask", ["causal", "custom"])
+def test_graph_mode_replans_into_same_workspace(mask):
     ws = torch.zeros(1 << 16, dtype=torch.uint8)  # the wrapper's int workspace
     plans = []
     for seed, (qo, kv) in enumerate([([30, 5], [40, 5]), ([3, 64], [3, 80])]):
-        case = make_paged_case(qo_lens=qo, kv_lens=kv, page_size=16, mask_mode="causal",
+        case = make_paged_case(qo_lens=qo, kv_lens=kv, page_size=16, mask_mode=mask,
                                use_cuda_graph=True, seed=seed)
         case.params.int_workspace = ws
         plan = plan_prefill(case.problem, case.device, case.params)
         plans.append(plan)
         assert plan.grid == plans[0].grid and plan.work.data_ptr() == plans[0].work.data_ptr()
+        if mask == "custom":
+            assert plan.tiles.data_ptr() == plans[0].tiles.data_ptr()
         plan.run(case.inputs)
         assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 

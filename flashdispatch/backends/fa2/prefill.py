@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import triton
 import triton.language as tl
 
 from ...dispatch.caps import Caps
@@ -26,7 +27,7 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from ..common import TRITON_INTERPRETED, alibi_slopes
 from .merge import MERGE_INFO_COLS, launch_decode_merge
-from .prefill_kernels import WORK_COLS, fa2_prefill_kernel
+from .prefill_kernels import WORK_COLS, fa2_prefill_kernel, mask_tile_classes_kernel, mask_tile_list_kernel
 
 _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
@@ -168,8 +169,9 @@ def fixed_chunks(lo: int, hi: int, kv_len: int, chunk: int) -> list[tuple[int, i
 
 @dataclass
 class WorkList:
-    """items [n, WORK_COLS] int32 (heaviest first); merge [m, MERGE_INFO_COLS] int32, one row per
-    query row whose tile is split: (output row, first partial row, chunks, 0)."""
+    """items [n, WORK_COLS] int32 (heaviest first; the tile-list offset column is 0 until
+    ``add_tile_lists``); merge [m, MERGE_INFO_COLS] int32, one row per query row whose tile is
+    split: (output row, first partial row, chunks, 0)."""
 
     items: np.ndarray
     merge: np.ndarray
@@ -184,11 +186,11 @@ def build_work_list(tiles, chunks_of, block_m: int, qo_starts: list[int]) -> Wor
     for t, (req, m0, q, k, lo, hi) in enumerate(tiles):
         chunks = chunks_of(t)
         if len(chunks) <= 1:
-            items.append((hi - lo, req, m0, q, k, 0, k, -1, 0, 1))
+            items.append((hi - lo, req, m0, q, k, 0, k, -1, 0, 1, 0))
             continue
         n, rows = len(chunks), np.arange(min(block_m, q - m0))
         for c, (a, z) in enumerate(chunks):
-            items.append((min(z, hi) - max(a, lo), req, m0, q, k, a, z, part_rows, c, n))
+            items.append((min(z, hi) - max(a, lo), req, m0, q, k, a, z, part_rows, c, n, 0))
         merge.append(np.stack([qo_starts[req] + m0 + rows, part_rows + rows * n, np.full_like(rows, n),
                                np.zeros_like(rows)], 1))
         part_rows += len(rows) * n
@@ -196,6 +198,18 @@ def build_work_list(tiles, chunks_of, block_m: int, qo_starts: list[int]) -> Wor
     return WorkList(np.array([it[1:] for it in items], dtype=np.int32).reshape(-1, WORK_COLS),
                     np.concatenate(merge).astype(np.int32) if merge else np.zeros((0, MERGE_INFO_COLS), np.int32),
                     part_rows)
+
+
+def add_tile_lists(items: np.ndarray, block_n: int) -> tuple[int, int]:
+    """Give every work item room for its custom-mask tile list (a count and one entry per KV tile
+    meeting its chunk [kv_lo, kv_hi)): writes the offsets into column 9 and returns
+    (list length in int32, most KV tiles of one item)."""
+    if len(items) == 0:
+        return 1, 1
+    n_tiles = -(-items[:, 5] // block_n) - items[:, 4] // block_n
+    sizes = n_tiles.astype(np.int64) + 1
+    items[:, 9] = np.cumsum(sizes) - sizes
+    return int(sizes.sum()), max(int(n_tiles.max()), 1)
 
 
 def _scale_arg(scale, dummy: torch.Tensor) -> tuple[float, torch.Tensor, bool]:
@@ -225,10 +239,13 @@ class PrefillPlan:
         qo_starts = np.cumsum([0, *params.qo_lens_host]).tolist()
         work = build_work_list(tiles, self._chunking(tiles, device, params), config.block_m, qo_starts)
         self.num_items, self.n_merge, self.partial_rows = len(work.items), len(work.merge), work.partial_rows
+        custom = problem.mask_mode == "custom"
+        list_len, max_tiles = add_tile_lists(work.items, config.block_n) if custom else (0, 0)
         self.workspace_bytes = self._carve_partials(params.workspace)
+        self.tiles = None
         if problem.use_cuda_graph:
             flat = torch.from_numpy(work.items.ravel())
-            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev)
+            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev, list_len)
             self.info = None
             self.grid = (max(device.sm_count, 4) * 2,)
         else:
@@ -239,6 +256,10 @@ class PrefillPlan:
             self.work = self.num_work = meta[:work.items.size]
             self.info = meta[work.items.size:]
             self.grid = (self.num_items * problem.num_qo_heads,)
+            if custom:
+                self.tiles = torch.empty(list_len, dtype=torch.int32, device=dev)
+        if custom and self.num_items:
+            self._build_tile_lists(max_tiles)
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
 
     def _chunking(self, tiles, device: Device, params: AttentionParams):
@@ -285,16 +306,33 @@ class PrefillPlan:
         self.po = ws[lse_bytes:need].view(torch.float32)
         return need
 
-    def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device):
-        """Write the item count and list at fixed offsets of the wrapper's int workspace."""
+    def _build_tile_lists(self, max_tiles: int) -> None:
+        """Custom mask: classify each (item, KV tile) from the mask bits, then compact each item's
+        visible tiles into its list (two launches, stream-ordered, no host sync)."""
+        prm, cfg = self.params, self.config
+        classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=self.tiles.device)
+        mask_tile_classes_kernel[(self.num_items, max_tiles)](
+            self.work, prm.packed_mask, prm.mask_indptr, classes, max_tiles, self.problem.window_left,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WINDOW=self.problem.window_left >= 0)
+        mask_tile_list_kernel[(self.num_items,)](self.work, classes, self.tiles, max_tiles, BLOCK_N=cfg.block_n,
+                                                 MAX_TILES=triton.next_power_of_2(max_tiles))
+
+    def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device,
+                         list_len: int):
+        """Write the item count and list at fixed offsets of the wrapper's int workspace; a custom
+        mask's tile lists (``list_len`` int32) get the second half of it."""
         if workspace is None:
             raise ValueError("fa2 prefill: use_cuda_graph needs the wrapper's int workspace")
         have = workspace.numel() * workspace.element_size()
+        lists_at = have // 2 // _ALIGN * _ALIGN if list_len else have
         need = _GRAPH_ITEMS_AT + 4 * flat.numel()
-        if need > have:
-            raise ValueError(f"fa2 prefill: {self.num_items} work items need {need} int workspace bytes, "
-                             f"the int workspace has {have}")
+        if need > lists_at or lists_at + 4 * list_len > have:
+            raise ValueError(f"fa2 prefill: {self.num_items} work items need {need} int workspace bytes"
+                             + (f" and their custom-mask tile lists {4 * list_len} more" if list_len else "")
+                             + f", the int workspace has {have}")
         ws = workspace.view(torch.uint8).reshape(-1)
+        if list_len:
+            self.tiles = ws[lists_at:lists_at + 4 * list_len].view(torch.int32)
         count = ws[:4].view(torch.int32)
         work = ws[_GRAPH_ITEMS_AT:need].view(torch.int32)
         count.copy_(torch.tensor([self.num_items], dtype=torch.int32))
@@ -339,7 +377,8 @@ class PrefillPlan:
             q, k, v, out, lse if lse is not None else out,
             self.po if self.n_merge else out, self.plse if self.n_merge else out, self.work, self.num_work,
             prm.qo_indptr, prm.kv_indptr, kv_indices,
-            prm.packed_mask if custom else prm.qo_indptr, prm.mask_indptr if custom else prm.qo_indptr,
+            prm.packed_mask if custom else prm.qo_indptr, self.tiles if custom else prm.qo_indptr,
+            prm.mask_indptr if custom else prm.qo_indptr,
             inputs.sinks if inputs.sinks is not None else prm.qo_indptr,
             self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
             prm.sm_scale * q_f * k_f * log2e, v_f, p.logits_soft_cap * log2e,

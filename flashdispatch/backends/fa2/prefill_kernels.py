@@ -5,13 +5,17 @@ request against one chunk [kv_lo, kv_hi) of that request's KV (the whole KV unle
 walked in BLOCK_N tiles with an online softmax in base 2 (log2(e) is folded into the score
 scale, so only exp2 is used). A work item is `WORK_COLS` int32 that plan() builds on the host:
 (request, first query row of the tile inside the request, qo_len, kv_len, kv_lo, kv_hi,
-partial base, chunk, chunks). Partial base -1: the program writes out/lse. Otherwise (split-KV)
-query row i of the tile writes its fp32 output and base-2 lse to partial row
+partial base, chunk, chunks, tile-list offset). Partial base -1: the program writes out/lse.
+Otherwise (split-KV) query row i of the tile writes its fp32 output and base-2 lse to partial row
 base + i * chunks + chunk of the workspace, the merge kernel (merge.py) combines them, and only
 chunk 0 carries the sink. The KV range of a tile is three loops: masked tiles left of the fully
 visible band (sliding window, chunk start), the unmasked band, masked tiles on the right (causal
-diagonal, chunk end, KV end). Every feature is a tl.constexpr, so a feature that is off costs
-nothing on the hot path.
+diagonal, chunk end, KV end). With a custom mask, plan() first classifies every (item, KV tile)
+from the mask bits (`mask_tile_classes_kernel`: no visible key / all visible / partial) and
+compacts the visible ones into a list per item (`mask_tile_list_kernel`, at the tile-list
+offset: count, then `kv tile << 1 | partial`); the attention loop walks that list, skips empty
+tiles and reads mask bits only for partial ones. Every feature is a tl.constexpr, so a feature
+that is off costs nothing on the hot path.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
-WORK_COLS = 9  # int32 per work item, see the module docstring
+WORK_COLS = 10  # int32 per work item, see the module docstring
 _WORK_COLS = tl.constexpr(WORK_COLS)
 
 
@@ -72,8 +76,17 @@ def _load_k_part(k_base, row_off, kv_len, offs_n, offs_d, stride_kd, pos_n, rope
 
 
 @triton.jit
+def _custom_keep(mask_ptr, mask_off, offs_m, offs_n, qo_len, kv_len, keep):
+    """``keep`` and the packed custom-mask bits (row-major [qo_len, kv_len], little bit order)."""
+    bit = offs_m.to(tl.int64)[:, None] * kv_len + offs_n[None, :]
+    in_bounds = (offs_m < qo_len)[:, None] & keep
+    byte = tl.load(mask_ptr + mask_off + (bit >> 3), mask=in_bounds, other=0)
+    return keep & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
+
+
+@triton.jit
 def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
-                K, V, kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
+                K, V, kv_indices_ptr, mask_ptr, tiles_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
                 offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd,
                 stride_vp, stride_vs, stride_vh, stride_vd,
                 qk_scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
@@ -82,16 +95,32 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                 HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
                 CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr):
-    """Online-softmax update over KV tiles [lo, hi); MASKED tiles apply every mask, the chunk
-    bounds [kv_lo, kv_hi) included."""
+    """Online-softmax update over KV tiles. Without a custom mask: the tiles starting in [lo, hi),
+    MASKED tiles applying every mask, the chunk bounds [kv_lo, kv_hi) included. With one: entries
+    [lo, hi) of the item's tile list (``tiles_ptr``, built by ``mask_tile_classes_kernel`` and
+    ``mask_tile_list_kernel``), each ``kv tile << 1 | partial``; only partial tiles read the mask."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     offs_da = tl.arange(0, HEAD_QK_A)
     offs_dv = tl.arange(0, HEAD_VO)
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
-    # page ids are fetched one tile ahead, so the K/V addresses never wait on an index load
-    page_ids = _page_ids(kv_indices_ptr, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    # page ids (and list entries) are fetched one tile ahead, so the K/V addresses never wait on them
+    if CUSTOM_MASK:
+        STEP: tl.constexpr = 1
+        next_entry = tl.load(tiles_ptr + lo, mask=lo < hi, other=0)
+        page_ids = _page_ids(kv_indices_ptr, kv_start, (next_entry >> 1) * BLOCK_N, kv_len, PAGE_SIZE, BLOCK_N)
+    else:
+        STEP: tl.constexpr = BLOCK_N
+        page_ids = _page_ids(kv_indices_ptr, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
+    for it in range(lo, hi, STEP):
+        if CUSTOM_MASK:
+            entry = next_entry
+            next_entry = tl.load(tiles_ptr + it + 1, mask=it + 1 < hi, other=0)
+            start_n = (entry >> 1) * BLOCK_N
+            next_n = (next_entry >> 1) * BLOCK_N
+        else:
+            start_n = it
+            next_n = it + BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if PAGE_SIZE == 0:
             page = (kv_start + offs_n).to(tl.int64)
@@ -99,7 +128,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
         else:
             page = page_ids.to(tl.int64)
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
-            page_ids = _page_ids(kv_indices_ptr, kv_start, start_n + BLOCK_N, kv_len, PAGE_SIZE, BLOCK_N)
+            page_ids = _page_ids(kv_indices_ptr, kv_start, next_n, kv_len, PAGE_SIZE, BLOCK_N)
         k_rows = page * stride_kp + slot * stride_ks
         k = _load_k_part(k_base, k_rows, kv_len, offs_n, offs_da, stride_kd, offs_n,
                          rope_inv_scale, rope_log2_theta, DTYPE, MASKED, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
@@ -121,24 +150,28 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             s = qk * qk_scale
             if ALIBI:
                 s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
-        if MASKED:
+        if CUSTOM_MASK:
+            if (entry & 1) != 0:  # a partial tile: mask bits, window, chunk and KV bounds
+                keep = (offs_n < kv_hi)[None, :]
+                if SPLIT:
+                    keep = keep & (offs_n >= kv_lo)[None, :]
+                keep = _custom_keep(mask_ptr, mask_off, offs_m, offs_n, qo_len, kv_len, keep)
+                if WINDOW:
+                    keep = keep & (offs_n[None, :] >= pos_m[:, None] - window_left)
+                s = tl.where(keep, s, float("-inf"))
+        elif MASKED:
             keep = (offs_n < kv_hi)[None, :]
             if SPLIT:
                 keep = keep & (offs_n >= kv_lo)[None, :]
-            if CUSTOM_MASK:
-                bit = offs_m.to(tl.int64)[:, None] * kv_len + offs_n[None, :]
-                in_bounds = (offs_m < qo_len)[:, None] & keep
-                byte = tl.load(mask_ptr + mask_off + (bit >> 3), mask=in_bounds, other=0)
-                keep = keep & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
-            elif CAUSAL:
+            if CAUSAL:
                 keep = keep & (offs_n[None, :] <= pos_m[:, None])
             if WINDOW:
                 keep = keep & (offs_n[None, :] >= pos_m[:, None] - window_left)
             s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
@@ -171,7 +204,7 @@ def _load_q_part(Q, q_row_off, offs_m, qo_len, offs_d, stride_qd, pos_m, rope_in
 
 @triton.jit
 def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-                 mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                 mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                  qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                  stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                  stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
@@ -234,7 +267,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
     p_min = m0 + delta
     p_max = tl.minimum(m0 + BLOCK_M, qo_len) - 1 + delta
     hi = kv_hi
-    if CAUSAL and not CUSTOM_MASK:
+    if CAUSAL:
         hi = tl.minimum(hi, p_max + 1)
     first_key = kv_lo
     full_lo = kv_lo
@@ -244,11 +277,9 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
     lo = (tl.maximum(first_key, 0) // BLOCK_N) * BLOCK_N
     full_lo = ((tl.maximum(full_lo, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     full_hi = kv_hi
-    if CAUSAL and not CUSTOM_MASK:
+    if CAUSAL:
         full_hi = tl.minimum(full_hi, p_min + 1)
     full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
-    if CUSTOM_MASK:
-        full_lo = hi
     b = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
     c = tl.minimum(tl.maximum(full_hi, b), tl.maximum(hi, b))
 
@@ -261,24 +292,35 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
         l_i = tl.where(carry, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_VO], tl.float32)
 
-    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, K, V, kv_indices_ptr, mask_ptr, kv_start,
-                                kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks,
-                                stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
-                                soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True,
-                                BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
-    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, K, V, kv_indices_ptr, mask_ptr, kv_start,
-                                kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks,
-                                stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
-                                soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, False,
-                                BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
-    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, K, V, kv_indices_ptr, mask_ptr, kv_start,
-                                kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks,
-                                stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2,
-                                soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True,
-                                BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
+    if CUSTOM_MASK:  # the item's list of KV tiles with a visible key: [count, entries...]
+        tiles = tiles_ptr + tl.load(row + 9)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, tl.load(tiles), K, V, kv_indices_ptr, mask_ptr,
+                                    tiles + 1, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m,
+                                    qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs,
+                                    stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
+                                    rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE,
+                                    HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
+                                    ROPE, SPLIT)
+    else:
+        # masked [lo, b), unmasked [b, c), masked [c, hi)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
+                                    kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
+                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
+                                    DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
+                                    CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
+                                    kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
+                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
+                                    DTYPE, DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
+                                    CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
+                                    kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
+                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
+                                    DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
+                                    CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
 
     seen = l_i > 0.0
     out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
@@ -304,7 +346,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
 
 @triton.jit
 def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_indptr_ptr, kv_indptr_ptr,
-                       kv_indices_ptr, mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr,
+                       kv_indices_ptr, mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr,
                        q_scale_ptr, k_scale_ptr, v_scale_ptr,
                        qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                        stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
@@ -325,7 +367,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
         total = tl.load(num_work_ptr) * NUM_QO_HEADS
         for pid in range(tl.program_id(0), total, tl.num_programs(0)):
             _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-                         mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                         mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                          qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                          stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
@@ -334,10 +376,61 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                          SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
     else:
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
-                     kv_indices_ptr, mask_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
+                     kv_indices_ptr, mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
                      v_scale_ptr, qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                      stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
                      SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
+
+
+@triton.jit
+def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, max_tiles, window_left,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Grid (items, max_tiles): class of KV tile ``kv_lo // BLOCK_N + t`` for work item ``i`` at
+    ``classes[i, t]`` (int8): 0 no visible key, 1 every in-bounds pair visible (and the tile
+    inside the item's chunk), 2 partial. Rows past qo_len and keys outside [kv_lo, kv_hi) do not count."""
+    item = tl.program_id(0)
+    t = tl.program_id(1)
+    row = work_ptr + item * _WORK_COLS
+    req = tl.load(row)
+    m0 = tl.load(row + 1)
+    qo_len = tl.load(row + 2)
+    kv_len = tl.load(row + 3)
+    kv_lo = tl.load(row + 4)
+    kv_hi = tl.load(row + 5)
+    start_n = (kv_lo // BLOCK_N + t) * BLOCK_N
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    in_chunk = (offs_n >= kv_lo) & (offs_n < kv_hi)
+    in_bounds = (offs_m < qo_len)[:, None] & in_chunk[None, :]
+    keep = _custom_keep(mask_ptr, tl.load(mask_indptr_ptr + req).to(tl.int64), offs_m, offs_n, qo_len, kv_len,
+                        in_bounds)
+    if WINDOW:
+        keep = keep & (offs_n[None, :] >= (offs_m + kv_len - qo_len)[:, None] - window_left)
+    visible = tl.sum(keep.to(tl.int32))
+    whole = (visible == tl.sum(in_bounds.to(tl.int32))) & (start_n >= kv_lo) & (start_n + BLOCK_N <= kv_hi)
+    cls = tl.where(visible == 0, 0, tl.where(whole, 1, 2))
+    tl.store(classes_ptr + item.to(tl.int64) * max_tiles + t, cls.to(tl.int8), mask=start_n < kv_hi)
+
+
+@triton.jit
+def mask_tile_list_kernel(work_ptr, classes_ptr, tiles_ptr, max_tiles, BLOCK_N: tl.constexpr,
+                          MAX_TILES: tl.constexpr):
+    """Grid (items,): compact item ``i``'s visible KV tiles (``classes[i, :]`` from
+    mask_tile_classes_kernel) into its list at the item's tile-list offset: count, then
+    ``kv tile << 1 | partial`` in KV order."""
+    item = tl.program_id(0)
+    row = work_ptr + item * _WORK_COLS
+    kv_lo = tl.load(row + 4)
+    kv_hi = tl.load(row + 5)
+    base = tl.load(row + 9)
+    t = tl.arange(0, MAX_TILES)
+    n_tiles = tl.cdiv(kv_hi, BLOCK_N) - kv_lo // BLOCK_N
+    cls = tl.load(classes_ptr + item.to(tl.int64) * max_tiles + t, mask=t < n_tiles, other=0).to(tl.int32)
+    visible = cls != 0
+    slot = tl.cumsum(visible.to(tl.int32), 0) - 1
+    entry = (kv_lo // BLOCK_N + t) * 2 + (cls == 2).to(tl.int32)
+    tl.store(tiles_ptr + base + 1 + slot, entry, mask=visible)
+    tl.store(tiles_ptr + base, tl.sum(visible.to(tl.int32)))
