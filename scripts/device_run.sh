@@ -7,7 +7,8 @@
 # (DEADLINE_S, default 570 s, so one call of at most 600 s returns with its logs). A step that
 # starts with too little time left is skipped and says so. Results go to $OUT, flat, at most
 # 8 files: env.txt tests.log bench_{decode,prefill}.{log,json,png}. The summary is printed last.
-# Per-step caps: TESTS_S (default 420), DECODE_S (240), PREFILL_S (330).
+# Per-step caps: TESTS_S (default 420; each test file under PER_FILE_S, default 400, all in parallel),
+# DECODE_S (240), PREFILL_S (330).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/out}
@@ -31,7 +32,7 @@ if [ -f .whl/device_setup.sh ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+export PY=${PYTHON:-python3}
 DEADLINE_S=${DEADLINE_S:-570}
 declare -A rc
 
@@ -50,6 +51,21 @@ run_step() {
   local r=$?
   [ $r -eq 124 ] && echo "$name: stopped at its ${limit}s limit" >>"$log"
   rc[$name]=$r
+}
+
+# parallel_gpu_tests: every test file with GPU tests in its own pytest process (compiles are
+# CPU-bound and the machine has many cores); their outputs one after the other, then the tally.
+parallel_gpu_tests() {
+  local dir; dir=$(mktemp -d)
+  local files; files=$(grep -l "mark.gpu" tests/test_*.py)
+  for f in $files; do
+    ( timeout -k 5 "${PER_FILE_S:-400}" "$PY" -m pytest -m gpu -p no:cacheprovider --maxfail=15 --durations=5 -rfE "$f" >"$dir/$(basename "$f").log" 2>&1
+      echo "exit $?" >>"$dir/$(basename "$f").log" ) &
+  done
+  wait
+  for f in "$dir"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done
+  echo "=== tally"
+  for f in "$dir"/*.log; do echo "$(basename "$f" .log): $(grep -E ' in [0-9.]+s' "$f" | tail -n 1)"; done
 }
 
 {
@@ -77,7 +93,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests)
       if "$PY" -c "import pytest" 2>/dev/null; then
-        run_step tests "${TESTS_S:-420}" "$OUT/tests.log" "$PY" -m pytest -m gpu -q -p no:cacheprovider --maxfail=15 --durations=12 -rfE
+        run_step tests "${TESTS_S:-420}" "$OUT/tests.log" bash -c "$(declare -f parallel_gpu_tests); parallel_gpu_tests"
       else
         echo "tests: pytest is not importable here (carry its wheel in .whl/)" | tee "$OUT/tests.log"
         rc[tests]=skipped
@@ -96,7 +112,7 @@ echo "===== summary"
 for step in "${steps[@]}"; do echo "$step: exit ${rc[$step]:-?}"; done
 if [ -f "$OUT/tests.log" ]; then
   echo "--- tests.log (last lines)"
-  tail -n 8 "$OUT/tests.log"
+  sed -n '/^=== tally/,$p' "$OUT/tests.log"
 fi
 jsons=()
 for f in "$OUT"/bench_decode.json "$OUT"/bench_prefill.json; do [ -f "$f" ] && jsons+=("$f"); done
