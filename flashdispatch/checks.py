@@ -3,6 +3,7 @@ argument, the value found and what is accepted, before anything is launched."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import numpy as np
@@ -150,6 +151,18 @@ def check_indptr_length(t: torch.Tensor, name: str, length: int | None = None) -
     return n
 
 
+CHECK_INPUTS_ENV = "FLASHDISPATCH_CHECK_INPUTS"
+
+
+def page_indices_checked() -> bool:
+    """Whether plan() checks the used page indices (>= 0 at plan, < the cache's pages at run).
+    On unless FLASHDISPATCH_CHECK_INPUTS=0: the check needs their (min, max), one reduction on the
+    device; users who guarantee valid indices may skip it (an index outside the cache is then
+    read as it is, as in FlashInfer). FLASHDISPATCH_CHECK_INPUTS=1 also turns on the checks
+    that the sync-free cuDNN entry points leave out by default."""
+    return os.environ.get(CHECK_INPUTS_ENV) != "0"
+
+
 _positions: dict[torch.device, torch.Tensor] = {}
 
 
@@ -163,12 +176,15 @@ def _device_positions(n: int, device: torch.device) -> torch.Tensor:
     return table[:n]
 
 
-def host_arrays(tensors: Sequence[torch.Tensor],
-                indices: torch.Tensor | None = None) -> tuple[list[np.ndarray], tuple[int, int] | None]:
+def host_arrays(tensors: Sequence[torch.Tensor], indices: torch.Tensor | None = None,
+                indices_all_used: bool = True) -> tuple[list[np.ndarray], tuple[int, int] | None]:
     """Host int64 copies of small 1-D int32 ``tensors`` and, with ``indices``, the (min, max) of
-    ``indices[:tensors[0][-1]]`` (the first tensor is their indptr; None when that is empty),
-    with at most one device->host copy: the device tensors and the min/max, reduced on the
-    device (the table itself never travels), go in one concatenated transfer."""
+    ``indices[:tensors[0][-1]]`` (the first tensor is their indptr; None when that is empty, or
+    when FLASHDISPATCH_CHECK_INPUTS=0 turned the page-index check off), with one device->host
+    copy: the device tensors and the min/max, reduced on the device (the table itself never
+    travels), go in one transfer (see `read_in_one_copy` for ``indices_all_used``)."""
+    if indices is not None and not page_indices_checked():
+        indices = None
     on_host = [t.is_cpu for t in tensors]
     if all(on_host) and (indices is None or indices.is_cpu):
         arrays = [t.numpy().astype(np.int64) for t in tensors]
@@ -182,28 +198,33 @@ def host_arrays(tensors: Sequence[torch.Tensor],
     if len(devices) > 1 or (indices is not None and indices.is_cpu):
         # spread over several devices: one copy each (correct, only slower)
         return host_arrays([t.cpu() for t in tensors], None if indices is None else indices.cpu())
-    return read_in_one_copy(tensors, on_host, indices)
+    return read_in_one_copy(tensors, on_host, indices, indices_all_used)
 
 
-def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
-                     indices: torch.Tensor | None) -> tuple[list[np.ndarray], tuple[int, int] | None]:
+def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool], indices: torch.Tensor | None,
+                     indices_all_used: bool = True) -> tuple[list[np.ndarray], tuple[int, int] | None]:
     """`host_arrays` for tensors on one device: those not ``on_host`` and the (min, max) of the
-    used ``indices`` (masked on the device when the indptr is there too) are concatenated and
-    copied once. Works on any device (the CPU tests run it with ``on_host`` all False)."""
+    used ``indices`` go to the host in one copy of one device buffer (the tensors concatenated
+    into it, the min/max reduced into its last two entries). When the indptr is on the device
+    the number of used indices is not known yet: with ``indices_all_used`` the min/max is taken
+    over all of ``indices`` (one reduction) and, if indptr[-1] turns out smaller, taken again
+    over the used ones (a second copy); without it the unused entries are masked on the device
+    first (two more small kernels, one copy). Works on any device (the CPU tests run it with
+    ``on_host`` all False)."""
     parts = [t for t, host in zip(tensors, on_host) if not host]
-    with_minmax = indices is not None and indices.numel() > 0
-    if with_minmax:
+    window, guessed = None, False
+    if indices is not None and indices.numel() > 0:
         indptr = tensors[0]
         if on_host[0]:
             window = indices[: max(int(indptr.numpy()[-1]), 0)]
-        else:  # the number of used pages is on the device: mask the others instead of reading it
+        elif indices_all_used:
+            window, guessed = indices, True
+        else:  # mask the entries past indptr[-1] (a count that is on the device)
             valid = _device_positions(indices.numel(), indices.device) < indptr[-1:]
             window = torch.where(valid, indices, indices[:1])
-        with_minmax = window.numel() > 0
-        if with_minmax:
-            low, high = window.aminmax()
-            parts += [low.view(1), high.view(1)]
-    flat = torch.cat(parts).cpu().numpy() if parts else None  # the one device->host copy
+        if window.numel() == 0:
+            window = None
+    flat = _one_copy(parts, window)
     arrays, offset = [], 0
     for t, host in zip(tensors, on_host):
         if host:
@@ -211,8 +232,32 @@ def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
         else:
             arrays.append(flat[offset:offset + t.numel()].astype(np.int64))
             offset += t.numel()
-    with_minmax = with_minmax and arrays[0][-1] > 0  # masked on the device: nothing was used after all
-    return arrays, ((int(flat[offset]), int(flat[offset + 1])) if with_minmax else None)
+    if window is None:
+        return arrays, None
+    used = int(arrays[0][-1])
+    if used <= 0:  # masked or guessed on the device: nothing was used after all
+        return arrays, None
+    if guessed and used != indices.numel():
+        if used > indices.numel():  # too few indices: the caller's check_page_indices says so
+            return arrays, None
+        low_high = _one_copy([], indices[:used])
+        return arrays, (int(low_high[0]), int(low_high[1]))
+    return arrays, (int(flat[offset]), int(flat[offset + 1]))
+
+
+def _one_copy(parts: Sequence[torch.Tensor], window: torch.Tensor | None) -> np.ndarray | None:
+    """The ``parts`` concatenated, then min(window), max(window) if given: one device buffer
+    filled by at most two kernels (cat, aminmax) and copied to the host once."""
+    if window is None:
+        if not parts:
+            return None
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()
+    n = sum(t.numel() for t in parts)
+    buf = torch.empty(n + 2, dtype=torch.int32, device=window.device)
+    if parts:
+        torch.cat(parts, out=buf[:n])
+    torch.aminmax(window, out=(buf[n], buf[n + 1]))
+    return buf.cpu().numpy()
 
 
 def check_indptr(h: np.ndarray, name: str) -> np.ndarray:
@@ -262,10 +307,11 @@ def check_page_indices(num_indices: int, used: int, minmax: tuple[int, int] | No
                        indptr_name: str = "indptr") -> int:
     """Check the page indices against the ``used`` = indptr[-1] pages (enough of them, >= 0) from
     their host (min, max) over the used entries (see `host_arrays`); return the largest index
-    used (-1 if none)."""
+    used: what run() checks against the cache's pages (-1 if none is used, or if ``minmax`` is
+    None because FLASHDISPATCH_CHECK_INPUTS=0 turned the range check off)."""
     if num_indices < used:
         raise ValueError(f"{name} has {num_indices} entries, but {indptr_name}[-1]={used} pages are referenced")
-    if used == 0:
+    if used == 0 or minmax is None:
         return -1
     low, high = minmax
     if low < 0:

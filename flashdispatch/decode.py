@@ -14,11 +14,12 @@ import torch
 
 from . import checks
 from .backends.base import PagedKV
+from .backends.cudnn import direct as cudnn_direct
 from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, check_requested, device_int32, on_device, paged_params, plan_problem,
-                      require_plan, run_attention, scratch_workspace)
+                      require_plan, run_attention, scratch_workspace, single_key, single_plans)
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
 
 
@@ -55,33 +56,46 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Returns
     -------
     ``[num_qo_heads, head_dim]`` output, or ``(output, lse)``.
+
+    The plan is kept (`planned.single_plans`, 64 of them) per shapes, dtypes, device and scalar
+    arguments, so a repeated call only checks its tensors and launches; calls on one device share
+    a scratch workspace: run them on one stream (see `planned.PlanCache`).
     """
+    key = single_key((q, k, v), (kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                                 rope_theta, return_lse), backend)
+    planned = single_plans.get(key, lambda: _plan_single_decode(
+        q, k, v, kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+        backend, return_lse))
+    if kv_layout == "NHD":
+        kv = PagedKV(k.unsqueeze(1), v.unsqueeze(1), "NHD")
+    else:  # [kv_heads, kv_len, dim] as pages of one token: [kv_len, kv_heads, 1, dim]
+        kv = PagedKV(k.transpose(0, 1).unsqueeze(2), v.transpose(0, 1).unsqueeze(2), "HND")
+    result = run_attention(planned, q.unsqueeze(0), kv, return_lse=return_lse, q_scale=q_scale, k_scale=k_scale,
+                           v_scale=v_scale)
+    if return_lse:
+        return result[0][0], result[1][0]
+    return result[0]
+
+
+def _plan_single_decode(q, k, v, kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                        rope_theta, backend, return_lse):
+    """Check a single-request decode's arguments and plan it (a batch of one, pages of one token)
+    on the device's scratch workspace; only the variant this call runs is planned."""
     checks.check_layout(kv_layout)
     checks.check_tensor(q, "q", ndim=2)
     checks.check_tensor(k, "k", ndim=3, device=q.device)
     checks.check_tensor(v, "v", ndim=3, device=q.device, dtypes=(k.dtype,))
-    if kv_layout == "NHD":
-        kv_len, num_kv_heads = k.shape[0], k.shape[1]
-        kv = PagedKV(k.unsqueeze(1), v.unsqueeze(1), "NHD")
-    else:
-        num_kv_heads, kv_len = k.shape[0], k.shape[1]
-        kv = PagedKV(k.permute(1, 0, 2).unsqueeze(2), v.permute(1, 0, 2).unsqueeze(2), "HND")
+    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
     if v.shape[:2] != k.shape[:2]:
         raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} differ in their first two dimensions")
-    dev = q.device
-    indptr = torch.tensor([0, kv_len], dtype=torch.int32)
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(scratch_workspace(dev), kv_layout,
-                                                 backend=backend)
-    wrapper.plan(indptr, torch.arange(kv_len, dtype=torch.int32), torch.tensor([1 if kv_len else 0], dtype=torch.int32),
-                 q.shape[0], num_kv_heads,
-                 q.shape[1], 1, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                 logits_soft_cap=logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=sm_scale,
-                 rope_scale=rope_scale, rope_theta=rope_theta, head_dim_vo=v.shape[-1])
-    result = wrapper.run(q.unsqueeze(0), (kv.k, kv.v), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                         return_lse=return_lse)
-    if return_lse:
-        return result[0][0], result[1][0]
-    return result[0]
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(scratch_workspace(q.device), kv_layout, backend=backend)
+    wrapper._DEFAULT_VARIANT = (1, bool(return_lse))
+    wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
+                 torch.tensor([1 if kv_len else 0], dtype=torch.int32), q.shape[0], num_kv_heads, q.shape[1], 1,
+                 pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                 q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=sm_scale, rope_scale=rope_scale,
+                 rope_theta=rope_theta, head_dim_vo=v.shape[-1])
+    return wrapper._variant((1, bool(return_lse)))
 
 
 class _DecodePlanArgs(NamedTuple):
@@ -179,10 +193,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             checks.check_index_tensor(t, name)
         batch = checks.check_indptr_length(indptr, "indptr") - 1
         checks.check_lengths_count(last_page_len, "last_page_len", batch)
-        (indptr_h, last_h), minmax = checks.host_arrays([indptr, last_page_len], indices)
+        (indptr_h, last_h), minmax = checks.host_arrays([indptr, last_page_len], indices, self._indices_all_used)
         pages = checks.check_indptr(indptr_h, "indptr")
         kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size)
         used_pages = int(indptr_h[-1])
+        self._indices_all_used = used_pages == indices.numel()
         max_page_index = checks.check_page_indices(indices.numel(), used_pages, minmax)
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
@@ -398,42 +413,26 @@ def cudnn_batch_decode_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_c
                                      block_tables: torch.Tensor | None = None, is_cuda_graph_compatible: bool = False,
                                      batch_offsets_q=None, batch_offsets_o=None, batch_offsets_k=None,
                                      batch_offsets_v=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Batch decode through cuDNN (FlashInfer signature).
+    """Batch decode through cuDNN (FlashInfer signature), with no device->host synchronisation.
 
     ``q`` ``[batch, num_qo_heads, head_dim]``; ``k_cache``/``v_cache`` HND
-    ``[pages, num_kv_heads, page_size, head_dim]``; ``block_tables`` ``[batch, max_pages]`` int32;
-    ``actual_seq_lens_kv`` ``[batch, 1, 1, 1]`` (or ``[batch]``) int32; ``scale`` the softmax scale.
-    Ragged ``batch_offsets_*`` are not supported.
+    ``[pages, num_kv_heads, page_size, head_dim]``; ``block_tables`` ``[batch, max_pages]`` int32 and
+    ``actual_seq_lens_kv`` ``[batch, 1, 1, 1]`` (or ``[batch]``) int32, both on q's device; ``scale``
+    the softmax scale (a float: a device tensor is refused). ``max_sequence_kv`` (host int) picks the
+    cuDNN graph bucket with the batch size; the caller guarantees, as with FlashInfer, that every
+    ``actual_seq_lens_kv[b] <= max_sequence_kv`` and that the first ``ceil(actual_seq_lens_kv[b] /
+    page_size)`` entries of ``block_tables[b]`` are pages of the cache: checking them would need a
+    host sync. Set FLASHDISPATCH_CHECK_INPUTS=1 to have every call read and check them.
+    A request with ``actual_seq_lens_kv[b] == 0`` gets 0.
+
+    ``is_cuda_graph_compatible=True`` builds graphs for CUDA-graph replay; any call can be captured
+    once its bucket (batch rounded up to a power of two, ceil(max_sequence_kv / page_size) pages
+    rounded up) and tensor layout ran once eagerly: the first call of a bucket builds its graph,
+    which cannot happen during a capture. Ragged ``batch_offsets_*`` are not supported here.
     """
-    if is_cuda_graph_compatible:
-        raise Unsupported("is_cuda_graph_compatible=True: this entry point reads the lengths on the host at every "
-                          "call, so it cannot be captured; use a wrapper with use_cuda_graph=True")
     if any(t is not None for t in (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v)):
-        raise Unsupported("batch_offsets_q/o/k/v (ragged q/o/kv offsets) are not supported")
-    checks.check_tensor(q, "q", ndim=3)
-    checks.check_tensor(k_cache, "k_cache", ndim=4, device=q.device)
-    checks.check_tensor(v_cache, "v_cache", ndim=4, device=q.device, dtypes=(k_cache.dtype,))
-    checks.check_positive_int(max_sequence_kv, "max_sequence_kv")
-    if block_tables is None or actual_seq_lens_kv is None:
-        raise ValueError("cudnn_batch_decode_with_kv_cache needs block_tables and actual_seq_lens_kv")
-    checks.check_tensor(actual_seq_lens_kv, "actual_seq_lens_kv", dtypes=(torch.int32,), device=q.device)
-    checks.check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)
-    _check_hnd_cache(k_cache, block_tables, max_sequence_kv, q.shape[1])
-    batch = q.shape[0]
-    qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64)
-    return paged_attention_from_block_tables(
-        q, k_cache, v_cache, block_tables, actual_seq_lens_kv, kv_layout="HND", qo_indptr_h=qo_indptr_h,
-        bmm1_scale=scale, bmm2_scale=1.0, window_left=-1, out=out, out_dtype=None, sinks=None, backend="cudnn",
-        causal=False)
-
-
-def _check_hnd_cache(k_cache: torch.Tensor, block_tables: torch.Tensor, max_sequence_kv: int, num_qo_heads: int):
-    """cuDNN's caches are HND [pages, kv_heads, page_size, dim]: catch an NHD cache before any launch."""
-    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"k_cache.shape[1]={num_kv_heads} (num_kv_heads in HND) does not divide "
-                         f"num_qo_heads={num_qo_heads}; cuDNN expects HND [pages, kv_heads, page_size, dim]")
-    if block_tables.shape[1] * page_size < max_sequence_kv:
-        raise ValueError(f"block_tables holds {block_tables.shape[1]} pages of page_size={page_size} "
-                         f"(k_cache.shape[2] in HND), fewer than max_sequence_kv={max_sequence_kv} tokens; "
-                         "is the cache NHD? cuDNN expects HND [pages, kv_heads, page_size, dim]")
+        raise Unsupported("batch_offsets_q/o/k/v (ragged q/o/kv offsets) are not supported by "
+                          "cudnn_batch_decode_with_kv_cache: decode reads one row per request")
+    return cudnn_direct.batch_decode(q, k_cache, v_cache, scale, workspace_buffer, max_sequence_kv=max_sequence_kv,
+                                     actual_seq_lens_kv=actual_seq_lens_kv, block_tables=block_tables,
+                                     cuda_graph=bool(is_cuda_graph_compatible), out=out)

@@ -5,8 +5,10 @@ what run() needs to check tensors without a device synchronisation).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +19,7 @@ from .backends.base import AttentionInputs, AttentionParams, MLAInputs, MLAParam
 from .dispatch.problem import Device, Problem, Workload, device_of
 from .dispatch.reasons import Unsupported
 from .dispatch.registry import get_backend
-from .dispatch.select import Decision, check_requested, select
+from .dispatch.select import Decision, check_requested, on_clear_cache, select, selection_context
 
 
 def host_workload(qo_lens_h, kv_lens_h) -> Workload:
@@ -50,6 +52,8 @@ class PlannedAttention:
         self.q_shape = (self.total_q, p.num_qo_heads, p.head_dim_qk)
         self.out_shape = (self.total_q, p.num_qo_heads, p.head_dim_vo)
         self.lse_shape = (self.total_q, p.num_qo_heads)
+        self.k_rows = (self.total_kv, p.num_kv_heads, p.head_dim_qk)  # ragged k and v
+        self.v_rows = (self.total_kv, p.num_kv_heads, p.head_dim_vo)
         if p.kv_layout == "NHD":
             self.k_tail = (p.page_size, p.num_kv_heads, p.head_dim_qk)
             self.v_tail = (p.page_size, p.num_kv_heads, p.head_dim_vo)
@@ -135,10 +139,10 @@ def run_attention(planned: PlannedAttention, q: torch.Tensor, kv: PagedKV | Ragg
     if isinstance(kv, PagedKV):
         _check_paged(planned, kv)
     else:
-        checks.check_tensor(kv.k, "k", dtypes=(p.kv_dtype,), device=dev,
-                            shape=(planned.total_kv, p.num_kv_heads, p.head_dim_qk))
-        checks.check_tensor(kv.v, "v", dtypes=(p.kv_dtype,), device=dev,
-                            shape=(planned.total_kv, p.num_kv_heads, p.head_dim_vo))
+        if not _is(kv.k, p.kv_dtype, planned.k_rows, dev):
+            checks.check_tensor(kv.k, "k", dtypes=(p.kv_dtype,), device=dev, shape=planned.k_rows)
+        if not _is(kv.v, p.kv_dtype, planned.v_rows, dev):
+            checks.check_tensor(kv.v, "v", dtypes=(p.kv_dtype,), device=dev, shape=planned.v_rows)
     if sinks is not None:
         if not p.sinks:
             raise Unsupported("sinks were passed to run(), but the problem was planned without sinks")
@@ -182,7 +186,10 @@ def device_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor
     """int32 copies of host arrays on ``device``, in one host->device transfer (views of one buffer)."""
     if device.type == "cpu":
         return [torch.from_numpy(a.astype(np.int32)) for a in arrays]
-    flat = torch.from_numpy(np.concatenate(arrays).astype(np.int32)).to(device, non_blocking=True)
+    flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    flat = torch.from_numpy(flat.astype(np.int32)).to(device, non_blocking=True)
+    if len(arrays) == 1:
+        return [flat]
     views, offset = [], 0
     for a in arrays:
         views.append(flat[offset:offset + a.size])
@@ -193,16 +200,27 @@ def device_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor
 def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv_indptr, kv_indices,
                  kv_last_page_len, device, qo_lens_host: list[int], **kw) -> AttentionParams:
     """AttentionParams for a paged problem from checked host arrays (int64 numpy) and the index
-    tensors (moved to ``device`` if they are elsewhere). ``qo_indptr`` is a host array (copied
-    with the kv lengths in one transfer) or already an int32 tensor on ``device``."""
-    if isinstance(qo_indptr, np.ndarray):
-        qo_indptr, kv_lens = device_int32(device, qo_indptr, kv_lens_h)
+    tensors. ``qo_indptr`` is a host array or an int32 tensor. The kv lengths, every host array
+    and, for a GPU ``device``, every small host tensor (qo_indptr, kv_indptr, kv_last_page_len)
+    go to ``device`` in one host->device transfer; the page indices and a tensor on another GPU
+    are moved on their own."""
+    gpu = device.type != "cpu"
+    small = [qo_indptr, kv_indptr, kv_last_page_len]
+    up = [i for i in (0, 1, 2) if isinstance(small[i], np.ndarray) or (gpu and small[i].is_cpu)]
+    if up:
+        host = [small[i] if isinstance(small[i], np.ndarray) else small[i].numpy() for i in up]
+        kv_lens, *moved = device_int32(device, kv_lens_h, *host)
+        for i, t in zip(up, moved):
+            small[i] = t
     else:
         kv_lens = device_int32(device, kv_lens_h)[0]
+    if gpu:  # a tensor on another GPU
+        small = [on_device(t, device) for t in small]
+    qo_indptr, kv_indptr, kv_last_page_len = small
     return AttentionParams(
-        qo_indptr=qo_indptr, kv_indptr=on_device(kv_indptr, device), kv_lens=kv_lens, qo_lens_host=qo_lens_host,
+        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_lens=kv_lens, qo_lens_host=qo_lens_host,
         kv_lens_host=kv_lens_h.tolist(), kv_indices=on_device(kv_indices, device),
-        kv_last_page_len=on_device(kv_last_page_len, device), **kw)
+        kv_last_page_len=kv_last_page_len, **kw)
 
 
 INT_WORKSPACE_BYTES = 8 << 20
@@ -215,6 +233,74 @@ def scratch_workspace(device: torch.device) -> torch.Tensor:
     per device for the process, as FlashInfer keeps one (calls on one device share it: run them
     on one stream)."""
     return torch.empty(SCRATCH_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+# --- the single-request functions' plans ---------------------------------------------------------
+SINGLE_PLANS = 64  # plans the single-request functions keep (the least recently used goes first)
+_PLAIN = frozenset({type(None), bool, int, float, str, torch.dtype})  # immutable argument types
+
+
+class PlanCache:
+    """A bounded LRU of `PlannedAttention` for the single-request functions, whose whole problem
+    is known from tensor shapes: a call with the same key runs the kept plan (checks + launch).
+
+    A kept plan holds only what plan() made from the key: index arrays on the device (read, never
+    written, at run) and views of the device's `scratch_workspace` (split-KV partials, written at
+    run); out and lse are allocated per call, so results never alias. Stream assumption, as
+    for FlashInfer's workspace buffer: single-request calls on one device run on one CUDA stream
+    (or the caller orders them): calls on two streams at once would share that scratch, and a
+    plan's arrays are uploaded (without a sync) on the stream of the call that built it.
+    Memory: a kept fa2/cuDNN plan is a few small arrays; a kept reference plan also holds its
+    visibility masks (about qo_len x kv_len bools). `dispatch.select.clear_cache()` drops them all.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._plans: collections.OrderedDict[tuple, PlannedAttention] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple | None, build) -> PlannedAttention:
+        """The plan kept for ``key``, else ``build()`` (kept unless ``key`` is None; errors are not)."""
+        if key is None:
+            return build()
+        with self._lock:
+            planned = self._plans.get(key)
+            if planned is not None:
+                self._plans.move_to_end(key)
+                return planned
+        planned = build()
+        with self._lock:
+            self._plans[key] = planned
+            if len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        return planned
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+single_plans = PlanCache(SINGLE_PLANS)
+on_clear_cache(single_plans.clear)
+
+
+def single_key(tensors: tuple, scalars: tuple, backend: str) -> tuple | None:
+    """The plan key of a single-request call: each tensor's shape, dtype and device, the scalar
+    arguments with their types (``True`` is not ``1``), the requested backend and, for "auto",
+    the selection context; None (plan this call, keep nothing) when an argument is not a tensor
+    or a scalar not immutable."""
+    types = tuple(map(type, scalars))
+    if not _PLAIN.issuperset(types) or type(backend) is not str:
+        return None
+    meta = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return None
+        meta += (t.shape, t.dtype, t.device)
+    return (*meta, *scalars, types, backend, selection_context() if backend == "auto" else None)
 
 
 class WrapperBase:
@@ -240,6 +326,7 @@ class WrapperBase:
         self._scalar_key: tuple | None = None
         self._scalar_value = None
         self._problems: tuple[Problem | None, dict] = (None, {})
+        self._indices_all_used = True  # whether the last plan used all its page indices (host_arrays' guess)
 
     @property
     def device(self) -> torch.device:

@@ -9,12 +9,13 @@ import torch
 
 from . import checks
 from .backends.base import AttentionParams, RaggedKV
-from .decode import _split_kv_cache, _check_hnd_cache, paged_attention_from_block_tables
+from .backends.cudnn import direct as cudnn_direct
+from .decode import _split_kv_cache, paged_attention_from_block_tables
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, device_int32, host_workload, on_device, paged_params, run_attention,
-                      scratch_workspace)
+                      scratch_workspace, single_key, single_plans)
 from .quantization import segment_packbits
 
 
@@ -172,7 +173,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         checks.check_indptr_length(qo_indptr, "qo_indptr", n)
         checks.check_lengths_count(paged_kv_last_page_len, "paged_kv_last_page_len", n - 1)
         (kv_indptr_h, qo_indptr_h, last_h), minmax = checks.host_arrays(
-            [paged_kv_indptr, qo_indptr, paged_kv_last_page_len], paged_kv_indices)
+            [paged_kv_indptr, qo_indptr, paged_kv_last_page_len], paged_kv_indices, self._indices_all_used)
+        self._indices_all_used = int(kv_indptr_h[-1]) == paged_kv_indices.numel()
         pages = checks.check_indptr(kv_indptr_h, "paged_kv_indptr")
         qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
         kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, "paged_kv_last_page_len")
@@ -309,22 +311,42 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     (or flattened), ``packed_custom_mask`` its little-endian packed bits; a mask overrides
     ``causal``. ``scale_q/k/v`` are fp8 calibration scales. Returns ``[qo_len, num_qo_heads,
     head_dim_vo]`` and, with ``return_lse``, the base-2 lse ``[qo_len, num_qo_heads]``.
+
+    The plan of an unmasked call is kept (`planned.single_plans`, 64 of them) per shapes, dtypes,
+    device and scalar arguments, so a repeated call only checks its tensors and launches; calls
+    on one device share a scratch workspace: run them on one stream (see `planned.PlanCache`).
     """
+    key = None
+    if custom_mask is None and packed_custom_mask is None:
+        key = single_key((q, k, v), (o_dtype, causal, kv_layout, pos_encoding_mode, sm_scale, window_left,
+                                     logits_soft_cap, rope_scale, rope_theta, return_lse), backend)
+    planned = single_plans.get(key, lambda: _plan_single_prefill(
+        q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
+        window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse))
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    return run_attention(planned, q, RaggedKV(k, v), return_lse=return_lse, q_scale=scale_q, k_scale=scale_k,
+                         v_scale=scale_v)
+
+
+def _plan_single_prefill(q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode,
+                         sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse):
+    """Check a single-request prefill's arguments and plan it (as a batch of one) on the device's
+    scratch workspace; only the variant this call runs (with or without lse) is planned."""
     checks.check_tensor(q, "q", ndim=3)
     checks.check_tensor(k, "k", ndim=3, device=q.device)
     checks.check_tensor(v, "v", ndim=3, device=q.device)
     checks.check_layout(kv_layout)
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
-    dev = q.device
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(dev), kv_layout,
-                                                   backend=backend)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(q.device), kv_layout, backend=backend)
+    wrapper._DEFAULT_VARIANT = bool(return_lse)
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                  q.shape[1], num_kv_heads, q.shape[2],
                  v.shape[2], custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
                  packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
                  window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                  rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
-    return wrapper.run(q, k, v, q_scale=scale_q, k_scale=scale_k, v_scale=scale_v, return_lse=return_lse)
+    return wrapper._variant(bool(return_lse))
 
 
 def single_prefill_with_kv_cache_return_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs):
@@ -341,20 +363,54 @@ def cudnn_batch_prefill_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_
                                       batch_offsets_k=None, batch_offsets_v=None, batch_offsets_stats=None,
                                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                                       is_cuda_graph_compatible: bool = False, backend: str | None = None):
-    """Batch prefill through cuDNN (FlashInfer signature).
+    """Batch prefill through cuDNN (FlashInfer signature), with no device->host synchronisation.
 
-    ``q`` ``[total_q, num_qo_heads, head_dim]`` packed by ``actual_seq_lens_q`` ``[batch, 1, 1, 1]``;
-    with ``block_tables`` the caches are HND ``[pages, num_kv_heads, page_size, head_dim]``,
-    without they are ragged ``[total_kv, num_kv_heads, head_dim]`` packed by
-    ``actual_seq_lens_kv``. Returns ``(out, lse)`` (lse base 2, or None without ``return_lse``).
-    Ragged ``batch_offsets_*`` are not supported.
+    ``q`` ``[total_q, num_qo_heads, head_dim]`` holds the requests' rows one after the other
+    (``actual_seq_lens_q`` ``[batch, 1, 1, 1]`` or ``[batch]`` int32 on q's device); with
+    ``block_tables`` ``[batch, max_pages]`` int32 the caches are HND ``[pages, num_kv_heads,
+    page_size, head_dim]``, without they are ragged ``[total_kv, num_kv_heads, head_dim]`` packed
+    by ``actual_seq_lens_kv`` the same way. ``causal`` aligns the diagonal bottom-right (row i of a
+    request sees keys j <= i + kv_len - qo_len). Returns ``(out [total_q, num_qo_heads, head_dim_vo],
+    lse [total_q, num_qo_heads] base 2 or None)``; rows that see no key get 0 and lse -inf.
+
+    ``batch_offsets_q/o/stats`` (and, for ragged k/v, ``batch_offsets_k/v``), ``[batch + 1]`` int32
+    element offsets, place each request's rows in q/out/lse (k/v) instead of packing them; out and
+    lse then may have any number of rows. ``max_token_per_sequence`` and ``max_sequence_kv`` (host
+    ints) pick the cuDNN graph bucket with the batch size. The caller guarantees, as with FlashInfer,
+    what only the device values could show: lengths within those maxima, the packed lengths adding
+    up to at most the rows of their tensors (rows past them are not written), pages in use within
+    the cache, offsets non-decreasing multiples of the row stride inside their tensors. Set
+    FLASHDISPATCH_CHECK_INPUTS=1 to have every call read and check them.
+
+    ``is_cuda_graph_compatible=True`` builds graphs for CUDA-graph replay; any call can be captured
+    once its bucket (batch, max_token_per_sequence and max pages rounded up to powers of two) and
+    tensor layout ran once eagerly. ``backend`` ``None``/``"cudnn"``/``"cubin"`` (FlashInfer's
+    cuDNN flavours) run this path; another backend name runs the same attention through the
+    dispatcher, which reads the lengths on the host.
     """
+    if backend in (None, "cudnn", "cubin"):
+        offsets = dict(q=batch_offsets_q, o=batch_offsets_o, k=batch_offsets_k, v=batch_offsets_v,
+                       stats=batch_offsets_stats)
+        return cudnn_direct.batch_prefill(
+            q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence=max_token_per_sequence,
+            max_sequence_kv=max_sequence_kv, actual_seq_lens_q=actual_seq_lens_q,
+            actual_seq_lens_kv=actual_seq_lens_kv, block_tables=block_tables, causal=causal, return_lse=return_lse,
+            batch_offsets=offsets, out=out, lse=lse, cuda_graph=bool(is_cuda_graph_compatible))
     if is_cuda_graph_compatible:
-        raise Unsupported("is_cuda_graph_compatible=True: this entry point reads the lengths on the host at every "
-                          "call, so it cannot be captured; use a wrapper with use_cuda_graph=True")
+        raise Unsupported(f"is_cuda_graph_compatible=True with backend={backend!r}: that path reads the lengths on "
+                          "the host at every call; use backend=None (cuDNN) or a wrapper with use_cuda_graph=True")
     if any(t is not None for t in (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v,
                                    batch_offsets_stats)):
-        raise Unsupported("batch_offsets_* (custom ragged offsets) are not supported")
+        raise Unsupported(f"batch_offsets_* with backend={backend!r}: only the cuDNN path (backend=None) takes them")
+    return _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence,
+                                     max_sequence_kv, actual_seq_lens_q, actual_seq_lens_kv, block_tables, causal,
+                                     return_lse, out, lse, backend)
+
+
+def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence, max_sequence_kv,
+                              actual_seq_lens_q, actual_seq_lens_kv, block_tables, causal, return_lse, out, lse,
+                              backend):
+    """`cudnn_batch_prefill_with_kv_cache` through the dispatcher (lengths read on the host)."""
     checks.check_tensor(q, "q", ndim=3)
     checks.check_positive_int(max_token_per_sequence, "max_token_per_sequence")
     checks.check_positive_int(max_sequence_kv, "max_sequence_kv")
@@ -365,21 +421,18 @@ def cudnn_batch_prefill_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_
     qo_indptr_h[1:] = torch.cumsum(q_lens, 0)
     if q_lens.numel() and int(q_lens.max()) > max_token_per_sequence:
         raise ValueError(f"actual_seq_lens_q holds {int(q_lens.max())} > max_token_per_sequence={max_token_per_sequence}")
-    requested = backend or "cudnn"
     if block_tables is not None:
-        checks.check_tensor(k_cache, "k_cache", ndim=4, device=q.device)
-        checks.check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)
-        _check_hnd_cache(k_cache, block_tables, max_sequence_kv, q.shape[1])
+        cudnn_direct.paged_cache(q, k_cache, v_cache, block_tables, max_sequence_kv)
         result = paged_attention_from_block_tables(
             q, k_cache, v_cache, block_tables, actual_seq_lens_kv, kv_layout="HND", qo_indptr_h=qo_indptr_h,
             bmm1_scale=scale, bmm2_scale=1.0, window_left=-1, out=out, out_dtype=None, sinks=None,
-            backend=requested, causal=causal, return_lse=return_lse, lse=lse, op="prefill_paged")
+            backend=backend, causal=causal, return_lse=return_lse, lse=lse, op="prefill_paged")
     else:
         checks.check_tensor(k_cache, "k_cache", ndim=3, device=q.device)
         kv_lens = actual_seq_lens_kv.detach().reshape(-1).to("cpu", torch.int64)
         kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.cumsum(kv_lens, 0)
-        wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace_buffer, "NHD", backend=requested)
+        wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
         wrapper.plan(qo_indptr_h.to(device=q.device, dtype=torch.int32), kv_indptr.to(q.device), q.shape[1],
                      k_cache.shape[1], q.shape[2], v_cache.shape[2], causal=causal, sm_scale=scale,
                      q_data_type=q.dtype, kv_data_type=k_cache.dtype)

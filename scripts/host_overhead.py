@@ -1,36 +1,45 @@
 """Host time of the public API layer: plan() and run() of the batch decode and paged prefill
-wrappers with the backend's own plan/run replaced by no-ops, so only our Python above the
-backends is measured (argument checks, host copies, Problem, selection, output allocation).
+wrappers, and calls of the single-request functions, with the backend's own plan/run replaced by
+no-ops, so only our Python above the backends is measured (argument checks, host copies,
+Problem, selection, output allocation).
 
     .venv/bin/python scripts/host_overhead.py                  # CPU tensors
     python scripts/host_overhead.py --device cuda              # index tensors, q and cache on the GPU
     python scripts/host_overhead.py --device cuda --host-indptr   # indptr/last_page_len on the host
+    FLASHDISPATCH_CHECK_INPUTS=0 python scripts/host_overhead.py --device cuda   # no page-index check
+    python scripts/host_overhead.py --device cuda --op decode --profile 25   # where plan()'s time goes
 
-Prints one table: op, batch, plan() us, run() us, each the median over --reps blocks of the
-mean of --calls calls (garbage collection off while timing, as timeit does).
+Prints one table: op, batch, plan us, run us, each the median over --reps blocks of the mean of
+--calls calls (garbage collection off while timing, as timeit does). For ``single_prefill``
+(causal) and ``single_decode`` (``--single-len`` tokens, batch 1) "plan us" is a call whose plan
+is not kept yet (the kept plans are dropped before each call) and "run us" a repeated call.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import importlib
 import os
+import pstats
 import statistics
 import time
 
 import torch
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+OPS = ("decode", "prefill_paged", "single_prefill", "single_decode")
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
-def api():
-    """flashdispatch, imported after main() has settled TRITON_INTERPRET."""
-    return importlib.import_module("flashdispatch")
+def api(module: str = ""):
+    """flashdispatch (or one of its modules), imported after main() has settled TRITON_INTERPRET."""
+    return importlib.import_module("flashdispatch" + (f".{module}" if module else ""))
 
 
 def stub_backend(name: str) -> None:
     """Make backend ``name``'s plan() and run() no-ops (instance attributes, this process only)."""
-    backend = importlib.import_module("flashdispatch.dispatch.registry").get_backend(name)
+    backend = api("dispatch.registry").get_backend(name)
     backend.plan = lambda problem, device, params: None
     backend.run = lambda plan, inputs: None
 
@@ -50,27 +59,8 @@ def kv_cache(num_pages: int, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.empty(1, 2, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device).expand(num_pages, -1, -1, -1, -1)
 
 
-def time_us(fn, calls: int, reps: int, sync) -> float:
-    """Median over ``reps`` blocks of the mean host time of one call, in microseconds."""
-    for _ in range(3):
-        fn()
-    sync()
-    samples = []
-    gc.collect()
-    gc.disable()  # its pauses belong to the whole process, not to these calls
-    try:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - t0) / calls * 1e6)
-            sync()
-    finally:
-        gc.enable()
-    return statistics.median(samples)
-
-
-def bench_decode(batch, args, device, small_device, dtype, sync):
+def decode_calls(batch, args, device, small_device, dtype):
+    """(plan, run) of BatchDecodeWithPagedKVCacheWrapper, planned once."""
     (indptr, indices, last), num_pages = page_table(batch, args.kv_len, device, small_device)
     ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
     w = api().BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend=args.backend)
@@ -81,11 +71,11 @@ def bench_decode(batch, args, device, small_device, dtype, sync):
     plan()
     q = torch.empty(batch, HEADS, HEAD_DIM, dtype=dtype, device=device)
     cache = kv_cache(num_pages, dtype, device)
-    return (time_us(plan, args.calls, args.reps, sync),
-            time_us(lambda: w.run(q, cache), args.calls, args.reps, sync))
+    return plan, lambda: w.run(q, cache)
 
 
-def bench_prefill(batch, args, device, small_device, dtype, sync):
+def prefill_calls(batch, args, device, small_device, dtype):
+    """(plan, run) of BatchPrefillWithPagedKVCacheWrapper (causal, --qo-len new tokens per request)."""
     (indptr, indices, last), num_pages = page_table(batch, args.kv_len, device, small_device)
     qo_indptr = (torch.arange(batch + 1, dtype=torch.int32) * args.qo_len).to(small_device)
     ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
@@ -98,8 +88,76 @@ def bench_prefill(batch, args, device, small_device, dtype, sync):
     plan()
     q = torch.empty(batch * args.qo_len, HEADS, HEAD_DIM, dtype=dtype, device=device)
     cache = kv_cache(num_pages, dtype, device)
-    return (time_us(plan, args.calls, args.reps, sync),
-            time_us(lambda: w.run(q, cache), args.calls, args.reps, sync))
+    return plan, lambda: w.run(q, cache)
+
+
+def single_calls(call):
+    """(a call that plans, a repeated call) of a single-request function call ``call()``."""
+    plans = api("planned").single_plans
+
+    def first():
+        plans.clear()
+        call()
+
+    return first, call
+
+
+def single_prefill_calls(batch, args, device, small_device, dtype):
+    n = args.single_len
+    q = torch.empty(n, HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k, v = (torch.empty(n, KV_HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in range(2))
+    fn = api().single_prefill_with_kv_cache
+    return single_calls(lambda: fn(q, k, v, causal=True, backend=args.backend))
+
+
+def single_decode_calls(batch, args, device, small_device, dtype):
+    q = torch.empty(HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k, v = (torch.empty(args.single_len, KV_HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in range(2))
+    fn = api().single_decode_with_kv_cache
+    return single_calls(lambda: fn(q, k, v, backend=args.backend))
+
+
+CALLS = {"decode": decode_calls, "prefill_paged": prefill_calls, "single_prefill": single_prefill_calls,
+         "single_decode": single_decode_calls}
+
+
+def time_us(fn, calls: int, reps: int, sync, clock) -> float:
+    """Median over ``reps`` blocks of the mean host time of one call, in microseconds."""
+    for _ in range(3):
+        fn()
+    sync()
+    samples = []
+    gc.collect()
+    gc.disable()  # its pauses belong to the whole process, not to these calls
+    try:
+        for _ in range(reps):
+            t0 = clock()
+            for _ in range(calls):
+                fn()
+            samples.append((clock() - t0) / calls * 1e6)
+            sync()
+    finally:
+        gc.enable()
+    return statistics.median(samples)
+
+
+def profile(name: str, fn, calls: int, top: int, sync) -> None:
+    """cProfile of ``calls`` calls of ``fn``: the ``top`` functions by own time, in us per call of
+    ``fn`` (the profiler's own cost inflates every number; compare them with each other)."""
+    fn()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    print(f"\n{name}: cProfile over {calls} calls, us per call (own, cumulative), calls per call")
+    for (path, line, func), (_, ncalls, own, cum, _) in rows:
+        where = f"{os.path.basename(path)}:{line}({func})" if line else func
+        print(f"  {own / calls * 1e6:8.2f} {cum / calls * 1e6:8.2f} {ncalls / calls:6.1f}  {where}")
 
 
 def main(argv=None) -> None:
@@ -107,11 +165,20 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (page indices, q and cache live there)")
     ap.add_argument("--host-indptr", action="store_true", help="keep indptr/qo_indptr/last_page_len on the host")
     ap.add_argument("--backend", default="fa2", help="backend whose plan/run are stubbed out (requested explicitly)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
-    ap.add_argument("--kv-len", type=int, default=1024, help="KV tokens per request")
+    ap.add_argument("--op", nargs="+", choices=OPS, default=list(OPS), help="what to time (default: all)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256], help="batch sizes of the wrappers")
+    ap.add_argument("--kv-len", type=int, default=1024, help="KV tokens per request (wrappers)")
     ap.add_argument("--qo-len", type=int, default=16, help="query tokens per request (paged prefill)")
+    ap.add_argument("--single-len", type=int, default=4096, help="qo and kv tokens of single_prefill, kv of "
+                                                                 "single_decode")
     ap.add_argument("--calls", type=int, default=200, help="calls per timed block")
     ap.add_argument("--reps", type=int, default=15, help="timed blocks (the median is shown)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall (default) or thread: this thread's CPU time, steadier on a busy machine, but "
+                         "blind to time spent waiting for the GPU")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="also print a cProfile (TOP functions) of each op's plan (single ops: repeated call) "
+                         "at the last batch size")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":  # fa2 is selectable on the CPU only under the Triton interpreter (never run here)
@@ -119,15 +186,25 @@ def main(argv=None) -> None:
     small_device = torch.device("cpu") if args.host_indptr else device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = CLOCKS[args.clock]
     stub_backend(args.backend)
+    checked = api("checks").page_indices_checked()
     print(f"API host overhead, backend {args.backend!r} plan/run stubbed, device {device} (indptr on "
           f"{small_device}), {str(dtype).replace('torch.', '')}, heads {HEADS}/{KV_HEADS} d {HEAD_DIM} page {PAGE} "
-          f"kv_len {args.kv_len}, torch {torch.__version__}")
+          f"kv_len {args.kv_len}, single {args.single_len}, page-index check {'on' if checked else 'off'}, "
+          f"{args.clock} clock, torch {torch.__version__}")
     print(f"{'op':<14} {'batch':>5} {'plan us':>9} {'run us':>8}")
-    for name, bench in (("decode", bench_decode), ("prefill_paged", bench_prefill)):
-        for batch in args.batches:
-            p, r = bench(batch, args, device, small_device, dtype, sync)
+    profiled = []
+    for name in args.op:
+        batches = args.batches if not name.startswith("single") else [1]
+        for batch in batches:
+            plan, run = CALLS[name](batch, args, device, small_device, dtype)
+            p = time_us(plan, args.calls, args.reps, sync, clock)
+            r = time_us(run, args.calls, args.reps, sync, clock)
             print(f"{name:<14} {batch:>5} {p:>9.1f} {r:>8.1f}")
+        profiled.append((f"{name} batch {batch}", run if name.startswith("single") else plan))
+    for title, fn in profiled if args.profile else ():
+        profile(title, fn, args.calls, args.profile, sync)
 
 
 if __name__ == "__main__":

@@ -234,15 +234,6 @@ def test_block_tables_with_negative_pages_are_rejected():
         w.plan(None, None, None, 8, 2, 64, 0, block_tables=tables, seq_lens=torch.tensor([20, 4]))
 
 
-def test_cudnn_entry_points_refuse_graph_capture_they_cannot_honour():
-    q = torch.randn(2, 8, 64).half()
-    hnd = torch.randn(10, 2, 16, 64).half()
-    with pytest.raises(fi.Unsupported, match="is_cuda_graph_compatible"):
-        fi.cudnn_batch_decode_with_kv_cache(q, hnd, hnd, 0.1, WS, max_sequence_kv=48, is_cuda_graph_compatible=True,
-                                            actual_seq_lens_kv=torch.tensor([40, 33], dtype=torch.int32),
-                                            block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32))
-
-
 def test_graph_buffers_must_be_on_the_wrapper_device():
     meta = [torch.zeros(3, dtype=torch.int32, device="meta"), torch.zeros(3, dtype=torch.int32)]
     w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, use_cuda_graph=True, qo_indptr_buf=meta[0], kv_indptr_buf=meta[1])

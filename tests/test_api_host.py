@@ -1,5 +1,7 @@
 """The host side of plan()/run(): index arrays read with one device->host copy, scalar checks
-reused only for equal arguments, run()'s fast checks falling back to the explaining ones."""
+reused only for equal arguments, run()'s fast checks falling back to the explaining ones, and the
+single-request functions' kept plans."""
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +12,9 @@ import torch
 
 import flashdispatch as fi
 from flashdispatch import checks
+from flashdispatch.dispatch.registry import get_backend
+from flashdispatch.dispatch.select import clear_cache
+from flashdispatch.planned import SINGLE_PLANS, single_plans
 
 WS = torch.empty(1 << 20, dtype=torch.uint8)
 
@@ -27,11 +32,12 @@ def table(lens, page_size, garbage=()):
 @pytest.mark.parametrize("lens, garbage", [
     ([5, 17, 0, 33], ()), ([5, 17, 0, 33], (-1, -7, 10 ** 6)), ([0, 0], ()), ([0, 0], (-3,)), ([], ()),
 ])
-@pytest.mark.parametrize("on_host", [(False, False), (True, False), (False, True)])
-def test_one_copy_reader_matches_host_reader(lens, garbage, on_host):
+@pytest.mark.parametrize("on_host", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("all_used", [True, False])
+def test_one_copy_reader_matches_host_reader(lens, garbage, on_host, all_used):
     indptr, indices, last = table(lens, 8, garbage)
     want, want_minmax = checks.host_arrays([indptr, last], indices)
-    got, got_minmax = checks.read_in_one_copy([indptr, last], on_host, indices)
+    got, got_minmax = checks.read_in_one_copy([indptr, last], on_host, indices, all_used)
     assert all((g == w).all() and g.dtype == w.dtype for g, w in zip(got, want))
     assert got_minmax == want_minmax
     if int(indptr[-1]):
@@ -108,20 +114,46 @@ def test_run_fast_path_falls_back_to_the_explaining_checks():
 def test_host_overhead_script_runs():
     script = Path(__file__).resolve().parents[1] / "scripts" / "host_overhead.py"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, str(script), "--batches", "1", "4", "--calls", "2", "--reps", "1"],
+    out = subprocess.run([sys.executable, str(script), "--batches", "1", "4", "--calls", "2", "--reps", "1",
+                          "--single-len", "64", "--profile", "3"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "decode" in out.stdout and "prefill_paged" in out.stdout
+    rows = [line.split()[:2] for line in out.stdout.splitlines()[2:8]]
+    assert rows == [["decode", "1"], ["decode", "4"], ["prefill_paged", "1"], ["prefill_paged", "4"],
+                    ["single_prefill", "1"], ["single_decode", "1"]], out.stdout
+    assert "cProfile" in out.stdout
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("where", ["all", "indptr_on_host"])
-def test_cuda_tables_read_in_one_copy(where):
-    indptr, indices, last = table([5, 17, 0, 33], 8, garbage=(-1, 10 ** 6))
+@pytest.mark.parametrize("where", ["all", "indptr_on_host", "small_on_host"])
+@pytest.mark.parametrize("garbage", [(), (-1, 10 ** 6)])
+@pytest.mark.parametrize("all_used", [True, False])
+def test_cuda_tables_read_in_one_copy(where, garbage, all_used):
+    indptr, indices, last = table([5, 17, 0, 33], 8, garbage=garbage)
     want, want_minmax = checks.host_arrays([indptr, last], indices)
-    dev_indptr = indptr if where == "indptr_on_host" else indptr.cuda()
-    got, got_minmax = checks.host_arrays([dev_indptr, last.cuda()], indices.cuda())
+    dev_indptr = indptr if where != "all" else indptr.cuda()
+    dev_last = last if where == "small_on_host" else last.cuda()
+    got, got_minmax = checks.host_arrays([dev_indptr, dev_last], indices.cuda(), all_used)
     assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
+
+
+def test_check_inputs_0_skips_the_page_index_range_check(monkeypatch):
+    indptr, indices, last = table([5, 17], 8)
+    indices[1] = -3
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference")
+    with pytest.raises(ValueError, match="negative page index -3"):
+        decode_plan(w, indptr, indices, last)
+    monkeypatch.setenv(checks.CHECK_INPUTS_ENV, "0")
+    decode_plan(w, indptr, indices, last)
+    assert w._planned.max_page_index == -1  # run() then compares nothing against the cache
+    with pytest.raises(ValueError, match="3 entries, but indptr"):  # what needs no device read stays
+        decode_plan(w, indptr, indices[:3], last)
+    p = fi.BatchPrefillWithPagedKVCacheWrapper(WS, backend="reference")
+    p.plan(torch.tensor([0, 1, 2], dtype=torch.int32), indptr, indices, last, 4, 2, 16, 8)
+    assert p._planned.max_page_index == -1
+    monkeypatch.setenv(checks.CHECK_INPUTS_ENV, "1")
+    with pytest.raises(ValueError, match="paged_kv_indices holds a negative page index -3"):
+        p.plan(torch.tensor([0, 1, 2], dtype=torch.int32), indptr, indices, last, 4, 2, 16, 8)
 
 
 def test_block_tables_plan_equals_page_table_plan():
@@ -138,3 +170,151 @@ def test_block_tables_plan_equals_page_table_plan():
     ref = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference")
     decode_plan(ref, indptr, indices, last)
     assert torch.equal(w.run(q, cache), ref.run(q, cache))
+
+
+# --- the single-request functions keep their plans ------------------------------------------------
+def dense(q, k, v, causal=False):
+    """float64 attention of one request (q [Lq, Hq, D], k/v [Lk, Hkv, D]) -> out, base-2 lse."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    if causal:
+        pos = torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
+        s = s.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+    return out, (torch.logsumexp(s, -1) / math.log(2)).transpose(0, 1)
+
+
+def rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.fixture
+def plans_made(monkeypatch):
+    """Counts of backend.plan() calls per backend name (the calls still plan)."""
+    counts = {}
+    for name in ("reference", "fa2"):
+        backend = get_backend(name)
+        real = backend.plan
+
+        def counting(problem, device, params, _name=name, _real=real):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(problem, device, params)
+
+        monkeypatch.setattr(backend, "plan", counting)
+    return counts
+
+
+def qkv(seed, q_len=7, kv_len=19, d=16, dtype=torch.float32, layout="NHD"):
+    """Random q [q_len, 4, d], k/v [kv_len, 2, d] (HND: [2, kv_len, d])."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_len, 4, d, generator=g).to(dtype)
+    k, v = (torch.randn(kv_len, 2, d, generator=g).to(dtype) for _ in range(2))
+    if layout == "HND":
+        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    return q, k, v
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_prefill_runs_its_kept_plan_on_new_data(layout, plans_made):
+    outs = []
+    for seed in range(3):
+        q, k, v = qkv(seed, layout=layout)
+        o, lse = fi.single_prefill_with_kv_cache(q, k, v, causal=True, kv_layout=layout, return_lse=True,
+                                                 backend="reference")
+        outs.append(o)
+        kn, vn = (k, v) if layout == "NHD" else (k.transpose(0, 1), v.transpose(0, 1))
+        ref, ref_lse = dense(q, kn, vn, causal=True)
+        assert rel(o, ref) < 1e-5 and torch.allclose(lse.double(), ref_lse, atol=1e-4)
+    assert plans_made == {"reference": 1}
+    assert outs[0].data_ptr() != outs[1].data_ptr() != outs[2].data_ptr()  # out is the call's own
+    o = fi.single_prefill_with_kv_cache(q, k, v, causal=True, kv_layout=layout, backend="reference")
+    assert torch.equal(o, outs[2]) and plans_made == {"reference": 2}  # without lse: another plan, once
+    fi.single_prefill_with_kv_cache(q, k, v, causal=True, kv_layout=layout, backend="reference")
+    fi.single_prefill_with_kv_cache(q, k, v, causal=False, kv_layout=layout, backend="reference")
+    fi.single_prefill_with_kv_cache(q[:5], k, v, causal=True, kv_layout=layout, backend="reference")
+    assert plans_made == {"reference": 4}
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_decode_runs_its_kept_plan_on_new_data(layout, plans_made):
+    for seed in range(3):
+        q, k, v = qkv(seed, d=64, dtype=torch.float16, layout=layout)
+        o, lse = fi.single_decode_with_kv_cache(q[0], k, v, kv_layout=layout, return_lse=True, backend="fa2")
+        kn, vn = (k, v) if layout == "NHD" else (k.transpose(0, 1), v.transpose(0, 1))
+        ref, ref_lse = dense(q[:1], kn, vn)
+        assert o.shape == (4, 64) and rel(o, ref[0]) < 4e-3 and torch.allclose(lse.double(), ref_lse[0], atol=1e-2)
+    assert plans_made == {"fa2": 1}
+
+
+def test_kept_plans_are_bounded_and_dropped_by_clear_cache():
+    single_plans.clear()
+    q, k, v = qkv(0, q_len=1, kv_len=SINGLE_PLANS + 8)
+    for n in range(1, SINGLE_PLANS + 6):
+        fi.single_prefill_with_kv_cache(q, k[:n], v[:n], backend="reference")
+    assert len(single_plans) == SINGLE_PLANS
+    clear_cache()
+    assert len(single_plans) == 0
+
+
+def test_calls_with_a_mask_or_a_tensor_scalar_are_planned_each_time(plans_made):
+    q, k, v = qkv(1)
+    mask = torch.rand(7, 19, generator=torch.Generator().manual_seed(2)) > 0.3
+    a = fi.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, backend="reference")
+    mask[:, :4] = False  # in place: a kept plan would have kept the old mask
+    b = fi.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, backend="reference")
+    assert not torch.equal(a, b) and plans_made == {"reference": 2}
+    scale = torch.tensor(0.5)
+    fi.single_prefill_with_kv_cache(q, k, v, sm_scale=scale, backend="reference")
+    fi.single_prefill_with_kv_cache(q, k, v, sm_scale=scale, backend="reference")
+    assert plans_made == {"reference": 4} and len(single_plans) == 0
+
+
+def test_kept_plans_still_check_every_call():
+    q, k, v = qkv(3)
+    fi.single_prefill_with_kv_cache(q, k, v, window_left=1, backend="reference")
+    with pytest.raises(ValueError, match="window_left=True"):  # equal to 1, but not an int window
+        fi.single_prefill_with_kv_cache(q, k, v, window_left=True, backend="reference")
+    with pytest.raises(ValueError, match="q must be contiguous"):
+        fi.single_prefill_with_kv_cache(torch.randn(7, 4, 32)[..., ::2], k, v, window_left=1, backend="reference")
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        fi.single_prefill_with_kv_cache(q.tolist(), k, v, window_left=1, backend="reference")
+    with pytest.raises(ValueError, match="v is on meta"):
+        fi.single_prefill_with_kv_cache(q, k, v.to("meta"), window_left=1, backend="reference")
+    fi.single_decode_with_kv_cache(q[0], k, v, backend="reference")
+    with pytest.raises(TypeError, match="v.dtype=float16"):
+        fi.single_decode_with_kv_cache(q[0], k, v.half(), backend="reference")
+    with pytest.raises(ValueError, match="kv_layout='XHD'"):
+        fi.single_decode_with_kv_cache(q[0], k, v, kv_layout="XHD", backend="reference")
+
+
+def test_kept_plans_follow_the_backend_selection(plans_made, monkeypatch):
+    q, k, v = qkv(4, d=64, dtype=torch.float16)
+    with fi.use_backends(["reference"]):
+        fi.single_prefill_with_kv_cache(q, k, v)
+    with fi.use_backends(["fa2"]):
+        fi.single_prefill_with_kv_cache(q, k, v)
+        fi.single_prefill_with_kv_cache(q, k, v)
+    assert plans_made == {"reference": 1, "fa2": 1}
+    monkeypatch.setenv("FLASHDISPATCH_BACKEND", "reference")
+    fi.single_prefill_with_kv_cache(q, k, v)
+    fi.single_prefill_with_kv_cache(q, k, v)
+    assert plans_made == {"reference": 2, "fa2": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "fa2", "cudnn"])
+def test_cuda_single_calls_run_their_kept_plans_on_new_data(backend):
+    if backend != "auto" and get_backend(backend).availability():
+        pytest.skip(f"{backend} unavailable: {get_backend(backend).availability()[0]}")
+    single_plans.clear()
+    for seed in range(3):
+        q, k, v = qkv(seed, q_len=300, kv_len=700, d=128, dtype=torch.bfloat16)
+        o, lse = fi.single_prefill_with_kv_cache(q.cuda(), k.cuda(), v.cuda(), causal=True, return_lse=True,
+                                                 backend=backend)
+        ref, ref_lse = dense(q, k, v, causal=True)
+        assert rel(o.cpu(), ref) < 2e-2 and torch.allclose(lse.cpu().double(), ref_lse, atol=5e-2)
+        od = fi.single_decode_with_kv_cache(q[0].cuda(), k.cuda(), v.cuda(), backend=backend)
+        assert rel(od.cpu(), dense(q[:1], k, v)[0][0]) < 2e-2
+    assert len(single_plans) == 2

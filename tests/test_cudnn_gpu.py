@@ -2,6 +2,7 @@
 causal, window, GQA, lse, empty requests), CUDA-graph capture and replay, clear errors."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -27,7 +28,6 @@ def make_case(op, qo_lens, kv_lens, *, heads=(8, 2), dims=(128, 128), page_size=
     dev = torch.device("cuda", 0)
     hq, hk = heads
     dqk, dvo = dims
-    batch = len(kv_lens)
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
     qo_indptr = [0]
     for n in qo_lens:
@@ -221,3 +221,228 @@ def test_misaligned_q_is_an_error_not_a_crash():
     plan = Cudnn().plan(problem, device_of(inputs.q.device), params)
     with pytest.raises(ValueError, match="q needs"):
         plan.run(inputs)
+
+
+# --- FlashInfer's plan-less entry points: device metadata only, no host read --------------------
+import flashdispatch as fi  # noqa: E402
+
+
+def entry_cache(kv_lens, *, heads, page_size, dtype, dim=128, width=None, combined=False, seed=0):
+    """HND caches with shuffled pages and a [batch, width] table; unused table columns point at a
+    page no request owns (attending to it would show); K/V may be views of one [pages, 2, ...]."""
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda", 0)
+    pages = [-(-n // page_size) for n in kv_lens]
+    width = width or max(pages + [1])
+    total = sum(pages) + 2
+    order = torch.randperm(total, generator=g)
+    table = torch.full((len(kv_lens), width), int(order[-1]), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[used:used + n].to(torch.int32)
+        used += n
+    shape = (total, heads[1], page_size, dim)
+    if combined:
+        both = torch.randn(total, 2, *shape[1:], generator=g).to(dtype).to(dev)
+        k, v = both[:, 0], both[:, 1]
+    else:
+        k, v = (torch.randn(*shape, generator=g).to(dtype).to(dev) for _ in range(2))
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev).view(-1, 1, 1, 1)
+    return k, v, table.to(dev), lens
+
+
+def entry_reference(q, k, v, table, qo_lens, kv_lens, *, causal, scale):
+    """(out, lse base 2) of the reference backend through the wrappers (host-planned)."""
+    ws = torch.empty(32 << 20, dtype=torch.uint8, device=q.device)
+    qo = torch.tensor([0] + list(qo_lens)).cumsum(0).to(torch.int32)
+    if table is not None:
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="reference")
+        w.plan(qo, None, None, None, q.shape[1], k.shape[1], q.shape[2], k.shape[2], head_dim_vo=v.shape[3],
+               causal=causal, sm_scale=scale, q_data_type=q.dtype, block_tables=table.cpu(),
+               seq_lens=torch.tensor(kv_lens, dtype=torch.int32))
+        return w.run(q, (k, v), return_lse=True)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="reference")
+    w.plan(qo, torch.tensor([0] + list(kv_lens)).cumsum(0).to(torch.int32), q.shape[1], k.shape[1], q.shape[2],
+           v.shape[2], causal=causal, sm_scale=scale, q_data_type=q.dtype)
+    return w.run(q, k, v, return_lse=True)
+
+
+def assert_matches(out, lse, ref_out, ref_lse):
+    torch.cuda.synchronize()
+    out, ref_out, ref_lse = out.double().cpu(), ref_out.double().cpu(), ref_lse.double().cpu()
+    assert not out.isnan().any(), "NaN in out"
+    err = (out - ref_out).norm() / ref_out.norm().clamp_min(1e-30)
+    assert err < Cudnn.tolerance_for(torch.bfloat16), f"relative error {err:.3e}"
+    blind = torch.isinf(ref_lse).all(dim=1)
+    assert (out[blind] == 0).all(), "rows that see no key must be 0"
+    if lse is not None:
+        lse = lse.double().cpu()
+        assert not lse.isnan().any(), "NaN in lse"
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and (lse[torch.isinf(lse)] < 0).all()
+        finite = torch.isfinite(ref_lse)
+        assert (lse[finite] - ref_lse[finite]).abs().max() < 2e-2
+
+
+def nan_tensor(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+@functools.cache
+def entry_ws() -> torch.Tensor:
+    return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_entry_decode(dtype, heads, page_size):
+    kv_lens = [1000, 0, 17, 513, 64, 1]            # batch 6 -> bucket 8: padded copies; one empty request
+    k, v, table, lens = entry_cache(kv_lens, heads=heads, page_size=page_size, dtype=dtype, width=1024 // page_size)
+    q = torch.randn(len(kv_lens), heads[0], 128, dtype=dtype, device="cuda")
+    out = nan_tensor(len(kv_lens), heads[0], 128, dtype=dtype)
+    result = fi.cudnn_batch_decode_with_kv_cache(q, k, v, 128 ** -0.5, entry_ws(), max_sequence_kv=1024,
+                                                 actual_seq_lens_kv=lens, block_tables=table, out=out)
+    assert result is out
+    assert_matches(out, None, *entry_reference(q, k, v, table, [1] * len(kv_lens), kv_lens, causal=False,
+                                               scale=128 ** -0.5))
+
+
+@pytest.mark.parametrize("width,combined", [(32, False), (40, True)])
+def test_entry_decode_passes_the_callers_metadata_through(width, combined):
+    """batch 8 = its bucket, table as wide as the bucket's 32 pages or wider: no copies."""
+    kv_lens = [512, 0, 300, 1, 16, 17, 480, 99]
+    k, v, table, lens = entry_cache(kv_lens, heads=(32, 8), page_size=16, dtype=torch.bfloat16, width=width,
+                                    combined=combined)
+    q = torch.randn(8, 32, 128, dtype=torch.bfloat16, device="cuda")
+    out = nan_tensor(8, 32, 128, dtype=torch.bfloat16)
+    fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.1, entry_ws(), max_sequence_kv=512, actual_seq_lens_kv=lens.view(-1),
+                                        block_tables=table, out=out)
+    assert_matches(out, None, *entry_reference(q, k, v, table, [1] * 8, kv_lens, causal=False, scale=0.1))
+
+
+PREFILL_QO, PREFILL_KV = [7, 12, 0, 3, 100, 1], [40, 5, 9, 0, 300, 1]   # req 1: qo > kv; req 3: no keys
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,heads,page_size", [(torch.bfloat16, (32, 8), 16), (torch.float16, (8, 8), 64),
+                                                   (torch.bfloat16, (8, 8), 64), (torch.float16, (32, 8), 16)])
+def test_entry_prefill_paged(dtype, heads, page_size, causal):
+    k, v, table, lens_kv = entry_cache(PREFILL_KV, heads=heads, page_size=page_size, dtype=dtype,
+                                       width=-(-320 // page_size))
+    q = torch.randn(sum(PREFILL_QO), heads[0], 128, dtype=dtype, device="cuda")
+    lens_q = torch.tensor(PREFILL_QO, dtype=torch.int32, device="cuda").view(-1, 1, 1, 1)
+    out, lse = nan_tensor(q.shape[0], heads[0], 128, dtype=dtype), nan_tensor(q.shape[0], heads[0], dtype=torch.float32)
+    fi.cudnn_batch_prefill_with_kv_cache(q, k, v, 0.08, entry_ws(), max_token_per_sequence=128, max_sequence_kv=320,
+                                         actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens_kv, block_tables=table,
+                                         causal=causal, return_lse=True, out=out, lse=lse)
+    assert_matches(out, lse, *entry_reference(q, k, v, table, PREFILL_QO, PREFILL_KV, causal=causal, scale=0.08))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,heads", [(torch.bfloat16, (32, 8)), (torch.float16, (8, 8))])
+def test_entry_prefill_ragged(dtype, heads, causal):
+    q = torch.randn(sum(PREFILL_QO), heads[0], 128, dtype=dtype, device="cuda")
+    k, v = (torch.randn(sum(PREFILL_KV), heads[1], 128, dtype=dtype, device="cuda") for _ in range(2))
+    lens_q, lens_kv = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (PREFILL_QO, PREFILL_KV))
+    out, lse = nan_tensor(q.shape[0], heads[0], 128, dtype=dtype), nan_tensor(q.shape[0], heads[0], dtype=torch.float32)
+    fi.cudnn_batch_prefill_with_kv_cache(q, k, v, 0.08, entry_ws(), max_token_per_sequence=100, max_sequence_kv=300,
+                                         actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens_kv, causal=causal,
+                                         return_lse=True, out=out, lse=lse)
+    assert_matches(out, lse, *entry_reference(q, k, v, None, PREFILL_QO, PREFILL_KV, causal=causal, scale=0.08))
+
+
+def test_entry_prefill_with_caller_offsets():
+    """batch_offsets_q/o/stats/k/v with gaps between requests: each lands where its offsets say."""
+    qo_lens, kv_lens, h, d = [30, 0, 64], [50, 20, 64], 8, 128
+    q_rows, o_rows, kv_rows = [0, 40, 40], [5, 50, 60], [3, 60, 90]
+    q = torch.randn(110, h, d, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(160, 2, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    out, lse = nan_tensor(130, h, d, dtype=torch.bfloat16), nan_tensor(130, h, dtype=torch.float32)
+
+    def off(rows, total, stride):
+        return torch.tensor(rows + [total], dtype=torch.int32, device="cuda") * stride
+
+    fi.cudnn_batch_prefill_with_kv_cache(
+        q, k, v, 0.08, entry_ws(), max_token_per_sequence=64, max_sequence_kv=64, causal=True, return_lse=True,
+        actual_seq_lens_q=torch.tensor(qo_lens, dtype=torch.int32, device="cuda"),
+        actual_seq_lens_kv=torch.tensor(kv_lens, dtype=torch.int32, device="cuda"),
+        batch_offsets_q=off(q_rows, 110, h * d), batch_offsets_o=off(o_rows, 130, h * d),
+        batch_offsets_stats=off(o_rows, 130, h), batch_offsets_k=off(kv_rows, 160, 2 * d),
+        batch_offsets_v=off(kv_rows, 160, 2 * d), out=out, lse=lse)
+    rows = [r for s, n in zip(o_rows, qo_lens) for r in range(s, s + n)]
+    packed = [torch.cat([t[s:s + n] for s, n in zip(starts, lens)]) for t, starts, lens in
+              ((q, q_rows, qo_lens), (k, kv_rows, kv_lens), (v, kv_rows, kv_lens))]
+    assert_matches(out[rows], lse[rows], *entry_reference(*packed, None, qo_lens, kv_lens, causal=True, scale=0.08))
+
+
+def test_entry_points_do_not_synchronise():
+    k, v, table, lens = entry_cache([300, 7, 0], heads=(32, 8), page_size=16, dtype=torch.bfloat16, width=20)
+    q = torch.randn(3, 32, 128, dtype=torch.bfloat16, device="cuda")
+    lens_q = torch.tensor([5, 7, 2], dtype=torch.int32, device="cuda")
+    qp = torch.randn(14, 32, 128, dtype=torch.bfloat16, device="cuda")
+
+    def calls():
+        fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.1, entry_ws(), max_sequence_kv=320, actual_seq_lens_kv=lens,
+                                            block_tables=table)
+        fi.cudnn_batch_prefill_with_kv_cache(qp, k, v, 0.1, entry_ws(), max_token_per_sequence=8,
+                                             max_sequence_kv=320, actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens,
+                                             block_tables=table, causal=True, return_lse=True)
+
+    calls()                                   # first call of the buckets: builds, makes constants
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_entry_cuda_graph_capture_replays_new_lengths_and_pages():
+    kv_lens, new_lens = [300, 0, 45, 128, 7], [0, 200, 45, 1, 256]
+    k, v, table, lens = entry_cache(kv_lens, heads=(32, 8), page_size=16, dtype=torch.bfloat16, width=20)
+    new_table = torch.randint(0, k.shape[0], (5, 20), dtype=torch.int32, device="cuda")
+    q = torch.randn(5, 32, 128, dtype=torch.bfloat16, device="cuda")
+    qp = torch.randn(40, 32, 128, dtype=torch.bfloat16, device="cuda")
+    lens_q = torch.tensor([8, 8, 8, 8, 8], dtype=torch.int32, device="cuda")
+    out, outp = nan_tensor(5, 32, 128, dtype=torch.bfloat16), nan_tensor(40, 32, 128, dtype=torch.bfloat16)
+    lse = nan_tensor(40, 32, dtype=torch.float32)
+
+    def step():
+        fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.1, entry_ws(), max_sequence_kv=320, actual_seq_lens_kv=lens,
+                                            block_tables=table, out=out, is_cuda_graph_compatible=True)
+        fi.cudnn_batch_prefill_with_kv_cache(qp, k, v, 0.1, entry_ws(), max_token_per_sequence=8,
+                                             max_sequence_kv=320, actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens,
+                                             block_tables=table, causal=True, return_lse=True, out=outp, lse=lse,
+                                             is_cuda_graph_compatible=True)
+
+    step()                                    # eager: builds the buckets' graphs
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    lens.copy_(torch.tensor(new_lens, dtype=torch.int32).view(-1, 1, 1, 1))
+    table.copy_(new_table)
+    lens_q.copy_(torch.tensor([8, 3, 8, 1, 8], dtype=torch.int32))     # rows past their sum: not written
+    for t in (q, qp):
+        t.copy_(torch.randn_like(t))
+    for t in (out, outp, lse):
+        t.fill_(float("nan"))
+    graph.replay()
+    assert_matches(out, None, *entry_reference(q, k, v, table, [1] * 5, new_lens, causal=False, scale=0.1))
+    ref = entry_reference(qp[:28], k, v, table, [8, 3, 8, 1, 8], new_lens, causal=True, scale=0.1)
+    assert_matches(outp[:28], lse[:28], *ref)
+    with pytest.raises(RuntimeError, match="cannot be built during CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.1, entry_ws(), max_sequence_kv=100,
+                                                actual_seq_lens_kv=lens, block_tables=table, out=out,
+                                                is_cuda_graph_compatible=True)
+
+
+def test_entry_checked_mode_reads_and_names_bad_lengths(monkeypatch):
+    k, v, table, lens = entry_cache([30, 7], heads=(8, 8), page_size=16, dtype=torch.bfloat16)
+    q = torch.randn(2, 8, 128, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setenv("FLASHDISPATCH_CHECK_INPUTS", "1")
+    with pytest.raises(ValueError, match=r"actual_seq_lens_kv\[0\]=30 is outside the accepted range "
+                                         r"\[0, max_sequence_kv=16\]"):
+        fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.1, entry_ws(), max_sequence_kv=16, actual_seq_lens_kv=lens,
+                                            block_tables=table)

@@ -79,7 +79,7 @@ def test_page_sizes_and_groups(page_size, heads):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_head_dims_block_sizes(head_dim):
     case = _case((3, 129), head_dim_qk=head_dim, num_qo_heads=4, seed=3)
-    for config in ({"block_n": 16}, {"block_n": 32, "k_rows": True}):
+    for config in ({"block_n": 16}, {"block_n": 32, "k_rows": True}, {"block_n": 16, "heads_fastest": False}):
         _check(case, config=config, fixed_split_size=4)
 
 
@@ -103,6 +103,7 @@ def test_q_len_per_req(q_len, heads, mask_mode):
                  num_kv_heads=heads[1], seed=5, window_left=60 if q_len == 4 else -1)
     _check(case, fixed_split_size=3)
     _check(case, config={"max_block_m": 16})
+    _check(case, config={"max_block_m": 16, "heads_fastest": False})
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -166,12 +166,12 @@ def test_custom_mask_tile_lists():
     case = make_ragged_case(qo_lens=[64], kv_lens=[75], mask_mode="custom", custom_masks=[mask],
                             head_dim_qk=64)
     plan = plan_prefill(case.problem, case.device, case.params)
-    lists = {}
+    lists = {}  # first query row -> (whole KV tiles, partial KV tiles)
     for row in plan.work.view(-1, 10).tolist():
-        base = row[9]
-        count = int(plan.tiles[base])
-        lists[row[1]] = plan.tiles[base + 1:base + 1 + count].tolist()
-    assert lists == {0: [0 << 1, 2 << 1 | 1], 32: [0 << 1 | 1, 4 << 1 | 1]}
+        whole, partial = plan.tiles[row[9]:row[9] + 2].tolist()
+        listed = plan.tiles[row[9] + 2:row[9] + 2 + whole + partial].tolist()
+        lists[row[1]] = (listed[:whole], listed[whole:])
+    assert lists == {0: ([0], [2]), 32: ([], [0, 4])}
     plan.run(case.inputs)
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import os
 import warnings
 from collections.abc import Iterable, Iterator
@@ -178,12 +177,34 @@ def _decide(problem, device, workload, requested, scoped, env_order, policy: Pol
 _CACHE_LIMIT = 4096
 _cache: dict[tuple, Decision] = {}
 _warned: set[tuple[Problem, Device]] = set()
+_clear_hooks: list = []
 
 
 def clear_cache() -> None:
-    """Forget cached decisions and which reference-fallback warnings were already given."""
+    """Forget cached decisions, which reference-fallback warnings were already given, and what
+    the hooks of `on_clear_cache` forget (the single-request functions' plans)."""
     _cache.clear()
     _warned.clear()
+    for hook in _clear_hooks:
+        hook()
+
+
+def on_clear_cache(hook) -> None:
+    """Call ``hook()`` at every `clear_cache` (caches built on decisions register here)."""
+    _clear_hooks.append(hook)
+
+
+def selection_context() -> tuple:
+    """What a decision depends on besides its arguments: the innermost use_backends() block,
+    FLASHDISPATCH_BACKEND and the active policy (a cache of plans keys on it)."""
+    return _use_backends.get(), os.environ.get(BACKEND_ENV), active_policy()
+
+
+def _bucket_key(w: Workload) -> tuple[int, ...]:
+    """``w.bucket()`` as a tuple of exponents (equal exactly when the buckets are), without
+    building a Workload: decisions are cached per bucket."""
+    return tuple([(v - 1).bit_length() + 1 if v > 0 else 0
+                  for v in (w.batch_size, w.total_qo_len, w.max_qo_len, w.total_kv_len, w.max_kv_len)])
 
 
 def decide(problem: Problem, device: Device, workload: Workload = EMPTY_WORKLOAD,
@@ -194,15 +215,16 @@ def decide(problem: Problem, device: Device, workload: Workload = EMPTY_WORKLOAD
     policy = active_policy() if policy is None else policy
     scoped = _use_backends.get()
     env_value = os.environ.get(BACKEND_ENV)
-    key = (problem, device, workload.bucket(), requested, scoped, env_value, policy)
+    key = (problem, device, _bucket_key(workload), requested, scoped, env_value, policy)
     decision = _cache.get(key)
     if decision is None:
         decision = _decide(problem, device, workload, requested, scoped, _env_order(env_value), policy)
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
         _cache[key] = decision
-    elif decision.workload != workload:
-        decision = dataclasses.replace(decision, workload=workload)
+    elif decision.workload != workload:  # the same decision, shown with this plan's exact workload
+        decision = Decision(decision.problem, decision.device, workload, decision.backend, decision.candidates,
+                            decision.order_source, decision.failure)
     return decision
 
 
@@ -214,10 +236,10 @@ def select(problem: Problem, device: Device, workload: Workload = EMPTY_WORKLOAD
     cannot run the problem or nothing in the order can; warns once per (problem, device)
     when a GPU problem falls back to the reference (ReferenceFallbackWarning).
     """
+    policy = active_policy() if policy is None else policy
     decision = decide(problem, device, workload, requested, policy)
     if decision.backend is None:
         raise Unsupported(decision.failure, decision.rejected())
-    policy = active_policy() if policy is None else policy
     if decision.backend == REFERENCE and device.is_cuda and requested == "auto":
         faster = {n: r for n, r in decision.rejected().items() if n != REFERENCE}
         if faster and policy.reference_fallback == "warn" and (problem, device) not in _warned:

@@ -3,7 +3,9 @@
 Paged decode, paged prefill and ragged prefill; fp16/bf16; bottom-right causal and sliding
 windows through the diagonal band; GQA natively; lse converted to base 2. Graphs are built
 per shape bucket and cached (graphs.py); one handle per device (handles.py); the plan owns
-the device metadata and the run (plan.py).
+the device metadata and the run (plan.py); FlashInfer's plan-less entry points
+(cudnn_batch_decode/prefill_with_kv_cache) run from the caller's device metadata alone, with
+no host read (direct.py).
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ Layouts handed to cuDNN (its dims are always [batch, heads, seq, dim]):
   of each request given by a ragged offset tensor in elements ([batch + 1, 1, 1, 1] int32),
   so batches padded up to the bucket (length 0) can never be read or written.
 - paged K/V are a container [pages, kv_heads, page_size, dim] (NHD views just have other
-  strides) read through a block table [batch, 1, max_pages, 1] int32.
+  strides) read through a block table [batch, 1, width, 1] int32: width is the bucket's
+  max_pages for tables we fill, or the caller's own (wider) table passed through as it is.
 - ragged K/V (prefill_ragged) are ragged like q.
 """
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Geometry:
     o_stride: tuple[int, ...]
     lse_stride: tuple[int, ...] | None
     layout: str                # "NHD" / "HND" for paged caches, "ragged" otherwise
+    table_width: int = 0       # block-table columns (row stride) when >= max_pages; 0: max_pages
 
 
 @dataclass
@@ -132,7 +134,8 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
                      stride=_cache_bhsd(geo.k_stride, geo.layout), data_type=io, uid=UID_K)
         v = g.tensor(name="v_cache", dim=_cache_dims(geo.v_shape, geo.layout),
                      stride=_cache_bhsd(geo.v_stride, geo.layout), data_type=io, uid=UID_V)
-        table = dict(dim=[B, 1, opts.max_pages, 1], stride=[opts.max_pages, opts.max_pages, 1, 1], data_type=i32)
+        width = geo.table_width or opts.max_pages
+        table = dict(dim=[B, 1, width, 1], stride=[width, width, 1, 1], data_type=i32)
         paging = dict(paged_attention_k_table=g.tensor(name="table_k", uid=UID_TABLE_K, **table),
                       paged_attention_v_table=g.tensor(name="table_v", uid=UID_TABLE_V, **table),
                       paged_attention_max_seq_len_kv=opts.max_kv)
@@ -171,6 +174,23 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
     return BuiltGraph(g, int(g.get_workspace_size()), time.perf_counter() - t0)
 
 
+def check_alignment(tensors: dict[str, torch.Tensor], lse: torch.Tensor | None) -> None:
+    """cuDNN reads with 16-byte vectors: base pointers and row strides must allow it."""
+    for name, t in tensors.items():
+        elems = 16 // t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % elems for s in t.stride()[:-1]):
+            raise ValueError(f"cudnn: {name} needs a contiguous last dim, a 16-byte aligned pointer and strides "
+                             f"in multiples of {elems} elements; got strides {tuple(t.stride())}, "
+                             f"pointer offset {t.data_ptr() % 16}")
+    if lse is not None and lse.stride(-1) != 1:
+        raise ValueError(f"cudnn: lse needs a contiguous last dim, got strides {tuple(lse.stride())}")
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (never on CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class GraphCache:
     """Process-wide LRU cache of built graphs, keyed by (GraphOptions, Geometry)."""
 
@@ -202,3 +222,24 @@ class GraphCache:
 
 
 GRAPHS = GraphCache()
+
+
+def cached_graph(opts: GraphOptions, geo: Geometry, what: str) -> tuple[BuiltGraph, bool]:
+    """(graph, built now) for this bucket and layout: from GRAPHS, else built and cached.
+    Building cannot be captured in a CUDA graph: during a capture a missing graph is an error."""
+    built = GRAPHS.get(opts, geo)
+    if built is not None:
+        return built, False
+    if capturing(torch.device("cuda", opts.device_index)):
+        raise RuntimeError(f"cudnn: {what} needs a new cuDNN graph (bucket batch={opts.batch}, max_q={opts.max_q}, "
+                           f"max_pages={opts.max_pages}, max_kv={opts.max_kv}), which cannot be built during "
+                           "CUDA-graph capture; make one call of this shape bucket eagerly before capturing")
+    from .handles import handle_for
+
+    try:
+        built = build_graph(opts, geo, handle_for(opts.device_index))
+    except Exception as e:  # cudnnGraphNotSupportedError, RuntimeError from the backend
+        raise RuntimeError(f"cudnn could not build an SDPA graph for {what} (bucket {opts}, layout {geo}): "
+                           f"{type(e).__name__}: {e}") from e
+    GRAPHS.put(opts, geo, built)
+    return built, True

@@ -17,7 +17,7 @@ import torch
 from ...dispatch.problem import Device, Problem
 from ..base import AttentionInputs, AttentionParams, PagedKV
 from . import graphs
-from .graphs import GRAPHS, Geometry, GraphOptions, pow2_bucket
+from .graphs import Geometry, GraphOptions, pow2_bucket
 from .handles import handle_on_current_stream
 
 ALIGN = 256
@@ -51,21 +51,38 @@ def empty_rows(qo_lens: list[int], kv_lens: list[int], causal: bool) -> list[int
     return rows
 
 
-def graph_options(problem: Problem, device: Device, params: AttentionParams) -> GraphOptions:
-    """The bucket a plan's graph is built for."""
+def bucket_options(problem: Problem, device_index: int, *, batch: int, max_q: int, max_kv: int) -> GraphOptions:
+    """The graph bucket of a batch: batch, max query rows and max KV length (pages when paged)
+    rounded up to powers of two; the op, dtypes, heads, mask and lse come from ``problem``."""
     paged = problem.op != "prefill_ragged"
-    max_q = max(params.qo_lens_host, default=0)
-    max_kv = max(params.kv_lens_host, default=0)
-    max_pages = pow2_bucket(max(-(-k // problem.page_size) for k in params.kv_lens_host) if paged and max_kv else 1)
+    max_pages = pow2_bucket(-(-max_kv // problem.page_size)) if paged else 0
     return GraphOptions(
-        device_index=device.index, dtype=problem.q_dtype, paged=paged,
-        batch=pow2_bucket(params.batch_size), max_q=pow2_bucket(max_q),
-        max_pages=max_pages if paged else 0,
+        device_index=device_index, dtype=problem.q_dtype, paged=paged,
+        batch=pow2_bucket(batch), max_q=pow2_bucket(max_q), max_pages=max_pages,
         max_kv=max_pages * problem.page_size if paged else pow2_bucket(max_kv),
         num_qo_heads=problem.num_qo_heads, num_kv_heads=problem.num_kv_heads,
         head_dim_qk=problem.head_dim_qk, head_dim_vo=problem.head_dim_vo,
         page_size=problem.page_size if paged else 0, causal=problem.mask_mode == "causal",
         window_left=problem.window_left, return_lse=problem.return_lse, cuda_graph=problem.use_cuda_graph)
+
+
+def graph_options(problem: Problem, device: Device, params: AttentionParams) -> GraphOptions:
+    """The bucket a plan's graph is built for (from the plan's host lengths)."""
+    return bucket_options(problem, device.index, batch=params.batch_size,
+                          max_q=max(params.qo_lens_host, default=0), max_kv=max(params.kv_lens_host, default=0))
+
+
+def blind_rows(starts: torch.Tensor, seq_q: torch.Tensor, seq_kv: torch.Tensor, n_rows: int,
+               causal: bool) -> torch.Tensor:
+    """bool [n_rows], on the device: rows that see no key. Request b owns rows starts[b] ..
+    starts[b] + seq_q[b] - 1 (``starts`` non-decreasing); its row i sees no key when
+    seq_kv[b] == 0 or, causal, when i + seq_kv[b] - seq_q[b] < 0. Rows of no request: False."""
+    rows = torch.arange(n_rows, device=starts.device, dtype=starts.dtype)
+    req = (torch.searchsorted(starts, rows, right=True) - 1).clamp_(min=0)
+    i = rows - starts[req]
+    q_len, kv_len = seq_q[req], seq_kv[req]
+    blind = i + kv_len < q_len if causal else kv_len == 0
+    return blind & (i >= 0) & (i < q_len)
 
 
 class _Metadata:
@@ -100,7 +117,7 @@ def _pad_indptr(dst: torch.Tensor, indptr: torch.Tensor, batch: int) -> None:
     dst[batch + 1:].copy_(indptr[batch:batch + 1].expand(dst.numel() - batch - 1))
 
 
-def _bytes_of(buf: torch.Tensor, name: str, dev: torch.device, need: int, what: str) -> torch.Tensor:
+def byte_view(buf: torch.Tensor, name: str, dev: torch.device, need: int, what: str) -> torch.Tensor:
     """``buf`` as a flat uint8 tensor, checked to be contiguous, on ``dev`` and ``need`` bytes long."""
     if not buf.is_contiguous() or buf.device != dev:
         raise ValueError(f"{name} must be a contiguous tensor on {dev}, got device {buf.device}, "
@@ -130,12 +147,12 @@ class CudnnPlan:
 
         meta_bytes = _Metadata.size(self.opts)
         int_ws = getattr(params, "int_workspace", None)
-        meta_buf = (_bytes_of(int_ws, "int_workspace_buffer", dev, meta_bytes, "the plan's metadata")[:meta_bytes]
+        meta_buf = (byte_view(int_ws, "int_workspace_buffer", dev, meta_bytes, "the plan's metadata")[:meta_bytes]
                     if int_ws is not None else torch.empty(meta_bytes, dtype=torch.uint8, device=dev))
         self.meta = _Metadata(meta_buf, self.opts)
         self._owns_workspace = params.workspace is None
         self._graph_workspace = (None if params.workspace is None else
-                                 _bytes_of(params.workspace, "float_workspace_buffer", dev, 0, ""))
+                                 byte_view(params.workspace, "float_workspace_buffer", dev, 0, ""))
         self._fill_metadata(params)
 
         # Rows that see no key come out of cuDNN as NaN/garbage: zero them (lse -inf). Eagerly only
@@ -200,34 +217,11 @@ class CudnnPlan:
                         tuple(kv.v.shape) if paged else None, tuple(kv.v.stride()), tuple(inputs.out.stride()),
                         lse_stride, layout)
 
-    def _check_alignment(self, inputs: AttentionInputs) -> None:
-        """cuDNN reads with 16-byte vectors: base pointers and row strides must allow it."""
-        tensors = {"q": inputs.q, "k": inputs.kv.k, "v": inputs.kv.v, "out": inputs.out}
-        for name, t in tensors.items():
-            elems = 16 // t.element_size()
-            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % elems for s in t.stride()[:-1]):
-                raise ValueError(f"cudnn: {name} needs a contiguous last dim, a 16-byte aligned pointer and strides "
-                                 f"in multiples of {elems} elements; got strides {tuple(t.stride())}, "
-                                 f"pointer offset {t.data_ptr() % 16}")
-        if inputs.lse is not None and self.opts.return_lse and inputs.lse.stride(-1) != 1:
-            raise ValueError(f"cudnn: lse needs a contiguous last dim, got strides {tuple(inputs.lse.stride())}")
-
     def _bind(self, geo: Geometry, opts: GraphOptions) -> graphs.BuiltGraph:
         if self._bound is not None and self._bound[0] == (geo, opts):
             return self._bound[1]
-        built = GRAPHS.get(opts, geo)
-        if built is None:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("cudnn: this tensor layout needs a new cuDNN graph, which cannot be built during "
-                                   "CUDA-graph capture; run once eagerly with the same tensors before capturing")
-            from .handles import handle_for
-
-            try:
-                built = graphs.build_graph(opts, geo, handle_for(self.device.index))
-            except Exception as e:  # cudnnGraphNotSupportedError, RuntimeError from the backend
-                raise RuntimeError(f"cudnn could not build an SDPA graph for {self.problem.describe()} "
-                                   f"(bucket {opts}, layout {geo}): {type(e).__name__}: {e}") from e
-            GRAPHS.put(opts, geo, built)
+        built, fresh = graphs.cached_graph(opts, geo, self.problem.describe())
+        if fresh:
             self.build_seconds += built.build_seconds
         self._bound = ((geo, opts), built)
         return built
@@ -264,13 +258,16 @@ class CudnnPlan:
         want_lse = inputs.lse is not None
         if want_lse and not self.opts.return_lse:
             raise ValueError("cudnn plan made with return_lse=False got an lse tensor")
+        # checked before anything runs: a device scale is refused (it would need a host sync)
+        scale = self.sm_scale * _host_scale(inputs.q_scale, "q_scale") * _host_scale(inputs.k_scale, "k_scale")
         # a plan that may return lse runs the graph without stats when this call wants none
         opts = self.opts if want_lse == self.opts.return_lse else dataclasses.replace(self.opts, return_lse=False)
-        self._check_alignment(inputs)
+        graphs.check_alignment({"q": inputs.q, "k": inputs.kv.k, "v": inputs.kv.v, "out": inputs.out},
+                               inputs.lse if self.opts.return_lse else None)
         built = self._bind(self._geometry(inputs), opts)
         workspace = self._cudnn_workspace(built)
         self._refresh_offsets(inputs)
-        self._scale_host.fill_(self.sm_scale * _host_scale(inputs.q_scale, "q_scale") * _host_scale(inputs.k_scale, "k_scale"))
+        self._scale_host.fill_(scale)
         m, G = self.meta, graphs
         pack = {G.UID_Q: inputs.q, G.UID_K: inputs.kv.k, G.UID_V: inputs.kv.v, G.UID_O: inputs.out,
                 G.UID_SCALE: self._scale_host, G.UID_SEQ_Q: m["seq_q"], G.UID_SEQ_KV: m["seq_kv"],
@@ -304,12 +301,4 @@ class CudnnPlan:
     def _blind_rows_on_device(self, n_rows: int) -> torch.Tensor:
         """bool [n_rows]: rows that see no key, from the lengths in the metadata slots."""
         m = self.meta
-        indptr = m["qo_indptr"]
-        rows = torch.arange(n_rows, device=indptr.device, dtype=torch.int32)
-        req = (torch.searchsorted(indptr, rows, right=True) - 1).clamp_(0, self.opts.batch - 1)
-        kv_len = m["seq_kv"][req]
-        blind = kv_len == 0
-        if self.opts.causal:
-            blind |= rows - indptr[req] + kv_len - m["seq_q"][req] < 0
-        return blind & (rows < indptr[-1])
-
+        return blind_rows(m["qo_indptr"][:-1], m["seq_q"], m["seq_kv"], n_rows, self.opts.causal)

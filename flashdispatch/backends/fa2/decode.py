@@ -30,6 +30,7 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes
 from .decode_kernel import WORK_COLS, decode_kernel
+from .launch import BoundKernel, bind
 from .merge import MERGE_INFO_COLS, launch_decode_merge
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -64,6 +65,11 @@ class DecodeConfig:
     k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
     split_block_n: block_n for plans that split requests by the default policy (few requests,
     long contexts: fewer, longer steps pay off there); None: block_n.
+    fp8_dot_dtype (fp8 KV only): "q" runs both dots in q's dtype (fp8 -> bf16 is a slow
+    conversion on sm90), "fp16" runs them in fp16 with q row-scaled by powers of two (see
+    decode_kernel.py for the ranges).
+    heads_fastest: program order of the 1-D grid: all (kv head, row block) units of a work item
+    next to each other (whole pages read together), or one unit of every item at a time.
     """
 
     block_n: int = 32
@@ -75,16 +81,22 @@ class DecodeConfig:
     max_splits: int = 64
     k_rows: bool = False
     split_block_n: int | None = None
+    fp8_dot_dtype: str = "q"
+    heads_fastest: bool = True
+
+    def __post_init__(self):
+        if self.fp8_dot_dtype not in ("q", "fp16"):
+            raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
 
 
 def default_config(problem: Problem) -> DecodeConfig:
     """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
     d = problem.head_dim_qk
     if problem.kv_dtype in FP8_DTYPES:
-        return DecodeConfig(block_n=128 if d <= 128 else 64)
+        return DecodeConfig(block_n=128 if d <= 128 else 64, fp8_dot_dtype="fp16")
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128)
-    if d <= 64:
+    if d <= 64 or (problem.num_qo_heads == problem.num_kv_heads and d <= 128):
         return DecodeConfig(block_n=64)
     return DecodeConfig(block_n=32, split_block_n=64 if d <= 128 else None)
 
@@ -100,15 +112,17 @@ def _apply(cfg: DecodeConfig, source: dict) -> DecodeConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _base_config(head_dim: int, kv_dtype: torch.dtype, page_size: int, env: str | None) -> DecodeConfig:
-    cfg = default_config(Problem("decode", torch.float16, kv_dtype, torch.float16, 1, 1, head_dim, head_dim,
+def _base_config(head_dim: int, kv_dtype: torch.dtype, page_size: int, group: int,
+                 env: str | None) -> DecodeConfig:
+    cfg = default_config(Problem("decode", torch.float16, kv_dtype, torch.float16, group, 1, head_dim, head_dim,
                                  page_size=page_size))
     return _apply(cfg, json.loads(env)) if env else cfg
 
 
 def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeConfig:
     """Defaults, then FLASHDISPATCH_FA2_DECODE_CONFIG (JSON), then ``overrides``."""
-    cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size, os.environ.get(CONFIG_ENV))
+    cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size,
+                       problem.num_qo_heads // problem.num_kv_heads, os.environ.get(CONFIG_ENV))
     return _apply(cfg, overrides) if overrides else cfg
 
 
@@ -277,7 +291,7 @@ class DecodePlan:
     def _launch_constants(self) -> None:
         """Everything of the decode launch that run() does not learn from the inputs."""
         p, cfg = self.problem, self.config
-        self._grid = (self.n_work, p.num_kv_heads * self.row_blocks)
+        self._grid = (self.n_work * p.num_kv_heads * self.row_blocks,)
         dummy = self.plse
         self._tables = (self.po, self.plse, self.work, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
@@ -288,7 +302,16 @@ class DecodePlan:
             CAUSAL=p.mask_mode == "causal" and self.q_len > 1, WINDOW=p.window_left >= 0,
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
             ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, K_ROWS=cfg.k_rows,
+            FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
+            HEADS_FASTEST=cfg.heads_fastest,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
+
+    def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
+        write_lse, q_t, k_t, v_t = variant
+        launch = self._launchers[variant] = bind(decode_kernel, **self._consts, WRITE_LSE=write_lse, Q_SCALE_T=q_t,
+                                                 K_SCALE_T=k_t, V_SCALE_T=v_t)
+        return launch
 
     def run(self, inputs: AttentionInputs) -> None:
         """Launch decode (and merge when some request is split) into inputs.out / inputs.lse."""
@@ -326,13 +349,13 @@ class DecodePlan:
             sinks = dummy
         write_lse = lse is not None
         po, plse, work, kv_indices, slopes = self._tables
-        decode_kernel[self._grid](
-            q, k, v, out, lse if write_lse else dummy, po, plse, work, kv_indices, slopes,
-            sinks, q_t, k_t, v_t,
-            qk_scale, v_scale, *self._plan_scalars, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *((lse.stride(0), lse.stride(1)) if write_lse else (0, 0)), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-            WRITE_LSE=write_lse, Q_SCALE_T=q_t is not dummy, K_SCALE_T=k_t is not dummy, V_SCALE_T=v_t is not dummy,
-            **self._consts)
+        variant = (write_lse, q_t is not dummy, k_t is not dummy, v_t is not dummy)
+        launch = self._launchers.get(variant) or self._bind(variant)
+        launch(self._grid,
+               q, k, v, out, lse if write_lse else dummy, po, plse, work, kv_indices, slopes,
+               sinks, q_t, k_t, v_t,
+               qk_scale, v_scale, *self._plan_scalars, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               *((lse.stride(0), lse.stride(1)) if write_lse else (0, 0)), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
         if self.n_merge:
             launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len)
 

@@ -12,6 +12,23 @@ A work row (int32, `WORK_COLS` wide) holds: request, first page index in kv_indi
 token start, token end, kv_len, output slot (-1: write out/lse directly, else the partial
 slot in the workspace) and whether the chunk is the request's first (it carries the sink).
 A request index < 0 marks an idle program (CUDA-graph grids are fixed).
+
+FP16_DOTS (fp8 KV only, DecodeConfig.fp8_dot_dtype="fp16"): both dots run in fp16 whatever q's
+dtype, because Triton's fp8 -> fp16 is one packed instruction per two values
+(cvt.rn.f16x2.e4m3x2 / .e5m2x2) while fp8 e4m3 -> bf16 on sm90 adds two scalar cvt.bf16.f16 per
+pair (the conversion, not the memory, bounded the bf16-q fp8 decode). Every step is exact or
+more precise than the bf16 dots, and nothing overflows for finite inputs:
+- K and V: fp8 -> fp16 is exact (e4m3 max 448, e5m2 max 57344 < 65504).
+- q: each row is scaled in fp32 by a power of two 2^x chosen from its max |q| so that the max
+  lands in [2^14, 2^15), then rounded to fp16 (exact for bf16 and fp16 q); 2^-x joins the
+  score scale. x is clamped to [-113, 126]: rows whose max |q| is below 2^-112 (or zero) use
+  2^126 and stay below 2^14. Limit: elements under 2^-28 x their row's max |q| may become
+  fp16 subnormals (fewer bits), under 2^-39 x it they may flush to 0.
+- RoPE: the rotated K (|x| up to sqrt(2) x the fp8 max, 81k for e5m2) is halved before the
+  fp16 rounding and the score scale doubled.
+- P (<= 1) in fp16: 11 significant bits (bf16: 8), but weights below 2^-14 of the row max lose
+  bits and below 2^-25 flush to 0 (the fp32 denominator still counts them).
+- Both dots accumulate in fp32.
 """
 from __future__ import annotations
 
@@ -38,6 +55,18 @@ def _rope(x1, x2, pos, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM: tl.
 
 
 @triton.jit
+def _row_pow2(x):
+    """(2^e, 2^-e) per row of x [rows, cols] (fp32), exact powers of two: max |row| * 2^e in
+    [2^14, 2^15); e clamped to [-113, 126] (zero rows: 2^126)."""
+    amax = tl.max(tl.abs(x), 1)
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2 amax) + 127
+    e_bits = tl.minimum(tl.maximum(268 - biased, 14), 253)  # 14 - floor(log2 amax) + 127
+    up = (e_bits << 23).to(tl.float32, bitcast=True)
+    down = ((254 - e_bits) << 23).to(tl.float32, bitcast=True)
+    return up, down
+
+
+@triton.jit
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
     work_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
@@ -49,8 +78,19 @@ def decode_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
     ROPE: tl.constexpr, SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
     Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
-    wrow = work_ptr + tl.program_id(0) * 8  # WORK_COLS
+    # 1-D grid of work items x (kv head, row block) units. HEADS_FASTEST: the programs resident
+    # together read every head of the same pages; else one head of many requests at a time.
+    UNITS: tl.constexpr = NUM_QO_HEADS // GROUP * ROW_BLOCKS
+    if HEADS_FASTEST:
+        unit = tl.program_id(0) % UNITS
+        item = tl.program_id(0) // UNITS
+    else:
+        n_items = tl.num_programs(0) // UNITS
+        unit = tl.program_id(0) // n_items
+        item = tl.program_id(0) % n_items
+    wrow = work_ptr + item * 8  # WORK_COLS
     req = tl.load(wrow)
     if req < 0:
         return
@@ -60,8 +100,8 @@ def decode_kernel(
     kv_len = tl.load(wrow + 4)
     slot = tl.load(wrow + 5)
     is_first = tl.load(wrow + 6)
-    hk = tl.program_id(1) // ROW_BLOCKS
-    rb = tl.program_id(1) % ROW_BLOCKS
+    hk = unit // ROW_BLOCKS
+    rb = unit % ROW_BLOCKS
 
     # Query rows: g -> (q row qi, query head hq).
     g = rb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,7 +111,9 @@ def decode_kernel(
     q_row = (req * QLEN + qi).to(tl.int64)
     pos = qi + kv_len - QLEN  # query position
     q_off = q_row * stride_qt + hq * stride_qh
-    dt = q_ptr.dtype.element_ty
+    dt = q_ptr.dtype.element_ty  # the dots' input dtype
+    if FP16_DOTS:
+        dt = tl.float16
 
     scale = qk_scale
     if Q_SCALE_T:
@@ -93,11 +135,21 @@ def decode_kernel(
         q2 = tl.load(q_ptr + q_off[:, None] + HALF + offs_half[None, :], mask=row_ok[:, None], other=0.0)
         q1r, q2r = _rope(q1.to(tl.float32), q2.to(tl.float32), pos, offs_half,
                          rope_rcp_scale, rope_log2_theta, HEAD_DIM)
+        if FP16_DOTS:
+            q_up, q_down = _row_pow2(tl.maximum(tl.abs(q1r), tl.abs(q2r)))
+            q1r = q1r * q_up[:, None]
+            q2r = q2r * q_up[:, None]
+            s_row = s_mul * 2.0 * q_down  # x2: K is halved below
         q1 = q1r.to(dt)
         q2 = q2r.to(dt)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if FP16_DOTS:
+            qf = q.to(tl.float32)
+            q_up, q_down = _row_pow2(qf)
+            q = (qf * q_up[:, None]).to(dt)
+            s_row = s_mul * q_down
     offs_dv = tl.arange(0, HEAD_DIM)
 
     # Softmax state in base 2; the first chunk starts from the sink logit (no value).
@@ -123,6 +175,9 @@ def decode_kernel(
             k1 = tl.load(k_head + k_off[:, None] + offs_half[None, :]).to(tl.float32)
             k2 = tl.load(k_head + k_off[:, None] + HALF + offs_half[None, :]).to(tl.float32)
             k1r, k2r = _rope(k1, k2, t, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM)
+            if FP16_DOTS:  # |rotated fp8| <= sqrt(2) x 57344 would overflow fp16
+                k1r = k1r * 0.5
+                k2r = k2r * 0.5
             s = tl.dot(q1, tl.trans(k1r.to(dt))) + tl.dot(q2, tl.trans(k2r.to(dt)))
         elif K_ROWS:
             k = tl.load(k_head + k_off[:, None] + offs_d[None, :])
@@ -130,7 +185,10 @@ def decode_kernel(
         else:
             k = tl.load(k_head + k_off[None, :] + offs_d[:, None])
             s = tl.dot(q, k.to(dt))
-        s = s * s_mul
+        if FP16_DOTS:
+            s = s * s_row[:, None]
+        else:
+            s = s * s_mul
         if ALIBI:
             s += slope[:, None] * (t[None, :] - pos[:, None]).to(tl.float32)
         if SOFT_CAP:

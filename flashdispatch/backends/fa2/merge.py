@@ -11,6 +11,8 @@ One kernel body serves two callers:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,7 @@ import triton.language as tl
 from ...dispatch.caps import Caps
 from ..base import MergeInputs
 from ..common import TRITON_INTERPRETED
+from .launch import BoundKernel, bind
 
 MERGE_CAPS = Caps(
     ops=frozenset({"merge"}),
@@ -101,16 +104,28 @@ def _states_block(head_dim: int) -> int:
     return max(2, min(32, 4096 // head_dim))
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_merge_launcher(num_heads: int, head_dim: int, q_len: int, write_lse: bool) -> BoundKernel:
+    return bind(_merge_decode_kernel, NUM_HEADS=num_heads, HEAD_DIM=head_dim, QLEN=q_len,
+                BLOCK_S=_states_block(head_dim), WRITE_LSE=write_lse, num_warps=4)
+
+
 def launch_decode_merge(po, plse, out, lse, info, num_items: int, q_len: int) -> None:
     """Merge decode partials (``po`` [P, q_len, H, D] fp32, ``plse`` [P, q_len, H]) into
     ``out`` [rows, H, D] and ``lse`` [rows, H] (may be None) for ``num_items`` rows of ``info``."""
     num_heads, head_dim = out.shape[1], out.shape[2]
-    lse_arg = lse if lse is not None else plse
-    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    _merge_decode_kernel[(num_items * q_len, num_heads)](
-        po, plse, out, lse_arg, info, out.stride(0), out.stride(1), *lse_strides,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, QLEN=q_len, BLOCK_S=_states_block(head_dim),
-        WRITE_LSE=lse is not None, num_warps=4)
+    if lse is None:
+        lse_arg, lse_strides = plse, (0, 0)
+    else:
+        lse_arg, lse_strides = lse, (lse.stride(0), lse.stride(1))
+    _decode_merge_launcher(num_heads, head_dim, q_len, lse is not None)(
+        (num_items * q_len, num_heads), po, plse, out, lse_arg, info, out.stride(0), out.stride(1), *lse_strides)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_states_launcher(head_dim: int) -> BoundKernel:
+    block_d = triton.next_power_of_2(head_dim)
+    return bind(_merge_states_kernel, BLOCK_S=_states_block(block_d), BLOCK_D=block_d, num_warps=4)
 
 
 def merge_states(inputs: MergeInputs) -> None:
@@ -122,8 +137,6 @@ def merge_states(inputs: MergeInputs) -> None:
     if v.stride(-1) != 1 or v_out.stride(-1) != 1:
         raise ValueError("merge_states: v and v_out need a contiguous last dimension "
                          f"(strides {tuple(v.stride())}, {tuple(v_out.stride())})")
-    block_d = triton.next_power_of_2(head_dim)
-    _merge_states_kernel[(seq, num_heads)](
-        v, s, v_out, s_out, num_states, head_dim, v.stride(0), v.stride(1), v.stride(2),
-        s.stride(0), s.stride(1), s.stride(2), v_out.stride(0), v_out.stride(1), s_out.stride(0), s_out.stride(1),
-        BLOCK_S=_states_block(block_d), BLOCK_D=block_d, num_warps=4)
+    _merge_states_launcher(head_dim)(
+        (seq, num_heads), v, s, v_out, s_out, num_states, head_dim, v.stride(0), v.stride(1), v.stride(2),
+        s.stride(0), s.stride(1), s.stride(2), v_out.stride(0), v_out.stride(1), s_out.stride(0), s_out.stride(1))

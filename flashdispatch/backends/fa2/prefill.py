@@ -26,6 +26,7 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from ..common import TRITON_INTERPRETED, alibi_slopes
+from .launch import BoundKernel, bind
 from .merge import MERGE_INFO_COLS, launch_decode_merge
 from .prefill_kernels import WORK_COLS, fa2_prefill_kernel, mask_tile_classes_kernel, mask_tile_list_kernel
 
@@ -201,13 +202,13 @@ def build_work_list(tiles, chunks_of, block_m: int, qo_starts: list[int]) -> Wor
 
 
 def add_tile_lists(items: np.ndarray, block_n: int) -> tuple[int, int]:
-    """Give every work item room for its custom-mask tile list (a count and one entry per KV tile
-    meeting its chunk [kv_lo, kv_hi)): writes the offsets into column 9 and returns
+    """Give every work item room for its custom-mask tile list (two counts and one entry per KV
+    tile meeting its chunk [kv_lo, kv_hi)): writes the offsets into column 9 and returns
     (list length in int32, most KV tiles of one item)."""
     if len(items) == 0:
-        return 1, 1
+        return 2, 1
     n_tiles = -(-items[:, 5] // block_n) - items[:, 4] // block_n
-    sizes = n_tiles.astype(np.int64) + 1
+    sizes = n_tiles.astype(np.int64) + 2
     items[:, 9] = np.cumsum(sizes) - sizes
     return int(sizes.sum()), max(int(n_tiles.max()), 1)
 
@@ -261,6 +262,7 @@ class PrefillPlan:
         if custom and self.num_items:
             self._build_tile_lists(max_tiles)
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
+        self._launchers: dict = {}  # (q dtype, SINKS, HAS_LSE, Q/K/V_SCALE_T) -> BoundKernel
 
     def _chunking(self, tiles, device: Device, params: AttentionParams):
         """chunks_of(tile index) -> [(kv_lo, kv_hi)]: fixed_split_size chunks (KV tokens for ragged,
@@ -311,11 +313,12 @@ class PrefillPlan:
         visible tiles into its list (two launches, stream-ordered, no host sync)."""
         prm, cfg = self.params, self.config
         classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=self.tiles.device)
-        mask_tile_classes_kernel[(self.num_items, max_tiles)](
-            self.work, prm.packed_mask, prm.mask_indptr, classes, max_tiles, self.problem.window_left,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WINDOW=self.problem.window_left >= 0)
-        mask_tile_list_kernel[(self.num_items,)](self.work, classes, self.tiles, max_tiles, BLOCK_N=cfg.block_n,
-                                                 MAX_TILES=triton.next_power_of_2(max_tiles))
+        classify = bind(mask_tile_classes_kernel, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                        WINDOW=self.problem.window_left >= 0)
+        classify((self.num_items, max_tiles), self.work, prm.packed_mask, prm.mask_indptr, classes, max_tiles,
+                 self.problem.window_left)
+        compact = bind(mask_tile_list_kernel, BLOCK_N=cfg.block_n, MAX_TILES=triton.next_power_of_2(max_tiles))
+        compact((self.num_items,), self.work, classes, self.tiles, max_tiles)
 
     def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device,
                          list_len: int):
@@ -339,8 +342,26 @@ class PrefillPlan:
         work.copy_(flat)
         return work, count
 
+    def _bind(self, variant: tuple) -> BoundKernel:
+        """The prefill kernel with this plan's constexprs and the per-run ones in ``variant``."""
+        p, cfg = self.problem, self.config
+        dtype, sinks, has_lse, q_t, k_t, v_t = variant
+        head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
+        launch = self._launchers[variant] = bind(
+            fa2_prefill_kernel,
+            NUM_QO_HEADS=p.num_qo_heads, GROUP=p.num_qo_heads // p.num_kv_heads,
+            HEAD_QK_A=head_a, HEAD_QK_B=p.head_dim_qk - head_a, HEAD_VO=p.head_dim_vo,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=p.page_size if self.paged else 0,
+            DTYPE=_TL_DTYPES[dtype], DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
+            CAUSAL=p.mask_mode == "causal", CUSTOM_MASK=p.mask_mode == "custom", WINDOW=p.window_left >= 0,
+            SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
+            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=sinks,
+            HAS_LSE=has_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
+            PERSISTENT=p.use_cuda_graph, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return launch
+
     def run(self, inputs: AttentionInputs) -> None:
-        p, prm, cfg = self.problem, self.params, self.config
+        p, prm = self.problem, self.params
         q, out = inputs.q, inputs.out
         if self.grid[0] == 0:
             return
@@ -372,9 +393,10 @@ class PrefillPlan:
         v_f, v_ptr, v_t = _scale_arg(inputs.v_scale, prm.qo_indptr)
         log2e = 1.0 / math.log(2.0)
         custom = p.mask_mode == "custom"
-        head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
-        fa2_prefill_kernel[self.grid](
-            q, k, v, out, lse if lse is not None else out,
+        variant = (q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t)
+        launch = self._launchers.get(variant) or self._bind(variant)
+        launch(
+            self.grid, q, k, v, out, lse if lse is not None else out,
             self.po if self.n_merge else out, self.plse if self.n_merge else out, self.work, self.num_work,
             prm.qo_indptr, prm.kv_indptr, kv_indices,
             prm.packed_mask if custom else prm.qo_indptr, self.tiles if custom else prm.qo_indptr,
@@ -384,17 +406,7 @@ class PrefillPlan:
             prm.sm_scale * q_f * k_f * log2e, v_f, p.logits_soft_cap * log2e,
             1.0 / prm.rope_scale, math.log2(prm.rope_theta), p.window_left,
             q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-            NUM_QO_HEADS=p.num_qo_heads, GROUP=p.num_qo_heads // p.num_kv_heads,
-            HEAD_QK_A=head_a, HEAD_QK_B=p.head_dim_qk - head_a, HEAD_VO=p.head_dim_vo,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=p.page_size if self.paged else 0,
-            DTYPE=_TL_DTYPES[q.dtype], DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            CAUSAL=p.mask_mode == "causal", CUSTOM_MASK=custom, WINDOW=p.window_left >= 0,
-            SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
-            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=inputs.sinks is not None,
-            HAS_LSE=lse is not None, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
-            PERSISTENT=p.use_cuda_graph, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
         if self.n_merge:
             launch_decode_merge(self.po, self.plse, out, lse, self.info, self.n_merge, 1)
 

@@ -12,9 +12,9 @@ chunk 0 carries the sink. The KV range of a tile is three loops: masked tiles le
 visible band (sliding window, chunk start), the unmasked band, masked tiles on the right (causal
 diagonal, chunk end, KV end). With a custom mask, plan() first classifies every (item, KV tile)
 from the mask bits (`mask_tile_classes_kernel`: no visible key / all visible / partial) and
-compacts the visible ones into a list per item (`mask_tile_list_kernel`, at the tile-list
-offset: count, then `kv tile << 1 | partial`); the attention loop walks that list, skips empty
-tiles and reads mask bits only for partial ones. Every feature is a tl.constexpr, so a feature
+lists the visible ones per item (`mask_tile_list_kernel`, at the tile-list offset); the
+attention kernel walks the whole tiles without masks, then the partial ones with them, and
+never visits a tile without a visible key. Every feature is a tl.constexpr, so a feature
 that is off costs nothing on the hot path.
 """
 from __future__ import annotations
@@ -95,10 +95,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                 HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
                 CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr):
-    """Online-softmax update over KV tiles. Without a custom mask: the tiles starting in [lo, hi),
-    MASKED tiles applying every mask, the chunk bounds [kv_lo, kv_hi) included. With one: entries
-    [lo, hi) of the item's tile list (``tiles_ptr``, built by ``mask_tile_classes_kernel`` and
-    ``mask_tile_list_kernel``), each ``kv tile << 1 | partial``; only partial tiles read the mask."""
+    """Online-softmax update over KV tiles: without a custom mask, the tiles starting in [lo, hi);
+    with one, the KV tiles listed at ``tiles_ptr[lo:hi]`` (see mask_tile_list_kernel). MASKED
+    tiles apply every mask, the chunk bounds [kv_lo, kv_hi) included; the others none."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     offs_da = tl.arange(0, HEAD_QK_A)
     offs_dv = tl.arange(0, HEAD_VO)
@@ -107,17 +106,16 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
     # page ids (and list entries) are fetched one tile ahead, so the K/V addresses never wait on them
     if CUSTOM_MASK:
         STEP: tl.constexpr = 1
-        next_entry = tl.load(tiles_ptr + lo, mask=lo < hi, other=0)
-        page_ids = _page_ids(kv_indices_ptr, kv_start, (next_entry >> 1) * BLOCK_N, kv_len, PAGE_SIZE, BLOCK_N)
+        next_tile = tl.load(tiles_ptr + lo, mask=lo < hi, other=0)
+        page_ids = _page_ids(kv_indices_ptr, kv_start, next_tile * BLOCK_N, kv_len, PAGE_SIZE, BLOCK_N)
     else:
         STEP: tl.constexpr = BLOCK_N
         page_ids = _page_ids(kv_indices_ptr, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
     for it in range(lo, hi, STEP):
         if CUSTOM_MASK:
-            entry = next_entry
-            next_entry = tl.load(tiles_ptr + it + 1, mask=it + 1 < hi, other=0)
-            start_n = (entry >> 1) * BLOCK_N
-            next_n = (next_entry >> 1) * BLOCK_N
+            start_n = next_tile * BLOCK_N
+            next_tile = tl.load(tiles_ptr + it + 1, mask=it + 1 < hi, other=0)
+            next_n = next_tile * BLOCK_N
         else:
             start_n = it
             next_n = it + BLOCK_N
@@ -150,20 +148,13 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             s = qk * qk_scale
             if ALIBI:
                 s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
-        if CUSTOM_MASK:
-            if (entry & 1) != 0:  # a partial tile: mask bits, window, chunk and KV bounds
-                keep = (offs_n < kv_hi)[None, :]
-                if SPLIT:
-                    keep = keep & (offs_n >= kv_lo)[None, :]
-                keep = _custom_keep(mask_ptr, mask_off, offs_m, offs_n, qo_len, kv_len, keep)
-                if WINDOW:
-                    keep = keep & (offs_n[None, :] >= pos_m[:, None] - window_left)
-                s = tl.where(keep, s, float("-inf"))
-        elif MASKED:
+        if MASKED:
             keep = (offs_n < kv_hi)[None, :]
             if SPLIT:
                 keep = keep & (offs_n >= kv_lo)[None, :]
-            if CAUSAL:
+            if CUSTOM_MASK:
+                keep = _custom_keep(mask_ptr, mask_off, offs_m, offs_n, qo_len, kv_len, keep)
+            elif CAUSAL:
                 keep = keep & (offs_n[None, :] <= pos_m[:, None])
             if WINDOW:
                 keep = keep & (offs_n[None, :] >= pos_m[:, None] - window_left)
@@ -292,10 +283,18 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
         l_i = tl.where(carry, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_VO], tl.float32)
 
-    if CUSTOM_MASK:  # the item's list of KV tiles with a visible key: [count, entries...]
+    if CUSTOM_MASK:  # the item's KV tiles with a visible key: [whole, partial, whole tiles.., partial tiles..]
         tiles = tiles_ptr + tl.load(row + 9)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, tl.load(tiles), K, V, kv_indices_ptr, mask_ptr,
-                                    tiles + 1, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m,
+        n_whole = tl.load(tiles)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, n_whole, K, V, kv_indices_ptr, mask_ptr,
+                                    tiles + 2, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m,
+                                    qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs,
+                                    stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
+                                    rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, False, BLOCK_N, PAGE_SIZE,
+                                    HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
+                                    ROPE, SPLIT)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, tl.load(tiles + 1), K, V, kv_indices_ptr, mask_ptr,
+                                    tiles + 2 + n_whole, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m,
                                     qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs,
                                     stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
                                     rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE,
@@ -418,19 +417,24 @@ def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, m
 @triton.jit
 def mask_tile_list_kernel(work_ptr, classes_ptr, tiles_ptr, max_tiles, BLOCK_N: tl.constexpr,
                           MAX_TILES: tl.constexpr):
-    """Grid (items,): compact item ``i``'s visible KV tiles (``classes[i, :]`` from
-    mask_tile_classes_kernel) into its list at the item's tile-list offset: count, then
-    ``kv tile << 1 | partial`` in KV order."""
+    """Grid (items,): item ``i``'s visible KV tiles (``classes[i, :]`` from
+    mask_tile_classes_kernel) as a list at its tile-list offset: the counts of whole and partial
+    tiles, then the whole tiles' indices, then the partial ones', each in KV order. The attention
+    kernel walks the whole tiles without masks and the partial ones with them (two loops with
+    no branch inside, so both pipeline)."""
     item = tl.program_id(0)
     row = work_ptr + item * _WORK_COLS
     kv_lo = tl.load(row + 4)
     kv_hi = tl.load(row + 5)
-    base = tl.load(row + 9)
+    base = tiles_ptr + tl.load(row + 9)
     t = tl.arange(0, MAX_TILES)
     n_tiles = tl.cdiv(kv_hi, BLOCK_N) - kv_lo // BLOCK_N
     cls = tl.load(classes_ptr + item.to(tl.int64) * max_tiles + t, mask=t < n_tiles, other=0).to(tl.int32)
-    visible = cls != 0
-    slot = tl.cumsum(visible.to(tl.int32), 0) - 1
-    entry = (kv_lo // BLOCK_N + t) * 2 + (cls == 2).to(tl.int32)
-    tl.store(tiles_ptr + base + 1 + slot, entry, mask=visible)
-    tl.store(tiles_ptr + base, tl.sum(visible.to(tl.int32)))
+    whole = (cls == 1).to(tl.int32)
+    partial = (cls == 2).to(tl.int32)
+    n_whole = tl.sum(whole)
+    tile = kv_lo // BLOCK_N + t
+    tl.store(base + 2 + tl.cumsum(whole, 0) - 1, tile, mask=whole != 0)
+    tl.store(base + 2 + n_whole + tl.cumsum(partial, 0) - 1, tile, mask=partial != 0)
+    tl.store(base, n_whole)
+    tl.store(base + 1, tl.sum(partial))

@@ -1,0 +1,195 @@
+"""Bound Triton launches: repeat launches of a kernel skip `JITFunction.run`'s per-call work.
+
+`bind(fn, num_warps=4, BLOCK=64, ...)` returns the process-wide `BoundKernel` of one @triton.jit
+function with those constexprs and launch options fixed; `bound(grid, *args)` takes the kernel's
+other (runtime) parameters, in order. A call whose specialization key is new goes through the
+normal ``fn[grid](*args, **constexprs, **options)`` (compile if needed, launch) and keeps the
+CompiledKernel it returns; a later call with the same key launches that kernel through its
+low-level launcher, the call `JITFunction.run` makes at its end (triton 3.6 runtime/jit.py):
+
+    kernel.run(grid0, grid1, grid2, stream, kernel.function, kernel.packed_metadata,
+               launch_metadata, launch_enter_hook, launch_exit_hook, *every kernel argument)
+
+(constexpr arguments included: the CUDA launcher skips them). With no launch hooks, the metadata
+and both hooks are None, which the launcher skips too.
+
+What Triton 3.6 specializes on (native_specialize_impl, specialize.cc): a tensor's dtype and
+whether its data_ptr() is a multiple of 16; an int's value == 1 (it becomes a constexpr), its
+divisibility by 16 and its width (i32, i64, u64); floats (fp32) and bools (u1) by type only;
+None is a constexpr. `spec_key` holds all of these for every argument, finer than Triton where a
+parameter is `do_not_specialize` (harmless: one more normal call). The cache key adds the current
+device (one CompiledKernel per device) and the two knobs that enter Triton's launch options
+(runtime.debug, compilation.instrumentation_mode).
+
+The normal path runs instead: under the interpreter (TRITON_INTERPRET=1: no JITFunction), on a
+Triton version whose launch call was not checked (`VERIFIED_TRITON`) or a non-CUDA driver, while
+a launch enter/exit hook is set, when the function has pre-run hooks, when a global the kernel
+reads has changed (the normal path raises), or when an argument is of another type (numpy
+scalar, tuple, tensor descriptor). CUDA graphs: the direct launch is the same cuLaunchKernelEx
+on the current stream, so it is captured like the normal one.
+
+FLASHDISPATCH_FA2_DIRECT_LAUNCH=0 (or ``DIRECT_LAUNCH = False`` at run time) sends every launch
+through the normal path, to rule the bound launcher out or to time the plain launch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+VERIFIED_TRITON = ((3, 6),)  # (major, minor) whose JITFunction.run / CudaLauncher call was read
+DIRECT_LAUNCH = os.environ.get("FLASHDISPATCH_FA2_DIRECT_LAUNCH", "1") != "0"
+
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_MISSING = object()
+
+
+def spec_key(args, _Tensor=torch.Tensor, _int=int, _float=float, _bool=bool) -> tuple | None:
+    """What Triton's specialization of ``args`` depends on, as a hashable tuple; None when an
+    argument is of a type this key does not cover (the caller then takes the normal path).
+
+    Tensor: its dtype, then whether data_ptr() is a multiple of 16; int: 1 for the value 1, else
+    2 * width class (i32 1, i64 2, u64 3) + divisible by 16; float, bool, None: their type.
+    (The keyword defaults are local aliases: this runs on every launch.)"""
+    key = []
+    add = key.append
+    for a in args:
+        t = type(a)
+        if t is _int:
+            if a == 1:
+                add(1)
+            else:
+                width = 1 if _I32_MIN <= a <= _I32_MAX else 2 if _I64_MIN <= a <= _I64_MAX else 3
+                add(2 * width + (a & 15 == 0))
+        elif t is _Tensor or isinstance(a, _Tensor):
+            add(a.dtype)
+            add(a.data_ptr() & 15 == 0)
+        elif t is _float or t is _bool or a is None:
+            add(t)
+        else:
+            return None
+    return tuple(key)
+
+
+def _version_verified() -> bool:
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) in VERIFIED_TRITON
+
+
+def _cuda_calls():
+    """(current device, current stream of a device): the calls JITFunction.run makes, or None
+    when the active Triton driver is not CUDA's (its launcher's call was not checked)."""
+    from triton.backends.nvidia.driver import CudaDriver
+    from triton.runtime.driver import driver
+    active = driver.active
+    if not isinstance(active, CudaDriver):
+        return None
+    return active.get_current_device, active.get_current_stream
+
+
+def _hook_idle(hook) -> bool:
+    return hook is None or (isinstance(hook, knobs.HookChain) and not hook.calls)
+
+
+def _direct_allowed(fn) -> bool:
+    """No launch hook set, no pre-run hook, no changed global (per call: they can change)."""
+    rt = knobs.runtime
+    if not (_hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)) or fn.pre_run_hooks:
+        return False
+    for (name, _), (value, scope) in fn.used_global_vals.items():
+        if scope.get(name, _MISSING) != value:
+            return False
+    return True
+
+
+class BoundKernel:
+    """One Triton kernel with fixed constexprs and launch options (see the module docstring).
+
+    ``direct``: launch cached kernels directly (default: ``fn`` is a JITFunction and the Triton
+    version is verified); False always takes the normal path."""
+
+    def __init__(self, fn, kwargs: dict, direct: bool | None = None):
+        self.fn = fn
+        self._kwargs = dict(kwargs)
+        if direct is None:
+            direct = isinstance(fn, JITFunction) and _version_verified()
+        self._direct = direct
+        self._kernels: dict = {}  # (device, debug, instrumentation, spec_key) -> (run, function, metadata)
+        self._calls = None  # (current device, current stream), looked up at the first direct call
+        if direct:
+            self._tail, self._num_runtime = self._layout(fn, kwargs)
+
+    @staticmethod
+    def _layout(fn, kwargs: dict) -> tuple[tuple, int]:
+        """(constexpr values in parameter order, number of runtime parameters); the constexpr
+        parameters must come after all runtime ones."""
+        names = {p.name for p in fn.params}
+        constexpr = [p for p in fn.params if p.is_constexpr]
+        runtime = [p for p in fn.params if not p.is_constexpr]
+        if runtime and constexpr and constexpr[0].num < runtime[-1].num:
+            raise ValueError(f"bind({fn}): constexpr parameter {constexpr[0].name!r} comes before runtime "
+                             f"parameter {runtime[-1].name!r}; a bound launch needs the constexprs last")
+        bad = [k for k in kwargs if k in names and k not in {p.name for p in constexpr}]
+        if bad:
+            raise ValueError(f"bind({fn}): {bad} are runtime parameters, pass them at each call")
+        tail = []
+        for p in constexpr:
+            if p.name in kwargs:
+                tail.append(kwargs[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                raise TypeError(f"bind({fn}): constexpr parameter {p.name!r} has no value")
+        return tuple(tail), len(runtime)
+
+    def __call__(self, grid: tuple, *args) -> None:
+        """Launch on ``grid`` (a tuple of 1 to 3 ints) with the runtime arguments ``args``."""
+        if not (self._direct and DIRECT_LAUNCH):
+            self.fn[grid](*args, **self._kwargs)
+            return
+        if self._calls is None:
+            self._calls = _cuda_calls()
+            if self._calls is None:
+                self._direct = False
+                self.fn[grid](*args, **self._kwargs)
+                return
+        current_device, current_stream = self._calls
+        key = spec_key(args)
+        if key is None:
+            self.fn[grid](*args, **self._kwargs)
+            return
+        device = current_device()
+        key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, key)
+        hit = self._kernels.get(key)
+        if hit is not None and _direct_allowed(self.fn):
+            run, function, metadata = hit
+            n = len(grid)
+            run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, current_stream(device), function,
+                metadata, None, None, None, *args, *self._tail)
+            return
+        kernel = self.fn[grid](*args, **self._kwargs)
+        if hit is None and len(args) == self._num_runtime and getattr(kernel, "packed_metadata", None) is not None:
+            self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+    def cached_kernels(self) -> int:
+        """How many compiled kernels this launcher launches directly (all devices)."""
+        return len(self._kernels)
+
+
+_BOUND: dict = {}
+
+
+def bind(fn, **kwargs) -> BoundKernel:
+    """The process-wide BoundKernel of ``fn`` with these constexprs and launch options
+    (num_warps, num_stages, ...). Plans re-bind at each plan(); the compiled kernels stay.
+    Values are told apart by type too (True and 1 are different constexprs to Triton); the
+    launcher keeps ``fn`` alive, so its id stays its own."""
+    key = (id(fn), tuple((name, type(value), value) for name, value in kwargs.items()))
+    bound = _BOUND.get(key)
+    if bound is None:
+        bound = _BOUND[key] = BoundKernel(fn, kwargs)
+    return bound

@@ -1,0 +1,255 @@
+"""Sweep fa2 paged-decode configs over decode shapes: a TB/s table, every result checked.
+
+Each config of the grid (`DecodeConfig` fields; the row ``{}`` is `default_config`) is planned
+with ``plan_decode(..., config)`` on each shape and timed (median of --reps runs, each after a
+256 MB L2 flush, CUDA events). TB/s counts the KV bytes read: batch x kv_len x kv_heads x
+head_dim x 2 (K, V) x the KV dtype's size. Every result is compared with a dense float32
+attention over the same cache (in chunks of requests, so 4 GB caches are checked too): a "!"
+after a figure means ||out - ref|| / ||ref|| > --tol or an lse error > --tol.
+
+    # fp8 e4m3 KV: fp16 vs q-dtype dots x block_n x warps x stages (one GPU call, ~2-3 min)
+    python scripts/sweep_decode.py --kv e4m3 --shapes 64x4096,256x4096,16x8192 \\
+        --grid '{"fp8_dot_dtype": ["q", "fp16"], "block_n": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}'
+    # a list of configs instead of a product; HND layout, page 1
+    python scripts/sweep_decode.py --layout HND --page-size 1 --grid '[{"block_n": 128}, {"block_n": 64}]'
+    # smoke test of the script itself on CPU (Triton interpreter, tiny shapes)
+    .venv/bin/python scripts/sweep_decode.py --device cpu --shapes 2x64 --heads 4,2 --head-dim 64 --kv e4m3 \\
+        --q-dtype fp16 --reps 1 --grid '{"fp8_dot_dtype": ["q", "fp16"]}'
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ANCHOR_SHAPES = "1x32768,16x8192,64x4096,128x2048,256x1024,64x16384,256x4096"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+CHECK_TOKENS = 1 << 16  # tokens per chunk of the dense check
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=ANCHOR_SHAPES, help="comma list of BATCHxKV_LEN (default: ANCHORS.md)")
+    ap.add_argument("--grid", default="{}", help="JSON: {field: [values]} (cartesian product) or [{config}, ...]")
+    ap.add_argument("--no-default", action="store_true", help="leave out the default_config row")
+    ap.add_argument("--kv", default="bf16", choices=list(DTYPES), help="KV cache dtype")
+    ap.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--heads", default="32,8", help="QO_HEADS,KV_HEADS")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layout", default="NHD", choices=["NHD", "HND"])
+    ap.add_argument("--k-scale", type=float, default=None, help="float k_scale (fp8 dequant scale)")
+    ap.add_argument("--v-scale", type=float, default=None, help="float v_scale")
+    ap.add_argument("--reps", type=int, default=40, help="timed runs per (config, shape); the median is kept")
+    ap.add_argument("--tol", type=float, default=2e-2, help="relative error (and lse error) that marks a '!'")
+    ap.add_argument("--no-check", action="store_true", help="skip the dense float32 check")
+    ap.add_argument("--json", default=None, help="also write every result to this JSON file")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: Triton interpreter (smoke test)")
+    return ap.parse_args(argv)
+
+
+def config_grid(text: str, with_default: bool) -> list[dict]:
+    grid = json.loads(text)
+    if isinstance(grid, dict):
+        keys = list(grid)
+        configs = [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
+    elif isinstance(grid, list) and all(isinstance(c, dict) for c in grid):
+        configs = grid
+    else:
+        raise SystemExit("--grid must be a JSON object of lists or a list of objects")
+    configs = [c for c in configs if c]  # {} is the default row
+    return ([{}] if with_default else []) + configs
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        b, _, n = item.strip().lower().partition("x")
+        shapes.append((int(b), int(n)))
+    return shapes
+
+
+class Shape:
+    """One decode problem: a random paged cache (pages in random order), q, params, inputs."""
+
+    def __init__(self, args, batch: int, kv_len: int, device: torch.device):
+        from flashdispatch.backends.base import AttentionInputs, AttentionParams, PagedKV
+        from flashdispatch.dispatch.problem import Problem
+        hq, hk = (int(x) for x in args.heads.split(","))
+        d, ps = args.head_dim, args.page_size
+        if kv_len % ps:
+            raise SystemExit(f"kv_len {kv_len} is not a multiple of the page size {ps}")
+        q_dtype, kv_dtype = DTYPES[args.q_dtype], DTYPES[args.kv]
+        pages_per = kv_len // ps
+        n = batch * pages_per
+        slot_shape = (n, 2, ps, hk, d) if args.layout == "NHD" else (n, 2, hk, ps, d)
+        cache = torch.randn(slot_shape, dtype=q_dtype, device=device).to(kv_dtype)
+        self.batch, self.kv_len, self.hq, self.hk, self.d = batch, kv_len, hq, hk, d
+        self.bytes = batch * kv_len * hk * d * 2 * cache.element_size()
+        i32 = dict(dtype=torch.int32, device=device)
+        self.params = AttentionParams(
+            qo_indptr=torch.arange(batch + 1, **i32), kv_indptr=torch.arange(batch + 1, **i32) * pages_per,
+            kv_lens=torch.full((batch,), kv_len, **i32), qo_lens_host=[1] * batch, kv_lens_host=[kv_len] * batch,
+            sm_scale=1.0 / math.sqrt(d), kv_indices=torch.randperm(n, device=device).to(torch.int32),
+            kv_last_page_len=torch.full((batch,), ps, **i32),
+            workspace=torch.zeros(128 << 20, dtype=torch.uint8, device=device))
+        self.problem = Problem("decode", q_dtype, kv_dtype, q_dtype, hq, hk, d, d, page_size=ps,
+                               kv_layout=args.layout)
+        q = torch.randn(batch, hq, d, dtype=q_dtype, device=device)
+        self.inputs = AttentionInputs(q=q, kv=PagedKV(cache[:, 0], cache[:, 1], args.layout), out=torch.empty_like(q),
+                                      lse=torch.empty(batch, hq, device=device), k_scale=args.k_scale,
+                                      v_scale=args.v_scale)
+        self._ref = None
+
+    def _gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """[n, kv_len, kv_heads, d] float32 of requests whose page rows are ``pages``."""
+        x = cache[pages]  # [n, P, ps, hk, d] (NHD) or [n, P, hk, ps, d] (HND)
+        if self.problem.kv_layout == "HND":
+            x = x.transpose(2, 3)
+        return x.reshape(len(pages), self.kv_len, self.hk, self.d).float()
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense float32 (out, lse base 2), computed once, CHECK_TOKENS tokens of KV at a time."""
+        if self._ref is None:
+            inp, prm = self.inputs, self.params
+            ks = 1.0 if inp.k_scale is None else inp.k_scale
+            vs = 1.0 if inp.v_scale is None else inp.v_scale
+            pages = prm.kv_indices.long().view(self.batch, -1)
+            step = max(1, CHECK_TOKENS // self.kv_len)
+            outs, lses = [], []
+            for b0 in range(0, self.batch, step):
+                rows = slice(b0, min(b0 + step, self.batch))
+                k, v = self._gather(inp.kv.k, pages[rows]), self._gather(inp.kv.v, pages[rows])
+                q = inp.q[rows].float().view(-1, self.hk, self.hq // self.hk, self.d)
+                s = torch.einsum("nhgd,nlhd->nhgl", q, k) * (prm.sm_scale * ks)
+                outs.append((torch.einsum("nhgl,nlhd->nhgd", s.softmax(-1), v) * vs).reshape(-1, self.hq, self.d))
+                lses.append((torch.logsumexp(s, -1) / math.log(2)).reshape(-1, self.hq))
+            self._ref = torch.cat(outs), torch.cat(lses)
+        return self._ref
+
+    def errors(self) -> tuple[float, float]:
+        """(relative error of out, max abs error of lse) against `reference`."""
+        ref_out, ref_lse = self.reference()
+        out = self.inputs.out.float()
+        rel = ((out - ref_out).norm() / ref_out.norm()).item()
+        if torch.isnan(out).any():
+            rel = float("nan")
+        return rel, (self.inputs.lse - ref_lse).abs().max().item()
+
+
+def median_ms(fn, reps: int, device: torch.device, flush: torch.Tensor | None) -> float:
+    """Median time of fn() in ms: CUDA events after an L2 flush each, or wall time on CPU."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    pairs = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_config(shape: Shape, cfg: dict, dev, args, flush) -> tuple[dict, float | None]:
+    """Plan, time and check one config on one shape: (result row with its table cell, seconds
+    of the first call including any compile, or None when it failed)."""
+    from flashdispatch.backends.fa2.decode import plan_decode
+    device = shape.inputs.q.device
+    row = dict(shape=f"{shape.batch}x{shape.kv_len}", config=cfg)
+    try:
+        shape.inputs.out.fill_(float("nan"))
+        t0 = time.perf_counter()
+        plan = plan_decode(shape.problem, dev, shape.params, cfg or None)
+        plan.run(shape.inputs)
+        sync(device)
+        first = time.perf_counter() - t0
+        ms = median_ms(lambda: plan.run(shape.inputs), args.reps, device, flush)
+    except Exception as ex:  # a config that does not compile or run: report it, keep sweeping
+        row.update(error=f"{type(ex).__name__}: {str(ex)[:300]}", cell="ERR")
+        print(f"  {json.dumps(cfg)} {row['shape']}: {row['error']}", flush=True)
+        return row, None
+    row.update(ms=ms, tbps=shape.bytes / ms / 1e9, resolved=dataclasses.asdict(plan.config))
+    row["cell"] = f"{row['tbps']:.2f}"
+    if not args.no_check:
+        rel, lse_err = shape.errors()
+        row.update(rel_err=rel, lse_err=lse_err, ok=rel <= args.tol and lse_err <= args.tol)
+        row["cell"] += "" if row["ok"] else "!"
+    return row, first
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    sys.path.insert(0, ROOT)
+    from flashdispatch.dispatch.problem import Device, device_of
+
+    device = torch.device(args.device)
+    dev = device_of(device) if device.type == "cuda" else Device("cpu")
+    configs = config_grid(args.grid, not args.no_default)
+    shapes = parse_shapes(args.shapes)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    print(f"{dev.name or device.type}: q {args.q_dtype}, KV {args.kv}, heads {args.heads}, d {args.head_dim}, "
+          f"page {args.page_size}, {args.layout}; {len(configs)} configs x {len(shapes)} shapes, "
+          f"median of {args.reps}", flush=True)
+
+    results, cells, first_call = [], {}, {}
+    for batch, kv_len in shapes:
+        shape = Shape(args, batch, kv_len, device)
+        for ci, cfg in enumerate(configs):
+            row, first = run_config(shape, cfg, dev, args, flush)
+            if first is not None:
+                first_call.setdefault(ci, first)
+            cells[(ci, batch, kv_len)] = row["cell"]
+            results.append(row)
+        done = [r for r in results if r["shape"] == f"{batch}x{kv_len}" and "tbps" in r]
+        if done:
+            best = max(done, key=lambda r: r["tbps"])
+            print(f"done {batch}x{kv_len}: best {best['tbps']:.2f} TB/s {json.dumps(best['config'])}", flush=True)
+        shape = None  # free the cache before the next one is built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    names = [json.dumps(c) if c else "default" for c in configs]
+    width = max(len(n) for n in names)
+    heads = [f"{b}x{n}" for b, n in shapes]
+    print(f"\nTB/s of KV read ('!': check failed, tol {args.tol}); first: first call incl. compile, s")
+    print(f"{'config':<{width}} | first | " + " | ".join(f"{h:>9}" for h in heads))
+    for ci, name in enumerate(names):
+        first = f"{first_call[ci]:5.1f}" if ci in first_call else "    -"
+        print(f"{name:<{width}} | {first} | " + " | ".join(f"{cells[(ci, b, n)]:>9}" for b, n in shapes))
+    for b, n in shapes:
+        ok = [r for r in results if r["shape"] == f"{b}x{n}" and "tbps" in r and r.get("ok", True)]
+        if ok:
+            best = max(ok, key=lambda r: r["tbps"])
+            print(f"BEST {b}x{n}: {best['tbps']:.2f} TB/s {json.dumps(best['config'])}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(args=vars(args), results=results), fh, indent=1)
+    return 1 if any("error" in r or not r.get("ok", True) for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""The bound Triton launcher (flashdispatch/backends/fa2/launch.py).
+
+CPU: the specialization key against Triton's own native_specialize_impl, the direct/normal path
+choice with a JITFunction whose compile-and-launch is faked (a recording CompiledKernel), the
+interpreter path on a real kernel. GPU (``-m gpu``): bound launches give bitwise the plain
+launch's output for decode (with split-KV merge) and prefill, a misaligned view takes the normal
+path and is still right, and CUDA-graph capture/replay of bound launches equals eager.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from flashdispatch.backends.fa2 import launch
+from flashdispatch.backends.fa2.launch import BoundKernel, bind, spec_key
+
+
+# --- the key ---------------------------------------------------------------------------------
+
+def _offset_view(n: int, dtype=torch.float16, offset: int = 1) -> torch.Tensor:
+    """n elements starting ``offset`` elements into a fresh (aligned) allocation."""
+    return torch.randn(n + offset).to(dtype)[offset:]
+
+
+def test_key_separates_what_triton_specializes_on():
+    aligned = torch.randn(64, dtype=torch.float16)
+    assert aligned.data_ptr() % 16 == 0
+    assert spec_key([aligned]) == spec_key([torch.randn(32, dtype=torch.float16)])  # same properties
+    assert spec_key([aligned]) != spec_key([_offset_view(64)])  # data_ptr + 2 bytes
+    assert spec_key([aligned]) != spec_key([aligned.float()])  # dtype
+    assert spec_key([aligned]) != spec_key([aligned.to(torch.bfloat16)])
+    ints = {1: "one", 2: "i32", 3: "i32", 16: "i32 D", 32: "i32 D", -16: "i32 D", 0: "i32 D",
+            1 << 31: "i64 D", (1 << 31) + 1: "i64", -(1 << 31): "i32 D", -(1 << 31) - 16: "i64 D",
+            1 << 63: "u64 D", (1 << 63) + 3: "u64"}
+    for a, b in itertools.combinations(ints, 2):
+        assert (spec_key([a]) == spec_key([b])) == (ints[a] == ints[b]), (a, b)
+    assert spec_key([True]) != spec_key([1]) and spec_key([1.0]) != spec_key([1])
+    assert spec_key([0.5]) == spec_key([3.0]) and spec_key([None]) != spec_key([0])
+    assert spec_key([aligned, 16]) != spec_key([16, aligned])
+
+
+def test_key_unknown_types_take_the_normal_path():
+    import numpy as np
+    assert spec_key([np.int64(3)]) is None
+    assert spec_key([(1, 2)]) is None
+    assert spec_key([torch.randn(4), object()]) is None
+
+
+def test_key_is_at_least_as_fine_as_tritons():
+    """Equal keys imply equal (type, specialization) from Triton's own specializer, over a mix
+    of tensors, ints, floats and bools."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    values = [torch.randn(8), torch.randn(8).half(), _offset_view(8, torch.float32), _offset_view(8, torch.float16, 8),
+              1, 0, 2, 15, 16, 17, -1, -16, (1 << 31) - 16, 1 << 31, -(1 << 31), 1 << 40, (1 << 63) + 16,
+              0.0, 1.0, 2.5, True, False]
+
+    def triton_spec(v):
+        return native_specialize_impl(BaseBackend, v, False, True, True)
+
+    for a, b in itertools.product(values, repeat=2):
+        if spec_key([a]) == spec_key([b]):
+            assert triton_spec(a) == triton_spec(b), (a, b)
+
+
+# --- the direct/normal choice, with a faked compile-and-launch -----------------------------------
+
+def _toy(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass
+
+
+def _toy_mixed(x_ptr, BLOCK: tl.constexpr, n):
+    pass
+
+
+class FakeCompiled:
+    """What a CompiledKernel offers the bound launcher; its launcher records each launch."""
+
+    def __init__(self, log):
+        self.function, self.packed_metadata = object(), (4, 1, 0)
+        self.run = lambda *a: log.append(("direct", a))
+
+
+class FakeJit:
+    """A JITFunction whose normal path records the call and returns a FakeCompiled."""
+
+    def __init__(self, fn=_toy):
+        self.fn = JITFunction(fn)
+        self.log = []
+        self.fn.run = self._run
+
+    def _run(self, *args, grid, warmup, **kwargs):
+        self.log.append(("normal", grid, args, kwargs))
+        return FakeCompiled(self.log)
+
+    def kinds(self):
+        return [entry[0] for entry in self.log]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Device 0 with stream 77; ``state["device"]`` switches the current device."""
+    state = {"device": 0}
+    monkeypatch.setattr(launch, "_cuda_calls", lambda: (lambda: state["device"], lambda dev: 77 + dev))
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    return state
+
+
+def test_first_call_normal_then_direct(fake_cuda):
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=64, num_warps=4))
+    x, y = torch.randn(64), torch.randn(64)
+    bound((3,), x, y, 32, 0.5)
+    assert jit.kinds() == ["normal"]
+    assert jit.log[0][1:] == ((3,), (x, y, 32, 0.5), dict(BLOCK=64, num_warps=4))
+    bound((3, 2), x, y, 48, 0.25)  # same specialization: direct
+    assert jit.kinds() == ["normal", "direct"]
+    g0, g1, g2, stream, function, metadata, launch_meta, enter, exit_, *args = jit.log[1][1]
+    assert (g0, g1, g2, stream, launch_meta, enter, exit_) == (3, 2, 1, 77, None, None, None)
+    assert args == [x, y, 48, 0.25, 64, False]  # runtime args, then constexprs (the default too)
+    assert bound.cached_kernels() == 1
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_one", "int_width", "float_for_int"])
+def test_other_specialization_takes_the_normal_path_and_is_kept(fake_cuda, change):
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=64))
+    x, y = torch.randn(64), torch.randn(64)
+    bound((1,), x, y, 32, 0.5)
+    other = {"misaligned": (_offset_view(64, torch.float32), y, 32, 0.5),
+             "dtype": (x.half(), y, 32, 0.5), "int_one": (x, y, 1, 0.5),
+             "int_width": (x, y, 1 << 32, 0.5), "float_for_int": (x, y, 32.0, 0.5)}[change]
+    bound((1,), *other)
+    assert jit.kinds() == ["normal", "normal"]
+    bound((1,), *other)
+    bound((1,), x, y, 32, 0.5)
+    assert jit.kinds() == ["normal", "normal", "direct", "direct"]
+    assert bound.cached_kernels() == 2
+
+
+def test_device_knobs_hooks_and_globals_force_the_normal_path(fake_cuda, monkeypatch):
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=16))
+    args = (torch.randn(8), torch.randn(8), 5, 1.0)
+    bound((1,), *args)
+    fake_cuda["device"] = 1  # one compiled kernel per device
+    bound((1,), *args)
+    assert jit.kinds() == ["normal", "normal"]
+    bound((1,), *args)
+    assert jit.log[-1][1][3] == 78  # device 1's stream
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        bound((1,), *args)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    jit.fn.pre_run_hooks.append(hook)
+    bound((1,), *args)
+    jit.fn.pre_run_hooks.clear()
+    scope = {"G": 1}
+    jit.fn.used_global_vals[("G", id(scope))] = (1, scope)
+    scope["G"] = 2  # the normal path would raise "Global variable G has changed"
+    bound((1,), *args)
+    jit.fn.used_global_vals.clear()
+    assert jit.kinds()[2:] == ["direct", "normal", "normal", "normal"]
+    monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)  # enters Triton's options
+    bound((1,), *args)
+    assert jit.kinds()[-1] == "normal"
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
+    bound((1,), *args)
+    assert jit.kinds()[-1] == "normal"
+
+
+def test_unknown_argument_types_and_uncached_results(fake_cuda):
+    import numpy as np
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=16))
+    x = torch.randn(8)
+    for _ in range(2):
+        bound((1,), x, x, np.int32(5), 1.0)
+    assert jit.kinds() == ["normal", "normal"] and bound.cached_kernels() == 0
+    jit.fn.run = lambda *a, **k: None  # e.g. a jit_cache_hook skipped the compile: nothing to keep
+    bound((1,), x, x, 5, 1.0)
+    assert bound.cached_kernels() == 0
+
+
+def test_non_cuda_driver_disables_direct_launches(monkeypatch):
+    monkeypatch.setattr(launch, "_cuda_calls", lambda: None)
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=16))
+    for _ in range(3):
+        bound((1,), torch.randn(8), torch.randn(8), 5, 1.0)
+    assert jit.kinds() == ["normal"] * 3 and bound.cached_kernels() == 0
+
+
+def test_bind_checks_the_parameter_layout():
+    with pytest.raises(ValueError, match="constexprs last"):
+        BoundKernel(JITFunction(_toy_mixed), dict(BLOCK=16))
+    with pytest.raises(ValueError, match="runtime parameters"):
+        BoundKernel(JITFunction(_toy), dict(BLOCK=16, n=3))
+    with pytest.raises(TypeError, match="BLOCK"):
+        BoundKernel(JITFunction(_toy), dict(FLAG=True))
+    assert BoundKernel(JITFunction(_toy), dict(BLOCK=16), direct=False)._direct is False
+
+
+def test_bind_is_one_launcher_per_function_and_options():
+    fn = JITFunction(_toy)
+    assert bind(fn, BLOCK=16, num_warps=4) is bind(fn, BLOCK=16, num_warps=4)
+    assert bind(fn, BLOCK=16, num_warps=4) is not bind(fn, BLOCK=32, num_warps=4)
+    assert bind(fn, BLOCK=16, num_warps=4) is not bind(fn, BLOCK=16, num_warps=8)
+    assert bind(fn, BLOCK=16, FLAG=True) is not bind(fn, BLOCK=16, FLAG=1)
+
+
+# --- the interpreter: always the normal path ------------------------------------------------------
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, a, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok)
+    y = tl.load(y_ptr + offs, mask=ok)
+    tl.store(out_ptr + offs, a * x + y, mask=ok)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no GPU")
+def test_interpreter_runs_the_kernel_through_the_normal_path():
+    bound = bind(_axpy_kernel, BLOCK=32, num_warps=4)
+    assert not bound._direct
+    x, y = torch.randn(100), torch.randn(100)
+    for a in (2.0, -0.5):
+        out = torch.full_like(x, float("nan"))
+        bound((triton.cdiv(100, 32),), x, y, out, 100, a)
+        torch.testing.assert_close(out, a * x + y)
+    assert bound.cached_kernels() == 0
+
+
+# --- GPU: bitwise equal to the plain launch -------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def fresh_launchers(monkeypatch):
+    """No BoundKernel (and no cached CompiledKernel) from earlier tests; restored afterwards."""
+    from flashdispatch.backends.fa2 import merge
+    monkeypatch.setattr(launch, "_BOUND", {})
+    for cached in (merge._decode_merge_launcher, merge._merge_states_launcher):
+        cached.cache_clear()
+    yield
+    for cached in (merge._decode_merge_launcher, merge._merge_states_launcher):
+        cached.cache_clear()
+
+
+def _normal_path_counter(monkeypatch, fn) -> list:
+    """One entry per launch of ``fn`` through its JITFunction.run (the normal path)."""
+    calls = []
+    original = fn.run
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fn, "run", counting)
+    return calls
+
+
+def _run_twice(plan, inputs, monkeypatch, direct: bool):
+    """Poison, run twice (the first may compile), return copies of (out, lse) of the second run."""
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", direct)
+    for _ in range(2):
+        inputs.out.fill_(float("nan"))
+        if inputs.lse is not None:
+            inputs.lse.fill_(float("nan"))
+        plan.run(inputs)
+    torch.cuda.synchronize()
+    return inputs.out.clone(), None if inputs.lse is None else inputs.lse.clone()
+
+
+def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose data starts one element past a 16-byte boundary."""
+    out = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16
+    return out
+
+
+def _assert_bitwise(a, b) -> None:
+    assert not a[0].isnan().any()
+    assert torch.equal(a[0], b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
+
+
+def _check_bound_equals_plain(plan, inputs, monkeypatch, fn):
+    """Plain launches, then bound ones (normal path once, then direct), bitwise equal; a q view
+    off 16-byte alignment takes the normal path once and equals its plain launch; aligned again
+    stays direct."""
+    plain = _run_twice(plan, inputs, monkeypatch, direct=False)
+    normal = _normal_path_counter(monkeypatch, fn)
+    bound = _run_twice(plan, inputs, monkeypatch, direct=True)
+    assert len(normal) == 1  # the first bound run compiled/launched normally, the second directly
+    _assert_bitwise(bound, plain)
+    misaligned = dataclasses.replace(inputs, q=_misaligned_copy(inputs.q))
+    mis_plain = _run_twice(plan, misaligned, monkeypatch, direct=False)
+    del normal[:]
+    mis_bound = _run_twice(plan, misaligned, monkeypatch, direct=True)
+    assert len(normal) == 1  # another specialization: the normal path, then cached
+    _assert_bitwise(mis_bound, mis_plain)
+    torch.testing.assert_close(mis_bound[0].float(), bound[0].float(), rtol=2e-2, atol=2e-2)
+    del normal[:]
+    _assert_bitwise(_run_twice(plan, inputs, monkeypatch, direct=True), plain)
+    assert not normal
+
+
+def _decode_case(seed: int):
+    from oracle import make_paged_case
+    case = make_paged_case("decode", kv_lens=[0, 17, 300, 2000, 5000], device="cuda", poison_unused=False,
+                           num_qo_heads=8, num_kv_heads=2, head_dim_qk=128, q_dtype=torch.bfloat16, seed=seed)
+    case.params.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    return case
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fixed_split", [None, 16], ids=["policy", "split16"])
+def test_gpu_decode_bound_equals_plain(monkeypatch, fresh_launchers, fixed_split):
+    from flashdispatch.backends.fa2.decode import plan_decode
+    from flashdispatch.backends.fa2.decode_kernel import decode_kernel
+    case = _decode_case(seed=0)
+    case.params.fixed_split_size = fixed_split
+    plan = plan_decode(case.problem, case.device, case.params)
+    assert plan.n_merge  # the merge launch is bound too
+    _check_bound_equals_plain(plan, case.inputs, monkeypatch, decode_kernel)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_prefill_bound_equals_plain(monkeypatch, fresh_launchers):
+    from oracle import make_paged_case
+    from flashdispatch.backends.fa2.prefill import plan_prefill
+    from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel
+    case = make_paged_case("prefill_paged", qo_lens=[16, 3, 128, 1], kv_lens=[3000, 1999, 4096, 1], device="cuda",
+                           num_qo_heads=8, num_kv_heads=2, head_dim_qk=128, q_dtype=torch.bfloat16,
+                           mask_mode="causal", poison_unused=False, seed=2)
+    case.params.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    plan = plan_prefill(case.problem, case.device, case.params)
+    _check_bound_equals_plain(plan, case.inputs, monkeypatch, fa2_prefill_kernel)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_graph_capture_of_bound_launches(monkeypatch, fresh_launchers):
+    from flashdispatch.backends.fa2.decode import plan_decode
+    from flashdispatch.backends.fa2.decode_kernel import decode_kernel
+    case = _decode_case(seed=1)
+    plan = plan_decode(case.problem, case.device, case.params)
+    eager = _run_twice(plan, case.inputs, monkeypatch, direct=True)  # compiled and cached
+    normal = _normal_path_counter(monkeypatch, decode_kernel)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        plan.run(case.inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(case.inputs)
+    assert not normal  # captured through the direct launch
+    for _ in range(2):
+        case.inputs.out.fill_(float("nan"))
+        case.inputs.lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_bitwise((case.inputs.out, case.inputs.lse), eager)
