@@ -10,16 +10,9 @@ import numpy as np
 import torch
 
 from .backends.base import PagedKV
-from .dispatch.problem import LAYOUTS, POS_ENCODINGS
+from .dispatch.problem import DTYPE_BY_NAME, LAYOUTS, POS_ENCODINGS
 
-_DTYPE_BY_NAME = {
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2, "e5m2": torch.float8_e5m2,
-}
-ATTENTION_DTYPES = frozenset(_DTYPE_BY_NAME.values())
+ATTENTION_DTYPES = frozenset(DTYPE_BY_NAME.values())
 
 
 def as_dtype(value: str | torch.dtype, name: str) -> torch.dtype:
@@ -27,9 +20,9 @@ def as_dtype(value: str | torch.dtype, name: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         dtype = value
     elif isinstance(value, str):
-        dtype = _DTYPE_BY_NAME.get(value.replace("torch.", ""))
+        dtype = DTYPE_BY_NAME.get(value.replace("torch.", ""))
         if dtype is None:
-            raise ValueError(f"{name}={value!r} is not a dtype name; accepted: {sorted(_DTYPE_BY_NAME)}")
+            raise ValueError(f"{name}={value!r} is not a dtype name; accepted: {sorted(DTYPE_BY_NAME)}")
     else:
         raise TypeError(f"{name} must be a torch.dtype or a str, got {type(value).__name__}")
     if dtype not in ATTENTION_DTYPES:

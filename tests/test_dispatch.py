@@ -405,7 +405,7 @@ def test_describe_problem_features():
     (dict(features="causal,custom_mask"), "exclude each other"),
     (dict(features="rope,alibi"), "exclude each other"),
     (dict(features="fp8_kv", kv_dtype="bf16"), "needs an fp8 kv_dtype"),
-    (dict(q_dtype="half"), "q_dtype='half' is not a dtype name; valid: fp16, bf16"),
+    (dict(q_dtype="double"), "q_dtype='double' is not a dtype name; valid: fp16, bf16"),
     (dict(heads="32/x"), "heads='32/x'"),
     (dict(head_dim=0), "head_dim=0"),
     (dict(layout="nhd"), "layout='nhd'; valid: NHD, HND"),

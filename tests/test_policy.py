@@ -152,6 +152,9 @@ def test_match_problem_fields(tmp_path):
     assert not m(good.with_(head_dim_qk=256, head_dim_vo=256))
     assert not m(good.with_(page_size=32))
     assert not m(good.with_(kv_layout="NHD"))
+    # torch's dtype names and the argument aliases work as well as the short names
+    m = _one_rule(tmp_path, "{q_dtype: [float16, bfloat16], kv_dtype: float8_e4m3fn}")
+    assert m(good) and not m(good.with_(q_dtype=torch.float32))
 
 
 def test_match_device_fields(tmp_path):
@@ -206,7 +209,7 @@ BAD = [
     ("rules:\n  - {name: x, when: {cc_min: '9.0'}, order: [fa2]}\n", "rules[0].when.cc_min", "[major, minor]"),
     ("rules:\n  - {name: x, when: {cc_max: [9]}, order: [fa2]}\n", "rules[0].when.cc_max", "[major, minor]"),
     ("rules:\n  - {name: x, when: {op: attention}, order: [fa2]}\n", "rules[0].when.op", "decode, prefill_paged"),
-    ("rules:\n  - {name: x, when: {q_dtype: float16}, order: [fa2]}\n", "rules[0].when.q_dtype", "fp16, bf16"),
+    ("rules:\n  - {name: x, when: {q_dtype: float64}, order: [fa2]}\n", "rules[0].when.q_dtype", "fp16, bf16"),
     ("rules:\n  - {name: x, when: {device_type: gpu}, order: [fa2]}\n", "rules[0].when.device_type", "cpu, cuda"),
     ("rules:\n  - {name: x, when: {kv_layout: nhd}, order: [fa2]}\n", "rules[0].when.kv_layout", "NHD, HND"),
     ("rules:\n  - {name: x, when: {features_any: [flash]}, order: [fa2]}\n", "rules[0].when.features_any", "causal"),

@@ -19,15 +19,13 @@ import torch
 import yaml
 
 from .caps import ALL_FEATURES
-from .problem import EMPTY_WORKLOAD, LAYOUTS, OPS, Device, Problem, Workload, dtype_name
+from .problem import DTYPE_BY_NAME, EMPTY_WORKLOAD, LAYOUTS, OPS, Device, Problem, Workload
 from .registry import BACKEND_NAMES
 
 CONFIG_ENV = "FLASHDISPATCH_CONFIG"
 PACKAGED_LABEL = "configs/default.yaml"
 FALLBACK_MODES = ("warn", "error", "allow")
 DEVICE_TYPES = ("cpu", "cuda")
-DTYPE_BY_NAME = {dtype_name(d): d for d in (
-    torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 _TOP_KEYS = ("defaults", "rules", "pins", "reference_fallback")
 _RULE_KEYS = ("name", "when", "order")
@@ -35,7 +33,7 @@ _PIN_KEYS = ("name", "when", "backend")
 
 
 def parse_dtype(value: str | torch.dtype, what: str = "dtype") -> torch.dtype:
-    """A torch dtype from its short name (``bf16``, ``fp8_e4m3``, ...) or itself."""
+    """A torch dtype from its name (``bf16``, ``bfloat16``, ``fp8_e4m3``, ...) or itself."""
     if isinstance(value, torch.dtype):
         return value
     if value not in DTYPE_BY_NAME:

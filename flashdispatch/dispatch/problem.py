@@ -114,6 +114,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
+# Every name a dtype argument or a policy file may use: the short names above, torch's own
+# names and the common aliases.
+DTYPE_BY_NAME = {
+    **{name: dtype for dtype, name in _DTYPE_NAMES.items()},
+    "float16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32, "float": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2, "e5m2": torch.float8_e5m2,
+}
+
+
 @dataclass(frozen=True)
 class Device:
     """Where a problem runs. ``cc`` is the CUDA compute capability, None on CPU.
