@@ -28,7 +28,7 @@ import torch
 from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ..base import AttentionInputs, AttentionParams
-from ..common import TRITON_INTERPRETED, alibi_slopes
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, bind
 from .merge import MERGE_INFO_COLS, launch_decode_merge
@@ -325,23 +325,10 @@ class DecodePlan:
         if kv.layout == "HND":
             ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
         dummy = self.plse
-        qk_scale, v_scale = self.sm_scale, 1.0
-        q_t = k_t = v_t = dummy
-        if inputs.q_scale is not None:
-            if isinstance(inputs.q_scale, torch.Tensor):
-                q_t = inputs.q_scale
-            else:
-                qk_scale *= float(inputs.q_scale)
-        if inputs.k_scale is not None:
-            if isinstance(inputs.k_scale, torch.Tensor):
-                k_t = inputs.k_scale
-            else:
-                qk_scale *= float(inputs.k_scale)
-        if inputs.v_scale is not None:
-            if isinstance(inputs.v_scale, torch.Tensor):
-                v_t = inputs.v_scale
-            else:
-                v_scale = float(inputs.v_scale)
+        q_f, q_t, q_in = kernel_scale(inputs.q_scale, dummy)
+        k_f, k_t, k_in = kernel_scale(inputs.k_scale, dummy)
+        v_scale, v_t, v_in = kernel_scale(inputs.v_scale, dummy)
+        qk_scale = self.sm_scale * q_f * k_f
         sinks = inputs.sinks
         if sinks is None:
             if self.problem.sinks:
@@ -349,7 +336,7 @@ class DecodePlan:
             sinks = dummy
         write_lse = lse is not None
         po, plse, work, kv_indices, slopes = self._tables
-        variant = (write_lse, q_t is not dummy, k_t is not dummy, v_t is not dummy)
+        variant = (write_lse, q_in, k_in, v_in)
         launch = self._launchers.get(variant) or self._bind(variant)
         launch(self._grid,
                q, k, v, out, lse if write_lse else dummy, po, plse, work, kv_indices, slopes,

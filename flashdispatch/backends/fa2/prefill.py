@@ -25,7 +25,7 @@ from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
-from ..common import TRITON_INTERPRETED, alibi_slopes
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
 from .launch import BoundKernel, bind
 from .merge import MERGE_INFO_COLS, launch_decode_merge
 from .prefill_kernels import WORK_COLS, fa2_prefill_kernel, mask_tile_classes_kernel, mask_tile_list_kernel
@@ -213,17 +213,6 @@ def add_tile_lists(items: np.ndarray, block_n: int) -> tuple[int, int]:
     return int(sizes.sum()), max(int(n_tiles.max()), 1)
 
 
-def _scale_arg(scale, dummy: torch.Tensor) -> tuple[float, torch.Tensor, bool]:
-    """(host factor, pointer, loaded in-kernel) for a float / 1-element tensor / None scale."""
-    if scale is None:
-        return 1.0, dummy, False
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"fa2 prefill: scale tensors must have 1 element, got shape {tuple(scale.shape)}")
-        return 1.0, scale, True
-    return float(scale), dummy, False
-
-
 class PrefillPlan:
     """A planned prefill: work list on the device, constexpr features, grid, tile config."""
 
@@ -388,9 +377,9 @@ class PrefillPlan:
             sv = (v.stride(0), 0, v.stride(1), v.stride(2))
             kv_indices = prm.kv_indptr
         lse = inputs.lse
-        q_f, q_ptr, q_t = _scale_arg(inputs.q_scale, prm.qo_indptr)
-        k_f, k_ptr, k_t = _scale_arg(inputs.k_scale, prm.qo_indptr)
-        v_f, v_ptr, v_t = _scale_arg(inputs.v_scale, prm.qo_indptr)
+        q_f, q_ptr, q_t = kernel_scale(inputs.q_scale, prm.qo_indptr)
+        k_f, k_ptr, k_t = kernel_scale(inputs.k_scale, prm.qo_indptr)
+        v_f, v_ptr, v_t = kernel_scale(inputs.v_scale, prm.qo_indptr)
         log2e = 1.0 / math.log(2.0)
         custom = p.mask_mode == "custom"
         variant = (q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t)
