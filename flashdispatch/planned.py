@@ -244,12 +244,14 @@ class PlanCache:
     """A bounded LRU of `PlannedAttention` for the single-request functions, whose whole problem
     is known from tensor shapes: a call with the same key runs the kept plan (checks + launch).
 
-    A kept plan holds only what plan() made from the key: index arrays on the device (read, never
-    written, at run) and views of the device's `scratch_workspace` (split-KV partials, written at
-    run); out and lse are allocated per call, so results never alias. Stream assumption, as
-    for FlashInfer's workspace buffer: single-request calls on one device run on one CUDA stream
-    (or the caller orders them): calls on two streams at once would share that scratch, and a
-    plan's arrays are uploaded (without a sync) on the stream of the call that built it.
+    A kept plan holds what plan() made from the key: index arrays on the device and views of the
+    device's `scratch_workspace` (split-KV partials, written at run); a backend's run() may also
+    refresh per-call state of its plan (cuDNN rewrites its row offsets and scale for the strides
+    of the call). out and lse are allocated per call, so results never alias. Stream and thread
+    assumption, as for FlashInfer's workspace buffer: single-request calls on one device run on
+    one CUDA stream from one thread at a time (or the caller orders them): calls on two streams
+    at once would share that scratch, two threads could interleave a plan's refresh and launch,
+    and a plan's arrays are uploaded (without a sync) on the stream of the call that built it.
     Memory: a kept fa2/cuDNN plan is a few small arrays; a kept reference plan also holds its
     visibility masks (about qo_len x kv_len bools). `dispatch.select.clear_cache()` drops them all.
     """

@@ -15,6 +15,7 @@ import torch
 
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
 from flashdispatch.backends.common import TRITON_INTERPRETED
+from flashdispatch.backends.fa2 import prefill as fa2_prefill
 from flashdispatch.backends.fa2.prefill import (CONFIG_ENV, PREFILL_CAPS, PrefillConfig, balanced_chunks,
                                                 config_from_env, default_config, fixed_chunks, plan_prefill,
                                                 policy_splits, prefill_extra_checks, tile_ranges)
@@ -172,6 +173,22 @@ def test_custom_mask_tile_lists():
         listed = plan.tiles[row[9] + 2:row[9] + 2 + whole + partial].tolist()
         lists[row[1]] = (listed[:whole], listed[whole:])
     assert lists == {0: ([0], [2]), 32: ([], [0, 4])}
+    plan.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
+
+
+def test_custom_mask_tile_lists_longer_than_a_chunk(monkeypatch):
+    """The list kernel reads the classes in chunks (16 here): lists of 25 KV tiles cross chunks."""
+    monkeypatch.setattr(fa2_prefill, "_LIST_CHUNK", 16)
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(40, 400, generator=gen) < 0.3
+    mask[:, 32:96] = True  # whole tiles in the first chunk,
+    mask[:, 320:384] = True  # and in the second
+    mask[:, 200:240] = False  # empty ones in between
+    case = make_ragged_case(qo_lens=[40], kv_lens=[400], mask_mode="custom", custom_masks=[mask], head_dim_qk=64)
+    plan = plan_prefill(case.problem, case.device, case.params)
+    whole, partial = plan.tiles[:2].tolist()
+    assert whole >= 4 and partial > 0 and whole + partial < 25
     plan.run(case.inputs)
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 

@@ -33,14 +33,14 @@ def _alibi_tensor(num_heads: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(_alibi_slopes_list(num_heads), dtype=torch.float32, device=device)
 
 
-def kernel_scale(scale, dummy: torch.Tensor) -> tuple[float, torch.Tensor, bool]:
-    """A q/k/v scale as a kernel sees it: (factor folded on the host, pointer, loaded in the
-    kernel). None -> (1, dummy, False); a float -> (it, dummy, False); a one-element tensor ->
-    (1, it, True), so a device scale is read by the kernel, never by the host."""
+def kernel_scale(scale, name: str, dummy: torch.Tensor) -> tuple[float, torch.Tensor, bool]:
+    """A q/k/v scale (argument ``name``) as a kernel sees it: (factor folded on the host,
+    pointer, loaded in the kernel). None -> (1, dummy, False); a float -> (it, dummy, False); a
+    one-element tensor -> (1, it, True), so a device scale is read by the kernel, never by the host."""
     if scale is None:
         return 1.0, dummy, False
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
-            raise ValueError(f"scale tensors must have 1 element, got shape {tuple(scale.shape)}")
+            raise ValueError(f"{name} must be a float or a 1-element tensor, got shape {tuple(scale.shape)}")
         return 1.0, scale, True
     return float(scale), dummy, False

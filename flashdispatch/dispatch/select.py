@@ -203,7 +203,7 @@ def selection_context() -> tuple:
 def _bucket_key(w: Workload) -> tuple[int, ...]:
     """``w.bucket()`` as a tuple of exponents (equal exactly when the buckets are), without
     building a Workload: decisions are cached per bucket."""
-    return tuple([(v - 1).bit_length() + 1 if v > 0 else 0
+    return tuple([(int(v) - 1).bit_length() + 1 if v > 0 else 0
                   for v in (w.batch_size, w.total_qo_len, w.max_qo_len, w.total_kv_len, w.max_kv_len)])
 
 

@@ -87,6 +87,9 @@ class DecodeConfig:
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
+        for name in ("k_rows", "heads_fastest"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
 
 
 def default_config(problem: Problem) -> DecodeConfig:
@@ -325,9 +328,9 @@ class DecodePlan:
         if kv.layout == "HND":
             ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
         dummy = self.plse
-        q_f, q_t, q_in = kernel_scale(inputs.q_scale, dummy)
-        k_f, k_t, k_in = kernel_scale(inputs.k_scale, dummy)
-        v_scale, v_t, v_in = kernel_scale(inputs.v_scale, dummy)
+        q_f, q_t, q_in = kernel_scale(inputs.q_scale, "q_scale", dummy)
+        k_f, k_t, k_in = kernel_scale(inputs.k_scale, "k_scale", dummy)
+        v_scale, v_t, v_in = kernel_scale(inputs.v_scale, "v_scale", dummy)
         qk_scale = self.sm_scale * q_f * k_f
         sinks = inputs.sinks
         if sinks is None:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-import triton
 import triton.language as tl
 
 from ...dispatch.caps import Caps
@@ -51,6 +50,7 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 # CUDA-graph mode: item count at byte 0 of the int workspace, the items from byte _GRAPH_ITEMS_AT.
 _GRAPH_ITEMS_AT = 256
 _ALIGN = 256  # byte alignment of the partial-output region of the float workspace
+_LIST_CHUNK = 256  # KV tiles the custom-mask list kernel reads per step
 
 
 @dataclass(frozen=True)
@@ -304,9 +304,9 @@ class PrefillPlan:
         classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=self.tiles.device)
         classify = bind(mask_tile_classes_kernel, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                         WINDOW=self.problem.window_left >= 0)
-        classify((self.num_items, max_tiles), self.work, prm.packed_mask, prm.mask_indptr, classes, max_tiles,
+        classify((self.num_items * max_tiles,), self.work, prm.packed_mask, prm.mask_indptr, classes, max_tiles,
                  self.problem.window_left)
-        compact = bind(mask_tile_list_kernel, BLOCK_N=cfg.block_n, MAX_TILES=triton.next_power_of_2(max_tiles))
+        compact = bind(mask_tile_list_kernel, BLOCK_N=cfg.block_n, CHUNK=_LIST_CHUNK)
         compact((self.num_items,), self.work, classes, self.tiles, max_tiles)
 
     def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device,
@@ -377,9 +377,9 @@ class PrefillPlan:
             sv = (v.stride(0), 0, v.stride(1), v.stride(2))
             kv_indices = prm.kv_indptr
         lse = inputs.lse
-        q_f, q_ptr, q_t = kernel_scale(inputs.q_scale, prm.qo_indptr)
-        k_f, k_ptr, k_t = kernel_scale(inputs.k_scale, prm.qo_indptr)
-        v_f, v_ptr, v_t = kernel_scale(inputs.v_scale, prm.qo_indptr)
+        q_f, q_ptr, q_t = kernel_scale(inputs.q_scale, "q_scale", prm.qo_indptr)
+        k_f, k_ptr, k_t = kernel_scale(inputs.k_scale, "k_scale", prm.qo_indptr)
+        v_f, v_ptr, v_t = kernel_scale(inputs.v_scale, "v_scale", prm.qo_indptr)
         log2e = 1.0 / math.log(2.0)
         custom = p.mask_mode == "custom"
         variant = (q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t)

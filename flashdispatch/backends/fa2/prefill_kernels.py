@@ -387,11 +387,12 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
 @triton.jit
 def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, max_tiles, window_left,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
-    """Grid (items, max_tiles): class of KV tile ``kv_lo // BLOCK_N + t`` for work item ``i`` at
-    ``classes[i, t]`` (int8): 0 no visible key, 1 every in-bounds pair visible (and the tile
-    inside the item's chunk), 2 partial. Rows past qo_len and keys outside [kv_lo, kv_hi) do not count."""
-    item = tl.program_id(0)
-    t = tl.program_id(1)
+    """1-D grid of items x max_tiles programs: class of KV tile ``kv_lo // BLOCK_N + t`` for work
+    item ``i`` at ``classes[i, t]`` (int8): 0 no visible key, 1 every in-bounds pair visible (and
+    the tile inside the item's chunk), 2 partial. Rows past qo_len and keys outside [kv_lo, kv_hi)
+    do not count."""
+    item = tl.program_id(0) // max_tiles
+    t = tl.program_id(0) % max_tiles
     row = work_ptr + item * _WORK_COLS
     req = tl.load(row)
     m0 = tl.load(row + 1)
@@ -416,25 +417,36 @@ def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, m
 
 @triton.jit
 def mask_tile_list_kernel(work_ptr, classes_ptr, tiles_ptr, max_tiles, BLOCK_N: tl.constexpr,
-                          MAX_TILES: tl.constexpr):
+                          CHUNK: tl.constexpr):
     """Grid (items,): item ``i``'s visible KV tiles (``classes[i, :]`` from
     mask_tile_classes_kernel) as a list at its tile-list offset: the counts of whole and partial
     tiles, then the whole tiles' indices, then the partial ones', each in KV order. The attention
     kernel walks the whole tiles without masks and the partial ones with them (two loops with
-    no branch inside, so both pipeline)."""
+    no branch inside, so both pipeline). The classes are read CHUNK at a time, twice: first to
+    count the whole tiles (where the partial ones start), then to place every tile."""
     item = tl.program_id(0)
     row = work_ptr + item * _WORK_COLS
     kv_lo = tl.load(row + 4)
     kv_hi = tl.load(row + 5)
     base = tiles_ptr + tl.load(row + 9)
-    t = tl.arange(0, MAX_TILES)
-    n_tiles = tl.cdiv(kv_hi, BLOCK_N) - kv_lo // BLOCK_N
-    cls = tl.load(classes_ptr + item.to(tl.int64) * max_tiles + t, mask=t < n_tiles, other=0).to(tl.int32)
-    whole = (cls == 1).to(tl.int32)
-    partial = (cls == 2).to(tl.int32)
-    n_whole = tl.sum(whole)
-    tile = kv_lo // BLOCK_N + t
-    tl.store(base + 2 + tl.cumsum(whole, 0) - 1, tile, mask=whole != 0)
-    tl.store(base + 2 + n_whole + tl.cumsum(partial, 0) - 1, tile, mask=partial != 0)
+    first = kv_lo // BLOCK_N
+    n_tiles = tl.cdiv(kv_hi, BLOCK_N) - first
+    classes = classes_ptr + item.to(tl.int64) * max_tiles
+    n_whole = 0
+    for c0 in range(0, n_tiles, CHUNK):
+        t = c0 + tl.arange(0, CHUNK)
+        cls = tl.load(classes + t, mask=t < n_tiles, other=0).to(tl.int32)
+        n_whole += tl.sum((cls == 1).to(tl.int32))
+    seen_whole = 0
+    seen_partial = 0
+    for c0 in range(0, n_tiles, CHUNK):
+        t = c0 + tl.arange(0, CHUNK)
+        cls = tl.load(classes + t, mask=t < n_tiles, other=0).to(tl.int32)
+        whole = (cls == 1).to(tl.int32)
+        partial = (cls == 2).to(tl.int32)
+        tl.store(base + 2 + seen_whole + tl.cumsum(whole, 0) - 1, first + t, mask=whole != 0)
+        tl.store(base + 2 + n_whole + seen_partial + tl.cumsum(partial, 0) - 1, first + t, mask=partial != 0)
+        seen_whole += tl.sum(whole)
+        seen_partial += tl.sum(partial)
     tl.store(base, n_whole)
-    tl.store(base + 1, tl.sum(partial))
+    tl.store(base + 1, seen_partial)
