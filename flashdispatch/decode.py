@@ -426,8 +426,8 @@ def cudnn_batch_decode_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_c
     A request with ``actual_seq_lens_kv[b] == 0`` gets 0.
 
     ``is_cuda_graph_compatible=True`` builds graphs for CUDA-graph replay; any call can be captured
-    once its bucket (batch rounded up to a power of two, ceil(max_sequence_kv / page_size) pages
-    rounded up) and tensor layout ran once eagerly: the first call of a bucket builds its graph,
+    once its bucket (the batch size, ceil(max_sequence_kv / page_size) pages rounded up to a power
+    of two) and tensor layout ran once eagerly: the first call of a bucket builds its graph,
     which cannot happen during a capture. Ragged ``batch_offsets_*`` are not supported here.
     """
     if any(t is not None for t in (batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v)):

@@ -65,14 +65,29 @@ def _view(t: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
     return t.as_strided((rows, *t.shape[1:]), t.stride(), t.storage_offset() + offset)
 
 
+def row_offsets(opts: graphs.GraphOptions, geo: graphs.Geometry, pack: dict) -> tuple[list, list, list | None]:
+    """Element offsets of each request's first q/o/lse row: dense rows (decode) at b x the row stride
+    the graph was built for, with no offset tensor in the pack; else the ragged offset tensors."""
+    B, has_lse = opts.batch, G.UID_STATS in pack
+    if opts.dense_rows:
+        assert not {G.UID_Q_OFF, G.UID_O_OFF, G.UID_STATS_OFF} & pack.keys(), "dense rows take no offsets"
+        assert opts.max_q == 1
+        assert pack[G.UID_Q].stride(0) == geo.q_stride[0] and pack[G.UID_O].stride(0) == geo.o_stride[0]
+        return ([b * geo.q_stride[0] for b in range(B)], [b * geo.o_stride[0] for b in range(B)],
+                [b * geo.lse_stride[0] for b in range(B)] if has_lse else None)
+    q_off, o_off = pack[G.UID_Q_OFF].tolist(), pack[G.UID_O_OFF].tolist()
+    assert len(q_off) == len(o_off) == B + 1
+    return q_off, o_off, pack[G.UID_STATS_OFF].tolist() if has_lse else None
+
+
 def emulate_sdpa(opts: graphs.GraphOptions, geo: graphs.Geometry, pack: dict) -> None:
-    """What the graph computes, from the variant pack alone: padded requests, ragged offsets,
-    block table, bottom-right causal; rows that see no key come out NaN (as garbage would)."""
+    """What the graph computes, from the variant pack alone: padded requests, dense or ragged rows,
+    block table, bottom-right causal; rows that see no key come out NaN (as garbage would). Rows are
+    read and written through as_strided, which raises for a row past its tensor's storage."""
     B, S, group = opts.batch, opts.max_q, opts.num_qo_heads // opts.num_kv_heads
     seq_q, seq_kv = pack[G.UID_SEQ_Q].tolist(), pack[G.UID_SEQ_KV].tolist()
     assert len(seq_q) == len(seq_kv) == B
-    q_off, o_off = pack[G.UID_Q_OFF].tolist(), pack[G.UID_O_OFF].tolist()
-    assert len(q_off) == len(o_off) == B + 1
+    q_off, o_off, stats_off = row_offsets(opts, geo, pack)
     lse = pack.get(G.UID_STATS)
     scale = float(pack[G.UID_SCALE].reshape(-1)[0])
     q, k, v, out = pack[G.UID_Q], pack[G.UID_K], pack[G.UID_V], pack[G.UID_O]
@@ -105,7 +120,6 @@ def emulate_sdpa(opts: graphs.GraphOptions, geo: graphs.Geometry, pack: dict) ->
         o[torch.isinf(row_lse).T] = float("nan")
         _view(out, o_off[b], n_q).copy_(o)
         if lse is not None:
-            stats_off = pack[G.UID_STATS_OFF].tolist()
             _view(lse, stats_off[b], n_q).copy_(torch.where(torch.isinf(row_lse), float("nan"), row_lse).T)
 
 
@@ -272,9 +286,11 @@ def test_bucket_from_host_maxima():
     o = bucket_options(entry_problem(), 0, batch=64, max_q=1, max_kv=4096)
     assert (o.batch, o.max_q, o.max_pages, o.max_kv) == (64, 1, 256, 4096)
     o = bucket_options(entry_problem(), 0, batch=100, max_q=1, max_kv=4000)          # 250 pages
-    assert (o.batch, o.max_pages, o.max_kv) == (128, 256, 4096)
+    assert (o.batch, o.max_pages, o.max_kv, o.dense_rows) == (100, 256, 4096, True), "decode: exact batch"
     o = bucket_options(entry_problem(page_size=64), 0, batch=3, max_q=1, max_kv=65)
-    assert (o.batch, o.max_pages, o.max_kv) == (4, 2, 128)
+    assert (o.batch, o.max_pages, o.max_kv) == (3, 2, 128)
+    o = bucket_options(entry_problem("prefill_paged"), 0, batch=100, max_q=3, max_kv=4000)
+    assert (o.batch, o.max_q, o.max_pages, o.dense_rows) == (128, 4, 256, False)
     o = bucket_options(entry_problem("prefill_ragged", mask_mode="causal"), 0, batch=5, max_q=100, max_kv=3000)
     assert (o.batch, o.max_q, o.max_pages, o.max_kv, o.causal) == (8, 128, 0, 4096, True)
 
@@ -297,8 +313,7 @@ def test_padding_helpers():
     assert direct.fit(lens, 4).tolist() == [3, 0, 5, 0]
     assert direct.indptr(direct.fit(lens, 4)).tolist() == [0, 3, 3, 8, 8]
     assert direct.fit_offsets(torch.tensor([0, 6, 10], dtype=torch.int32), 5).tolist() == [0, 6, 10, 10, 10]
-    assert direct.request_rows(3, 4, 8, torch.device("cpu")).tolist() == [0, 8, 16, 24, 24]
-    assert direct.ones_then_zeros(3, 4, torch.device("cpu")).tolist() == [1, 1, 1, 0]
+    assert direct.ones(3, torch.device("cpu")).tolist() == [1, 1, 1]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -316,11 +331,13 @@ def test_blind_rows_match_the_host_rule(seed):
 
 
 # --- the calls, on the CPU emulator ----------------------------------------------------------
-@pytest.mark.parametrize("kv_lens,width", [([40, 0, 16, 1], None), ([40, 0, 16, 1, 9], None), ([7, 30], 16)])
-def test_decode_metadata_gives_the_oracle_and_reads_nothing(fake_cudnn, kv_lens, width):
+@pytest.mark.parametrize("kv_lens,width,fused_qkv", [([40, 0, 16, 1], None, False), ([40, 0, 16, 1, 9], None, True),
+                                                     ([7, 30], 16, False)])
+def test_decode_metadata_gives_the_oracle_and_reads_nothing(fake_cudnn, kv_lens, width, fused_qkv):
     k, v, table, lens = paged_data(kv_lens, width=width)
     batch = len(kv_lens)
-    q = torch.randn(batch, 4, 16).half()
+    # fused: q sliced out of a [batch, q + k + v heads, dim] projection (row stride 8 x 16, not 4 x 16)
+    q = torch.randn(batch, 8, 16).half()[:, :4] if fused_qkv else torch.randn(batch, 4, 16).half()
     out = nan_like((batch, 4, 16))
     args = dict(max_sequence_kv=max(kv_lens), actual_seq_lens_kv=lens, block_tables=table, out=out)
     fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.25, WS, **args)          # warm: constants made
@@ -331,21 +348,23 @@ def test_decode_metadata_gives_the_oracle_and_reads_nothing(fake_cudnn, kv_lens,
     ref_out, ref_lse = reference([1] * batch, kv_lens, q, k, v, table, causal=False, scale=0.25, page_size=4)
     check(out, None, ref_out, ref_lse)
     call = fake_cudnn.calls[-1]
-    fits = batch == call.opts.batch and table.shape[1] >= call.opts.max_pages
-    assert (call.pack[G.UID_TABLE_K] is table) == fits
-    assert (call.pack[G.UID_SEQ_KV].data_ptr() == lens.data_ptr()) == (batch == call.opts.batch)
+    assert call.opts.dense_rows and call.opts.batch == batch and call.geo.q_stride == tuple(q.stride())
+    assert (call.pack[G.UID_TABLE_K] is table) == (table.shape[1] >= call.opts.max_pages)
+    assert call.pack[G.UID_SEQ_KV].data_ptr() == lens.data_ptr(), "the caller's lengths, as they are"
 
 
 def test_decode_buckets_share_a_graph_key_and_mark_cuda_graphs(fake_cudnn):
+    """Decode graphs: the exact batch (dense rows), KV pages rounded up to a power of two."""
     keys = []
-    for kv_lens in ([40, 3, 5], [2, 9, 33, 1]):
-        k, v, table, lens = paged_data(kv_lens, width=12)
+    for kv_lens, max_kv in (([40, 3, 5], 48), ([2, 9, 33], 60), ([2, 9, 33, 1], 48)):
+        k, v, table, lens = paged_data(kv_lens, width=16)
         q = torch.randn(len(kv_lens), 4, 16).half()
-        fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.25, WS, max_sequence_kv=48, actual_seq_lens_kv=lens,
+        fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.25, WS, max_sequence_kv=max_kv, actual_seq_lens_kv=lens,
                                             block_tables=table, is_cuda_graph_compatible=True)
         call = fake_cudnn.calls[-1]
         keys.append((call.opts, call.geo.q_stride, call.geo.table_width))
-    assert keys[0] == keys[1] and keys[0][0].cuda_graph and keys[0][0].batch == 4
+    assert keys[0] == keys[1] and keys[0][0].cuda_graph and keys[0][0].batch == 3 and keys[0][0].max_pages == 16
+    assert keys[2][0].batch == 4 and keys[2] != keys[0]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -369,6 +388,22 @@ def test_prefill_gives_the_oracle_and_reads_nothing(fake_cudnn, paged, causal):
     ref_out, ref_lse = reference(qo_lens, kv_lens, q, k, v, table, causal=causal, scale=0.25, page_size=4)
     check(out, lse, ref_out, ref_lse)
     assert fake_cudnn.calls[-1].opts.max_q == 8 and fake_cudnn.calls[-1].opts.batch == 8
+
+
+@pytest.mark.parametrize("heads,declared", [((4, 2), 2), ((2, 2), 1)])
+def test_one_row_prefill_declares_two_rows_for_gqa_lse(fake_cudnn, heads, declared):
+    """At most one query row per request with GQA and lse: the graph declares two rows (cuDNN's
+    one-row ragged kernel writes the lse of the first head of each group only); MHA keeps one."""
+    qo_lens, kv_lens = [1, 0, 1], [5, 3, 0]
+    q = torch.randn(2, heads[0], 16).half()
+    k, v = (torch.randn(8, heads[1], 16).half() for _ in range(2))
+    out, lse = nan_like((2, heads[0], 16)), nan_like((2, heads[0]), torch.float32)
+    fi.cudnn_batch_prefill_with_kv_cache(q, k, v, 0.25, WS, max_token_per_sequence=1, max_sequence_kv=5,
+                                         actual_seq_lens_q=torch.tensor(qo_lens, dtype=torch.int32),
+                                         actual_seq_lens_kv=torch.tensor(kv_lens, dtype=torch.int32), causal=True,
+                                         return_lse=True, out=out, lse=lse)
+    assert fake_cudnn.calls[-1].opts.max_q == declared and not fake_cudnn.calls[-1].opts.dense_rows
+    check(out, lse, *reference(qo_lens, kv_lens, q, k, v, None, causal=True, scale=0.25))
 
 
 def test_prefill_with_caller_offsets_places_rows(fake_cudnn):

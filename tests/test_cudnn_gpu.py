@@ -69,9 +69,11 @@ def make_case(op, qo_lens, kv_lens, *, heads=(8, 2), dims=(128, 128), page_size=
     return problem, AttentionParams(**params), AttentionInputs(q, kv, out, lse_t)
 
 
-def run_cudnn(problem, params, inputs):
+def run_cudnn(problem, params, inputs, *, reasons=()):
+    """Plan and run on the cudnn backend; ``reasons``: the Reason codes expected from its caps
+    (the kernel still runs, to test what a Reason guards)."""
     device = device_of(inputs.q.device)
-    assert Cudnn.supports(problem, device) == []
+    assert sorted(r.code for r in Cudnn.supports(problem, device)) == sorted(reasons)
     backend = Cudnn()
     plan = backend.plan(problem, device, params)
     backend.run(plan, inputs)
@@ -106,10 +108,24 @@ def test_decode(layout, dtype):
     check(*case)
 
 
-def test_gqa_decode_with_lse_is_a_reason():
-    problem, _, inputs = make_case("decode", [1] * len(DECODE_KV), DECODE_KV)
-    reasons = Cudnn.supports(problem, device_of(inputs.q.device))
-    assert [r.code for r in reasons] == ["feature.lse"]
+@pytest.mark.parametrize("heads", [(8, 2), (32, 8), (8, 8)])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_decode_with_lse(heads, layout):
+    """GQA lse used to come back NaN for all but the first head of each group: the ragged one-row
+    Stats bug of cuDNN (NVIDIA/cudnn-frontend#1083). Decode rows are dense now, which should spare
+    it; until this passes on a GPU the caps keep GQA decode lse as a Reason (bypassed here)."""
+    case = make_case("decode", [1] * len(DECODE_KV), DECODE_KV, heads=heads, layout=layout)
+    run_cudnn(*case, reasons=("feature.lse",) if heads[0] != heads[1] else ())
+    check(*case)
+
+
+@pytest.mark.parametrize("op", ["prefill_paged", "prefill_ragged"])
+def test_one_row_prefill_with_gqa_lse(op):
+    """At most one query row per request, GQA and lse: declared as two rows (plan.bucket_options)."""
+    case = make_case(op, [1, 0, 1, 1], [40, 5, 0, 300], heads=(8, 2), dims=(64, 64))
+    plan = run_cudnn(*case)
+    assert plan.opts.max_q == 2
+    check(*case)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -296,7 +312,7 @@ def entry_ws() -> torch.Tensor:
 @pytest.mark.parametrize("heads", [(32, 8), (8, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_entry_decode(dtype, heads, page_size):
-    kv_lens = [1000, 0, 17, 513, 64, 1]            # batch 6 -> bucket 8: padded copies; one empty request
+    kv_lens = [1000, 0, 17, 513, 64, 1]            # batch 6 (not a power of two); one empty request
     k, v, table, lens = entry_cache(kv_lens, heads=heads, page_size=page_size, dtype=dtype, width=1024 // page_size)
     q = torch.randn(len(kv_lens), heads[0], 128, dtype=dtype, device="cuda")
     out = nan_tensor(len(kv_lens), heads[0], 128, dtype=dtype)
@@ -309,7 +325,7 @@ def test_entry_decode(dtype, heads, page_size):
 
 @pytest.mark.parametrize("width,combined", [(32, False), (40, True)])
 def test_entry_decode_passes_the_callers_metadata_through(width, combined):
-    """batch 8 = its bucket, table as wide as the bucket's 32 pages or wider: no copies."""
+    """A table as wide as the bucket's 32 pages or wider: no copies."""
     kv_lens = [512, 0, 300, 1, 16, 17, 480, 99]
     k, v, table, lens = entry_cache(kv_lens, heads=(32, 8), page_size=16, dtype=torch.bfloat16, width=width,
                                     combined=combined)

@@ -3,10 +3,12 @@
 
 The graph bucket comes from host values only: the batch size (rows of the length tensors), the
 maxima the caller passes (``max_sequence_kv`` -> max pages, ``max_token_per_sequence`` -> max
-query rows), all rounded up to powers of two (`plan.bucket_options`). Lengths, block table and
-ragged offsets stay on the device: handed to cuDNN as they are when their shape fits the bucket,
-else copied into bucket-sized buffers by device ops. Rows that see no key (kv_len 0; causal rows
-with p_i < 0) are then set to out 0 / lse -inf by device ops driven by the same lengths.
+query rows), all rounded up to powers of two, except decode's batch, which is exact: its q/out
+rows are dense, one per request, as in FlashInfer's decode graph (`plan.bucket_options`).
+Lengths, block table and ragged offsets stay on the device: handed to cuDNN as they are when
+their shape fits the bucket, else copied into bucket-sized buffers by device ops. Rows that see
+no key (kv_len 0; causal rows with p_i < 0) are then set to out 0 / lse -inf by device ops
+driven by the same lengths.
 
 What only the device values could prove (lengths within the maxima, page ids within the cache,
 offsets within the tensors) is the caller's promise, as in FlashInfer. With the environment
@@ -139,16 +141,9 @@ def constant(key: tuple, device: torch.device, make) -> torch.Tensor:
     return t
 
 
-def request_rows(batch: int, bucket: int, stride: int, device: torch.device) -> torch.Tensor:
-    """[bucket + 1] element offsets min(b, batch) * stride: one row per request (decode)."""
-    return constant(("rows", batch, bucket, stride), device, lambda: torch.arange(
-        bucket + 1, dtype=torch.int32, device=device).clamp_(max=batch).mul_(stride))
-
-
-def ones_then_zeros(batch: int, bucket: int, device: torch.device) -> torch.Tensor:
-    """[bucket] int32: 1 for the batch's requests, 0 for the bucket's padding (decode's seq_len_q)."""
-    return constant(("ones", batch, bucket), device,
-                    lambda: (torch.arange(bucket, device=device) < batch).to(torch.int32))
+def ones(batch: int, device: torch.device) -> torch.Tensor:
+    """[batch] int32 ones: decode's seq_len_q (one query row per request)."""
+    return constant(("ones", batch), device, lambda: torch.ones(batch, dtype=torch.int32, device=device))
 
 
 def fit(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -236,8 +231,6 @@ def batch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                             head_dim_vo=head_dim_vo, page_size=page_size, kv_layout="HND",
                             use_cuda_graph=cuda_graph, return_lse=False)
     graphs.check_alignment({"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}, None)
-    check_int32("q", batch, q.stride(0))
-    check_int32("out", batch, out.stride(0))
     if batch == 0:
         return out
     if checking() and not capturing(dev):
@@ -249,10 +242,9 @@ def batch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                    tuple(v_cache.stride()), tuple(out.stride()), None, "HND", max(width, 0))
     built, workspace = ready_graph(DECODE, opts, geo, workspace)
     G, table = graphs, fitted_table(block_tables, opts, width)
+    # dense rows (opts.dense_rows): q/out row b is request b, no offsets; the batch is exact
     execute(built, {G.UID_Q: q, G.UID_K: k_cache, G.UID_V: v_cache, G.UID_O: out,
-                    G.UID_SEQ_Q: ones_then_zeros(batch, opts.batch, dev), G.UID_SEQ_KV: fit(seq_kv, opts.batch),
-                    G.UID_Q_OFF: request_rows(batch, opts.batch, q.stride(0), dev),
-                    G.UID_O_OFF: request_rows(batch, opts.batch, out.stride(0), dev),
+                    G.UID_SEQ_Q: ones(batch, dev), G.UID_SEQ_KV: fit(seq_kv, batch),
                     G.UID_TABLE_K: table, G.UID_TABLE_V: table}, workspace, sm_scale, dev.index)
     out.masked_fill_((seq_kv == 0).view(batch, 1, 1), 0.0)
     return out

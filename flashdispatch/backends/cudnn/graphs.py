@@ -1,14 +1,21 @@
 """cuDNN SDPA graphs: the key that identifies one, its construction, and the process-wide cache.
 
 A graph is built for a shape *bucket* (batch, page-table width, max query/KV length rounded up
-to powers of two) plus the exact layout of the tensors it reads (strides, cache pages), so
-any batch that fits the bucket reuses it: the real lengths travel in device tensors
-(seq_len_q/seq_len_kv, ragged offsets, page table), never in the graph.
+to powers of two; decode: the exact batch) plus the exact layout of the tensors it reads
+(strides, cache pages), so any batch that fits the bucket reuses it: the real lengths travel in
+device tensors (seq_len_q/seq_len_kv, ragged offsets, page table), never in the graph.
 
 Layouts handed to cuDNN (its dims are always [batch, heads, seq, dim]):
-- q/o/lse are *ragged* (decode too, with one row per request): one row per token, the start
-  of each request given by a ragged offset tensor in elements ([batch + 1, 1, 1, 1] int32),
-  so batches padded up to the bucket (length 0) can never be read or written.
+- decode (``dense_rows``): q/o/lse are *dense*, one row per request at batch stride, the seq
+  axis of size 1 given the batch stride too (FlashInfer's decode graph). No ragged offsets: on
+  cuDNN 9.x a ragged (THD) graph with one query row runs a generic Ampere-class kernel without
+  split-KV and writes the Stats of only the first head of each GQA group, while the dense form
+  gets the decode kernels (docs/perf-notes.md, "cudnn decode"). The graph's batch is therefore
+  the exact batch (a bucket larger than the tensors would read and write past them).
+- otherwise q/o/lse are *ragged*: one row per token, the start of each request given by a
+  ragged offset tensor in elements ([batch + 1, 1, 1, 1] int32), so batches padded up to the
+  bucket (length 0) can never be read or written. With GQA, lse and at most one row per request
+  the declared query length is 2, not 1, to stay off that one-row ragged kernel.
 - paged K/V are a container [pages, kv_heads, page_size, dim] (NHD views just have other
   strides) read through a block table [batch, 1, width, 1] int32: width is the bucket's
   max_pages for tables we fill, or the caller's own (wider) table passed through as it is.
@@ -31,7 +38,7 @@ UID_Q, UID_K, UID_V, UID_O, UID_STATS, UID_SCALE = 1, 2, 3, 4, 5, 6
 UID_SEQ_Q, UID_SEQ_KV, UID_TABLE_K, UID_TABLE_V = 7, 8, 9, 10
 UID_Q_OFF, UID_O_OFF, UID_STATS_OFF, UID_K_OFF, UID_V_OFF = 11, 12, 13, 14, 15
 
-GRAPH_CACHE_SIZE = 64
+GRAPH_CACHE_SIZE = 256     # FlashInfer's graph_cache size; decode graphs are per exact batch
 
 
 def pow2_bucket(n: int) -> int:
@@ -46,7 +53,7 @@ class GraphOptions:
     device_index: int
     dtype: torch.dtype
     paged: bool                # paged container + block table vs ragged K/V
-    batch: int                 # bucketed batch size
+    batch: int                 # bucketed batch size (exact when dense_rows)
     max_q: int                 # bucketed max query rows per request (1 for decode)
     max_pages: int             # bucketed page-table width (paged), 0 otherwise
     max_kv: int                # bucketed max KV length (ragged K/V); max_pages * page_size if paged
@@ -59,6 +66,7 @@ class GraphOptions:
     window_left: int
     return_lse: bool
     cuda_graph: bool
+    dense_rows: bool           # q/o/lse one row per request at batch stride, no ragged offsets
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,11 @@ def _data_type(dtype: torch.dtype):
     return {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[dtype]
 
 
-def _rows_bhsd(stride: tuple[int, ...], seq: int) -> list[int]:
-    """[batch, heads, seq, dim] strides of a [tokens, heads, dim] view (batch stride = seq rows)."""
+def _rows_bhsd(stride: tuple[int, ...], seq: int, dense: bool = False) -> list[int]:
+    """[batch, heads, seq, dim] strides of a [tokens, heads, dim] view (ragged: batch stride = seq
+    rows; dense, one row per request: batch and seq strides are both the row stride)."""
     tok, head, dim = stride
-    return [seq * tok, head, tok, dim]
+    return [tok if dense else seq * tok, head, tok, dim]
 
 
 def _cache_bhsd(stride: tuple[int, ...], layout: str) -> list[int]:
@@ -127,8 +136,10 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
     def lengths(name: str, uid: int):
         return g.tensor(name=name, dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32, uid=uid)
 
-    q = g.tensor(name="q", dim=[B, Hq, S, dqk], stride=_rows_bhsd(geo.q_stride, S), data_type=io, uid=UID_Q)
-    q.set_ragged_offset(offsets("q_offsets", UID_Q_OFF))
+    dense = opts.dense_rows
+    q = g.tensor(name="q", dim=[B, Hq, S, dqk], stride=_rows_bhsd(geo.q_stride, S, dense), data_type=io, uid=UID_Q)
+    if not dense:
+        q.set_ragged_offset(offsets("q_offsets", UID_Q_OFF))
     if opts.paged:
         k = g.tensor(name="k_cache", dim=_cache_dims(geo.k_shape, geo.layout),
                      stride=_cache_bhsd(geo.k_stride, geo.layout), data_type=io, uid=UID_K)
@@ -161,15 +172,14 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
                       use_padding_mask=True, seq_len_q=lengths("seq_len_q", UID_SEQ_Q),
                       seq_len_kv=lengths("seq_len_kv", UID_SEQ_KV), compute_data_type=f32,
                       **paging, **masking)
-    o.set_output(True).set_dim([B, Hq, S, dvo]).set_stride(_rows_bhsd(geo.o_stride, S)).set_uid(UID_O)
-    o.set_ragged_offset(offsets("o_offsets", UID_O_OFF))
+    o.set_output(True).set_dim([B, Hq, S, dvo]).set_stride(_rows_bhsd(geo.o_stride, S, dense)).set_uid(UID_O)
+    if not dense:
+        o.set_ragged_offset(offsets("o_offsets", UID_O_OFF))
     if opts.return_lse:
-        # With one row per request cuDNN's decode kernel packs the GQA group along the seq axis and
-        # steps it with the seq stride: give that (size-1) axis stride 1 so the rows land on heads.
-        row = geo.lse_stride[0]
-        lse_stride = [S * row, geo.lse_stride[1], row if S > 1 else 1, 1]
+        lse_stride = _rows_bhsd((*geo.lse_stride, 1), S, dense)
         stats.set_output(True).set_data_type(f32).set_dim([B, Hq, S, 1]).set_stride(lse_stride).set_uid(UID_STATS)
-        stats.set_ragged_offset(offsets("stats_offsets", UID_STATS_OFF))
+        if not dense:
+            stats.set_ragged_offset(offsets("stats_offsets", UID_STATS_OFF))
     g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     return BuiltGraph(g, int(g.get_workspace_size()), time.perf_counter() - t0)
 
@@ -184,6 +194,14 @@ def check_alignment(tensors: dict[str, torch.Tensor], lse: torch.Tensor | None) 
                              f"pointer offset {t.data_ptr() % 16}")
     if lse is not None and lse.stride(-1) != 1:
         raise ValueError(f"cudnn: lse needs a contiguous last dim, got strides {tuple(lse.stride())}")
+
+
+def check_dense_rows(tensors: dict[str, torch.Tensor | None], batch: int) -> None:
+    """A dense-row graph reads and writes rows 0 .. batch - 1 of q/out/lse: each must have them."""
+    for name, t in tensors.items():
+        if t is not None and t.shape[0] < batch:
+            raise ValueError(f"cudnn: {name} has {t.shape[0]} rows, the decode graph addresses one row per "
+                             f"request ({batch} requests)")
 
 
 def capturing(device: torch.device) -> bool:

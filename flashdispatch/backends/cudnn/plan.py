@@ -53,17 +53,27 @@ def empty_rows(qo_lens: list[int], kv_lens: list[int], causal: bool) -> list[int
 
 def bucket_options(problem: Problem, device_index: int, *, batch: int, max_q: int, max_kv: int) -> GraphOptions:
     """The graph bucket of a batch: batch, max query rows and max KV length (pages when paged)
-    rounded up to powers of two; the op, dtypes, heads, mask and lse come from ``problem``."""
+    rounded up to powers of two; the op, dtypes, heads, mask and lse come from ``problem``.
+
+    Decode has dense rows (one per request, no ragged offsets: the layout that gets cuDNN's decode
+    kernels) and therefore the exact batch. Ragged rows with GQA, lse and at most one row per
+    request declare two query rows: cuDNN's one-row ragged kernel writes the lse of only the first
+    head of each GQA group (graphs.py)."""
     paged = problem.op != "prefill_ragged"
+    dense = problem.op == "decode"
     max_pages = pow2_bucket(-(-max_kv // problem.page_size)) if paged else 0
+    rows = 1 if dense else pow2_bucket(max_q)
+    if rows == 1 and not dense and problem.return_lse and problem.num_qo_heads != problem.num_kv_heads:
+        rows = 2
     return GraphOptions(
         device_index=device_index, dtype=problem.q_dtype, paged=paged,
-        batch=pow2_bucket(batch), max_q=pow2_bucket(max_q), max_pages=max_pages,
+        batch=max(batch, 1) if dense else pow2_bucket(batch), max_q=rows, max_pages=max_pages,
         max_kv=max_pages * problem.page_size if paged else pow2_bucket(max_kv),
         num_qo_heads=problem.num_qo_heads, num_kv_heads=problem.num_kv_heads,
         head_dim_qk=problem.head_dim_qk, head_dim_vo=problem.head_dim_vo,
         page_size=problem.page_size if paged else 0, causal=problem.mask_mode == "causal",
-        window_left=problem.window_left, return_lse=problem.return_lse, cuda_graph=problem.use_cuda_graph)
+        window_left=problem.window_left, return_lse=problem.return_lse, cuda_graph=problem.use_cuda_graph,
+        dense_rows=dense)
 
 
 def graph_options(problem: Problem, device: Device, params: AttentionParams) -> GraphOptions:
@@ -86,27 +96,33 @@ def blind_rows(starts: torch.Tensor, seq_q: torch.Tensor, seq_kv: torch.Tensor, 
 
 
 class _Metadata:
-    """int32 device slots carved from one byte buffer: lengths, block table, row offsets."""
+    """int32 device slots carved from one byte buffer: lengths, block table, row offsets (none for
+    q/o/lse when the graph has dense rows)."""
 
     def __init__(self, buf: torch.Tensor, opts: GraphOptions):
-        B, off = opts.batch, 0
-        sizes = {"seq_q": B, "seq_kv": B, "qo_indptr": B + 1, "q_off": B + 1, "o_off": B + 1, "lse_off": B + 1}
-        if opts.paged:
-            sizes["table"] = B * opts.max_pages
-        else:
-            sizes.update(kv_indptr=B + 1, k_off=B + 1, v_off=B + 1)
         self.slots: dict[str, torch.Tensor] = {}
-        for name, n in sizes.items():
+        off = 0
+        for name, n in self.sizes(opts).items():
             self.slots[name] = buf[off:off + 4 * n].view(torch.int32)
             off += _aligned(4 * n)
         self.nbytes = off
         self.stride_of: dict[str, int] = {}   # the element stride each offset slot was computed for
 
     @staticmethod
+    def sizes(opts: GraphOptions) -> dict[str, int]:
+        B = opts.batch
+        sizes = {"seq_q": B, "seq_kv": B, "qo_indptr": B + 1}
+        if not opts.dense_rows:
+            sizes.update(q_off=B + 1, o_off=B + 1, lse_off=B + 1)
+        if opts.paged:
+            sizes["table"] = B * opts.max_pages
+        else:
+            sizes.update(kv_indptr=B + 1, k_off=B + 1, v_off=B + 1)
+        return sizes
+
+    @staticmethod
     def size(opts: GraphOptions) -> int:
-        n = [opts.batch] * 2 + [opts.batch + 1] * 4
-        n += [opts.batch * opts.max_pages] if opts.paged else [opts.batch + 1] * 3
-        return sum(_aligned(4 * x) for x in n)
+        return sum(_aligned(4 * n) for n in _Metadata.sizes(opts).values())
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.slots[name]
@@ -172,9 +188,10 @@ class CudnnPlan:
         m["seq_kv"][B:].zero_()
         _pad_indptr(m["qo_indptr"], qo, B)
         p = self.problem
-        self._set_offsets("q_off", "qo_indptr", p.num_qo_heads * p.head_dim_qk, self.total_q)
-        self._set_offsets("o_off", "qo_indptr", p.num_qo_heads * p.head_dim_vo, self.total_q)
-        self._set_offsets("lse_off", "qo_indptr", p.num_qo_heads, self.total_q)
+        if not self.opts.dense_rows:
+            self._set_offsets("q_off", "qo_indptr", p.num_qo_heads * p.head_dim_qk, self.total_q)
+            self._set_offsets("o_off", "qo_indptr", p.num_qo_heads * p.head_dim_vo, self.total_q)
+            self._set_offsets("lse_off", "qo_indptr", p.num_qo_heads, self.total_q)
         if self.opts.paged:
             self._fill_block_table(params)
         else:
@@ -240,10 +257,12 @@ class CudnnPlan:
 
     def _refresh_offsets(self, inputs: AttentionInputs) -> None:
         """Recompute the offsets whose row stride differs from the one they hold (no allocation)."""
-        rows = [("q_off", "qo_indptr", inputs.q.stride(0), self.total_q),
-                ("o_off", "qo_indptr", inputs.out.stride(0), self.total_q)]
-        if inputs.lse is not None and self.opts.return_lse:
-            rows.append(("lse_off", "qo_indptr", inputs.lse.stride(0), self.total_q))
+        rows = []
+        if not self.opts.dense_rows:
+            rows += [("q_off", "qo_indptr", inputs.q.stride(0), self.total_q),
+                     ("o_off", "qo_indptr", inputs.out.stride(0), self.total_q)]
+            if inputs.lse is not None and self.opts.return_lse:
+                rows.append(("lse_off", "qo_indptr", inputs.lse.stride(0), self.total_q))
         if not self.opts.paged:
             rows += [("k_off", "kv_indptr", inputs.kv.k.stride(0), self.total_kv),
                      ("v_off", "kv_indptr", inputs.kv.v.stride(0), self.total_kv)]
@@ -264,20 +283,26 @@ class CudnnPlan:
         opts = self.opts if want_lse == self.opts.return_lse else dataclasses.replace(self.opts, return_lse=False)
         graphs.check_alignment({"q": inputs.q, "k": inputs.kv.k, "v": inputs.kv.v, "out": inputs.out},
                                inputs.lse if self.opts.return_lse else None)
+        if self.opts.dense_rows:
+            graphs.check_dense_rows({"q": inputs.q, "out": inputs.out, "lse": inputs.lse}, self.opts.batch)
         built = self._bind(self._geometry(inputs), opts)
         workspace = self._cudnn_workspace(built)
         self._refresh_offsets(inputs)
         self._scale_host.fill_(scale)
         m, G = self.meta, graphs
         pack = {G.UID_Q: inputs.q, G.UID_K: inputs.kv.k, G.UID_V: inputs.kv.v, G.UID_O: inputs.out,
-                G.UID_SCALE: self._scale_host, G.UID_SEQ_Q: m["seq_q"], G.UID_SEQ_KV: m["seq_kv"],
-                G.UID_Q_OFF: m["q_off"], G.UID_O_OFF: m["o_off"]}
+                G.UID_SCALE: self._scale_host, G.UID_SEQ_Q: m["seq_q"], G.UID_SEQ_KV: m["seq_kv"]}
+        dense = self.opts.dense_rows
+        if not dense:
+            pack[G.UID_Q_OFF], pack[G.UID_O_OFF] = m["q_off"], m["o_off"]
         if self.opts.paged:
             pack[G.UID_TABLE_K] = pack[G.UID_TABLE_V] = m["table"]
         else:
             pack[G.UID_K_OFF], pack[G.UID_V_OFF] = m["k_off"], m["v_off"]
         if want_lse:
-            pack[G.UID_STATS], pack[G.UID_STATS_OFF] = inputs.lse, m["lse_off"]
+            pack[G.UID_STATS] = inputs.lse
+            if not dense:
+                pack[G.UID_STATS_OFF] = m["lse_off"]
         handle = handle_on_current_stream(self.device.index)
         built.graph.execute(pack, workspace, handle=handle)
         self._finish(inputs)
