@@ -145,15 +145,28 @@ def check_indptr_length(t: torch.Tensor, name: str, length: int | None = None) -
 
 
 CHECK_INPUTS_ENV = "FLASHDISPATCH_CHECK_INPUTS"
+"""The one switch for the input checks that need device values, read by the two functions below:
+
+- unset (or any value but "0"/"1"): the wrappers' plan() checks the page indices it uses
+  (`page_indices_checked`: their (min, max), one reduction on the device, read with the lengths
+  plan() reads anyway); the plan-less cuDNN entry points check no device value (no host sync).
+- "0": no check at all: plan() skips the page-index check too, and an index outside the cache
+  is read as it is, as in FlashInfer (for callers who guarantee valid indices).
+- "1": the page-index check, and the plan-less cuDNN entry points read back their lengths, block
+  table and offsets at every call and check them (`device_values_checked`; a host sync, skipped
+  while a CUDA graph is being captured)."""
 
 
 def page_indices_checked() -> bool:
-    """Whether plan() checks the used page indices (>= 0 at plan, < the cache's pages at run).
-    On unless FLASHDISPATCH_CHECK_INPUTS=0: the check needs their (min, max), one reduction on the
-    device; users who guarantee valid indices may skip it (an index outside the cache is then
-    read as it is, as in FlashInfer). FLASHDISPATCH_CHECK_INPUTS=1 also turns on the checks
-    that the sync-free cuDNN entry points leave out by default."""
+    """Whether plan() checks the used page indices (on unless FLASHDISPATCH_CHECK_INPUTS=0; see
+    `CHECK_INPUTS_ENV`)."""
     return os.environ.get(CHECK_INPUTS_ENV) != "0"
+
+
+def device_values_checked() -> bool:
+    """Whether the plan-less cuDNN entry points read back and check their device values (only with
+    FLASHDISPATCH_CHECK_INPUTS=1; see `CHECK_INPUTS_ENV`)."""
+    return os.environ.get(CHECK_INPUTS_ENV) == "1"
 
 
 _positions: dict[torch.device, torch.Tensor] = {}

@@ -11,6 +11,7 @@ from . import checks
 from .backends.base import AttentionParams, RaggedKV
 from .backends.cudnn import direct as cudnn_direct
 from .decode import _split_kv_cache, paged_attention_from_block_tables
+from .dispatch.entry_paths import selects_cudnn_direct
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
@@ -385,10 +386,10 @@ def cudnn_batch_prefill_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_
     ``is_cuda_graph_compatible=True`` builds graphs for CUDA-graph replay; any call can be captured
     once its bucket (batch, max_token_per_sequence and max pages rounded up to powers of two) and
     tensor layout ran once eagerly. ``backend`` ``None``/``"cudnn"``/``"cubin"`` (FlashInfer's
-    cuDNN flavours) run this path; another backend name runs the same attention through the
-    dispatcher, which reads the lengths on the host.
+    cuDNN flavours; `dispatch.entry_paths.selects_cudnn_direct`) run this path; another backend
+    name runs the same attention through the dispatcher, which reads the lengths on the host.
     """
-    if backend in (None, "cudnn", "cubin"):
+    if selects_cudnn_direct(backend):
         offsets = dict(q=batch_offsets_q, o=batch_offsets_o, k=batch_offsets_k, v=batch_offsets_v,
                        stats=batch_offsets_stats)
         return cudnn_direct.batch_prefill(

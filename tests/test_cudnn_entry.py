@@ -1,8 +1,9 @@
 """The plan-less cuDNN entry points without a GPU: argument checks, bucket choice, and the device
 metadata they hand to cuDNN, checked by running them on CPU tensors with the cuDNN graph replaced
 by an emulator of its semantics (reading only the variant pack), compared with the float64 oracle.
-Also: no call reads a device value (the host-read methods raise during the call), and
-FLASHDISPATCH_CHECK_INPUTS=1 reports bad lengths, pages and offsets by name."""
+Also: no call reads a device value (the host-read methods raise during the call), rows of out/lse
+that belong to no request keep what the caller had there, and FLASHDISPATCH_CHECK_INPUTS=1 reports
+bad lengths, pages and offsets by name."""
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,11 @@ import pytest
 import torch
 
 import flashdispatch as fi
+from flashdispatch import checks
 from flashdispatch.backends.base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from flashdispatch.backends.cudnn import CudnnBackend, direct, graphs
-from flashdispatch.backends.cudnn.plan import blind_rows, bucket_options, empty_rows
+from flashdispatch.backends.cudnn.plan import blind_rows, bucket_options, empty_rows, request_rows
+from flashdispatch.dispatch.entry_paths import selects_cudnn_direct
 from flashdispatch.dispatch.problem import Problem
 from flashdispatch.page import block_table_to_indptr
 from tests.oracle import oracle_attention, rel_err
@@ -139,7 +142,7 @@ def fake_cudnn(monkeypatch):
     monkeypatch.setattr(direct, "_SUPPORT", {})
     monkeypatch.setattr(graphs, "cached_graph", cached_graph)
     monkeypatch.setattr(direct, "handle_on_current_stream", lambda index: None)
-    monkeypatch.delenv(direct.CHECK_ENV, raising=False)
+    monkeypatch.delenv(checks.CHECK_INPUTS_ENV, raising=False)
     return SimpleNamespace(calls=calls, guard=guard)
 
 
@@ -193,6 +196,16 @@ def check(out, lse, ref_out, ref_lse):
 
 def nan_like(shape, dtype=torch.float16):
     return torch.full(shape, float("nan"), dtype=dtype)
+
+
+GAP = 7.0   # a finite sentinel in rows that belong to no request (NaN would survive a rescale)
+
+
+def sentinel_gaps(shape, request_rows, dtype=torch.float16):
+    """NaN in ``request_rows`` (the call must write them), GAP elsewhere (it must leave them)."""
+    t = torch.full(shape, GAP, dtype=dtype)
+    t[list(request_rows)] = float("nan")
+    return t
 
 
 # --- argument checks (no cudnn needed) -----------------------------------------------------------
@@ -265,6 +278,21 @@ def test_prefill_without_cudnn_is_unsupported():
         fi.cudnn_batch_prefill_with_kv_cache(**prefill_args(is_cuda_graph_compatible=True))
 
 
+def test_backend_names_of_the_cudnn_path():
+    assert all(selects_cudnn_direct(name) for name in (None, "cudnn", "cubin"))
+    assert not any(selects_cudnn_direct(name) for name in ("fa2", "reference", "auto"))
+
+
+def test_check_inputs_settings(monkeypatch):
+    """One variable, two readers: page-index checks on unless "0", device-value checks only with "1"."""
+    for value, pages, values in ((None, True, False), ("0", False, False), ("1", True, True), ("2", True, False)):
+        if value is None:
+            monkeypatch.delenv(checks.CHECK_INPUTS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(checks.CHECK_INPUTS_ENV, value)
+        assert (checks.page_indices_checked(), checks.device_values_checked()) == (pages, values), value
+
+
 def test_prefill_through_another_backend_still_runs():
     args = prefill_args(backend="reference")
     out, lse = fi.cudnn_batch_prefill_with_kv_cache(**args)
@@ -316,6 +344,14 @@ def test_padding_helpers():
     assert direct.ones(3, torch.device("cpu")).tolist() == [1, 1, 1]
 
 
+def test_ones_are_cached_per_stream_and_bounded():
+    cpu = torch.device("cpu")
+    assert direct.ones(5, cpu) is direct.ones(5, cpu)
+    for batch in range(1, direct.ONES_CACHE_SIZE + 10):
+        direct.ones(batch, cpu)
+    assert direct._ones_of_stream.cache_info().currsize <= direct.ONES_CACHE_SIZE
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_blind_rows_match_the_host_rule(seed):
     g = torch.Generator().manual_seed(seed)
@@ -330,6 +366,17 @@ def test_blind_rows_match_the_host_rule(seed):
         assert torch.equal(got, want)
 
 
+def test_request_rows_with_gaps_and_empty_requests_inside_others():
+    """Caller offsets: gaps between requests, an empty request starting inside another's rows,
+    rows past the last request; only the requests' rows are owned."""
+    starts = torch.tensor([1, 3, 6, 6, 12], dtype=torch.int32)
+    seq_q = torch.tensor([4, 0, 3, 0, 0], dtype=torch.int32)     # rows 1-4, 6-8
+    seq_kv = torch.tensor([0, 5, 2, 1, 0], dtype=torch.int32)
+    owned, blind = request_rows(starts, seq_q, seq_kv, 14, causal=True)
+    assert owned.nonzero().view(-1).tolist() == [1, 2, 3, 4, 6, 7, 8]
+    assert blind.nonzero().view(-1).tolist() == [1, 2, 3, 4, 6]    # request 0: no keys; 2: row 0 at p = -1
+
+
 # --- the calls, on the CPU emulator ----------------------------------------------------------
 @pytest.mark.parametrize("kv_lens,width,fused_qkv", [([40, 0, 16, 1], None, False), ([40, 0, 16, 1, 9], None, True),
                                                      ([7, 30], 16, False)])
@@ -340,8 +387,6 @@ def test_decode_metadata_gives_the_oracle_and_reads_nothing(fake_cudnn, kv_lens,
     q = torch.randn(batch, 8, 16).half()[:, :4] if fused_qkv else torch.randn(batch, 4, 16).half()
     out = nan_like((batch, 4, 16))
     args = dict(max_sequence_kv=max(kv_lens), actual_seq_lens_kv=lens, block_tables=table, out=out)
-    fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.25, WS, **args)          # warm: constants made
-    out.fill_(float("nan"))
     with fake_cudnn.guard.on():
         result = fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.25, WS, **args)
     assert result is out
@@ -351,6 +396,27 @@ def test_decode_metadata_gives_the_oracle_and_reads_nothing(fake_cudnn, kv_lens,
     assert call.opts.dense_rows and call.opts.batch == batch and call.geo.q_stride == tuple(q.stride())
     assert (call.pack[G.UID_TABLE_K] is table) == (table.shape[1] >= call.opts.max_pages)
     assert call.pack[G.UID_SEQ_KV].data_ptr() == lens.data_ptr(), "the caller's lengths, as they are"
+
+
+def test_first_call_of_a_new_batch_size_reads_nothing(fake_cudnn, monkeypatch):
+    """Nothing is made once with a sync: a batch size never seen before runs with every host read
+    (and torch.cuda's synchronize calls) raising."""
+    def no_sync(*args, **kwargs):
+        raise AssertionError("synchronize() during the call")
+
+    for target in (torch.cuda, torch.cuda.Stream, torch.cuda.Event):
+        monkeypatch.setattr(target, "synchronize", no_sync)
+    direct._ones_of_stream.cache_clear()
+    for batch in (11, 13):
+        k, v, table, lens = paged_data(list(range(3, 3 + batch)))
+        q = torch.randn(batch, 4, 16).half()
+        out = nan_like((batch, 4, 16))
+        with fake_cudnn.guard.on():
+            fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.25, WS, max_sequence_kv=3 + batch,
+                                                actual_seq_lens_kv=lens, block_tables=table, out=out)
+        assert fake_cudnn.calls[-1].opts.batch == batch
+        check(out, None, *reference([1] * batch, list(range(3, 3 + batch)), q, k, v, table, causal=False,
+                                    scale=0.25, page_size=4))
 
 
 def test_decode_buckets_share_a_graph_key_and_mark_cuda_graphs(fake_cudnn):
@@ -413,7 +479,9 @@ def test_prefill_with_caller_offsets_places_rows(fake_cudnn):
     g = torch.Generator().manual_seed(2)
     q = torch.randn(9, h, d, generator=g).half()
     k, v = (torch.randn(16, 2, d, generator=g).half() for _ in range(2))
-    out, lse = nan_like((11, h, d)), nan_like((11, h), torch.float32)
+    rows = [r for s, n in zip(o_rows, qo_lens) for r in range(s, s + n)]
+    gaps = [r for r in range(11) if r not in rows]
+    out, lse = sentinel_gaps((11, h, d), rows), sentinel_gaps((11, h), rows, torch.float32)
 
     def off(starts, total, stride):
         return torch.tensor(starts + [total], dtype=torch.int32) * stride
@@ -429,10 +497,29 @@ def test_prefill_with_caller_offsets_places_rows(fake_cudnn):
     packed_k = torch.cat([k[s:s + n] for s, n in zip(kv_rows, kv_lens)])
     packed_v = torch.cat([v[s:s + n] for s, n in zip(kv_rows, kv_lens)])
     ref_out, ref_lse = reference(qo_lens, kv_lens, packed_q, packed_k, packed_v, None, causal=True, scale=0.25)
-    rows = [r for s, n in zip(o_rows, qo_lens) for r in range(s, s + n)]
     check(out[rows], lse[rows], ref_out, ref_lse)
-    gaps = [r for r in range(11) if r not in rows]
-    assert out[gaps].isnan().all() and lse[gaps].isnan().all(), "rows of no request are not written"
+    assert (out[gaps] == GAP).all() and (lse[gaps] == GAP).all(), "rows of no request keep their values"
+
+
+@pytest.mark.parametrize("stats_offsets", [False, True])
+def test_rows_past_the_requests_keep_their_values(fake_cudnn, stats_offsets):
+    """Packed rows past sum(actual_seq_lens_q), and lse rows between caller offsets that differ from
+    out's, are neither written nor rescaled (a buffer shared across calls keeps its other rows)."""
+    qo_lens, kv_lens, h = [2, 3], [4, 0], 4
+    q = torch.randn(7, h, 16).half()
+    k, v = torch.randn(4, 2, 16).half(), torch.randn(4, 2, 16).half()
+    lse_rows, lse_total = ([1, 2, 5, 6, 7], 9) if stats_offsets else ([0, 1, 2, 3, 4], 7)
+    out, lse = sentinel_gaps((7, h, 16), range(5)), sentinel_gaps((lse_total, h), lse_rows, torch.float32)
+    for _ in range(2):                                          # a second call: gaps still as they were
+        fi.cudnn_batch_prefill_with_kv_cache(
+            q, k, v, 0.25, WS, max_token_per_sequence=3, max_sequence_kv=4, causal=False, return_lse=True,
+            actual_seq_lens_q=torch.tensor(qo_lens, dtype=torch.int32), out=out, lse=lse,
+            actual_seq_lens_kv=torch.tensor(kv_lens, dtype=torch.int32),
+            batch_offsets_stats=torch.tensor([1 * h, 5 * h, 9 * h], dtype=torch.int32) if stats_offsets else None)
+        ref_out, ref_lse = reference(qo_lens, kv_lens, q[:5], k, v, None, causal=False, scale=0.25)
+        check(out[:5], lse[lse_rows], ref_out, ref_lse)
+        lse_gaps = [r for r in range(lse_total) if r not in lse_rows]
+        assert (out[5:] == GAP).all() and (lse[lse_gaps] == GAP).all(), "rows of no request keep their values"
 
 
 def test_lse_of_packed_rows_when_only_out_has_offsets(fake_cudnn):
@@ -468,7 +555,7 @@ def test_checked_mode_names_bad_device_values(fake_cudnn, monkeypatch):
     bad_table[1, 3] = k.shape[0]
     readable = table.masked_fill(table == 999_999, 0)         # the extra page it reads exists
     run(actual_seq_lens_kv=bad_lens, block_tables=readable)   # unchecked: the caller's promise
-    monkeypatch.setenv(direct.CHECK_ENV, "1")
+    monkeypatch.setenv(checks.CHECK_INPUTS_ENV, "1")
     run()
     with pytest.raises(ValueError, match=r"actual_seq_lens_kv\[1\]=50 is outside the accepted range "
                                          r"\[0, max_sequence_kv=48\]"):
@@ -482,7 +569,7 @@ def test_checked_mode_names_bad_device_values(fake_cudnn, monkeypatch):
 
 
 def test_checked_mode_prefill(fake_cudnn, monkeypatch):
-    monkeypatch.setenv(direct.CHECK_ENV, "1")
+    monkeypatch.setenv(checks.CHECK_INPUTS_ENV, "1")
     base = prefill_args()
     with pytest.raises(ValueError, match=r"actual_seq_lens_q\[1\]=6 is outside the accepted range "
                                          r"\[0, max_token_per_sequence=5\]"):

@@ -241,6 +241,7 @@ def test_misaligned_q_is_an_error_not_a_crash():
 
 # --- FlashInfer's plan-less entry points: device metadata only, no host read --------------------
 import flashdispatch as fi  # noqa: E402
+from flashdispatch.backends.cudnn import direct as cudnn_direct  # noqa: E402
 
 
 def entry_cache(kv_lens, *, heads, page_size, dtype, dim=128, width=None, combined=False, seed=0):
@@ -373,7 +374,10 @@ def test_entry_prefill_with_caller_offsets():
     q_rows, o_rows, kv_rows = [0, 40, 40], [5, 50, 60], [3, 60, 90]
     q = torch.randn(110, h, d, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn(160, 2, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    rows = [r for s, n in zip(o_rows, qo_lens) for r in range(s, s + n)]
+    gaps = [r for r in range(130) if r not in rows]
     out, lse = nan_tensor(130, h, d, dtype=torch.bfloat16), nan_tensor(130, h, dtype=torch.float32)
+    out[gaps], lse[gaps] = 7.0, 7.0            # rows of no request: must keep these (NaN would survive x log2e)
 
     def off(rows, total, stride):
         return torch.tensor(rows + [total], dtype=torch.int32, device="cuda") * stride
@@ -385,10 +389,10 @@ def test_entry_prefill_with_caller_offsets():
         batch_offsets_q=off(q_rows, 110, h * d), batch_offsets_o=off(o_rows, 130, h * d),
         batch_offsets_stats=off(o_rows, 130, h), batch_offsets_k=off(kv_rows, 160, 2 * d),
         batch_offsets_v=off(kv_rows, 160, 2 * d), out=out, lse=lse)
-    rows = [r for s, n in zip(o_rows, qo_lens) for r in range(s, s + n)]
     packed = [torch.cat([t[s:s + n] for s, n in zip(starts, lens)]) for t, starts, lens in
               ((q, q_rows, qo_lens), (k, kv_rows, kv_lens), (v, kv_rows, kv_lens))]
     assert_matches(out[rows], lse[rows], *entry_reference(*packed, None, qo_lens, kv_lens, causal=True, scale=0.08))
+    assert (out[gaps] == 7).all() and (lse[gaps] == 7).all(), "rows of no request keep their values"
 
 
 def test_entry_points_do_not_synchronise():
@@ -397,18 +401,25 @@ def test_entry_points_do_not_synchronise():
     lens_q = torch.tensor([5, 7, 2], dtype=torch.int32, device="cuda")
     qp = torch.randn(14, 32, 128, dtype=torch.bfloat16, device="cuda")
 
-    def calls():
+    # a batch size no other test uses: its decode graph and seq_len_q ones are made under "error" too
+    k7, v7, table7, lens7 = entry_cache([300, 7, 0, 45, 19, 1, 64], heads=(32, 8), page_size=16,
+                                        dtype=torch.bfloat16, width=20)
+    q7 = torch.randn(7, 32, 128, dtype=torch.bfloat16, device="cuda")
+
+    def calls(q, k, v, table, lens):
         fi.cudnn_batch_decode_with_kv_cache(q, k, v, 0.1, entry_ws(), max_sequence_kv=320, actual_seq_lens_kv=lens,
                                             block_tables=table)
         fi.cudnn_batch_prefill_with_kv_cache(qp, k, v, 0.1, entry_ws(), max_token_per_sequence=8,
-                                             max_sequence_kv=320, actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens,
-                                             block_tables=table, causal=True, return_lse=True)
+                                             max_sequence_kv=320, actual_seq_lens_q=lens_q, actual_seq_lens_kv=lens[:3],
+                                             block_tables=table[:3], causal=True, return_lse=True)
 
-    calls()                                   # first call of the buckets: builds, makes constants
+    calls(q, k, v, table, lens)               # first call of the buckets: builds their graphs
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        calls()
+        calls(q, k, v, table, lens)
+        cudnn_direct._ones_of_stream.cache_clear()
+        calls(q7, k7, v7, table7, lens7)      # new decode batch (graph built here), prefill bucket as before
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

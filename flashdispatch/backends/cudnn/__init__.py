@@ -48,6 +48,8 @@ def _fmt(v: int | None) -> str:
 
 
 class CudnnBackend(Backend):
+    """cuDNN SDPA through nvidia-cudnn-frontend: paged decode, paged and ragged prefill."""
+
     name = "cudnn"
     packages = ("cudnn",)
     caps = {
@@ -80,6 +82,7 @@ class CudnnBackend(Backend):
 
     @classmethod
     def version(cls) -> str | None:
+        """The frontend's version and the cuDNN it loaded (and torch's), or None without the frontend."""
         fe = package_version("nvidia-cudnn-frontend")
         if fe is None:
             return None
@@ -92,6 +95,8 @@ class CudnnBackend(Backend):
 
     @classmethod
     def extra_checks(cls, problem: Problem, device: Device) -> list[Reason]:
+        """What the caps cannot say: one dtype for q/kv/o, head dims by architecture, GQA decode
+        lse, the loaded cuDNN version."""
         reasons = []
         if not problem.q_dtype == problem.kv_dtype == problem.o_dtype:
             reasons.append(Reason("dtype", f"q/kv/o dtypes {dtype_name(problem.q_dtype)}/{dtype_name(problem.kv_dtype)}/"
@@ -118,11 +123,13 @@ class CudnnBackend(Backend):
         return reasons
 
     def plan(self, problem: Problem, device: Device, params: AttentionParams) -> CudnnPlan:
+        """A `CudnnPlan`: the bucket's graph options and the device metadata, written without a sync."""
         if problem.op not in self.caps:
             raise NotImplementedError(f"cudnn does not plan {problem.op}")
         return CudnnPlan(problem, device, params)
 
     def run(self, plan: CudnnPlan, inputs: AttentionInputs) -> None:
+        """Run ``plan`` on ``inputs`` (`CudnnPlan.run`)."""
         plan.run(inputs)
 
 

@@ -12,15 +12,15 @@ driven by the same lengths.
 
 What only the device values could prove (lengths within the maxima, page ids within the cache,
 offsets within the tensors) is the caller's promise, as in FlashInfer. With the environment
-variable FLASHDISPATCH_CHECK_INPUTS=1 each call reads them back and checks them (a host sync;
-skipped while a CUDA graph is being captured).
+variable FLASHDISPATCH_CHECK_INPUTS=1 (`checks.device_values_checked`) each call reads them back
+and checks them (a host sync; skipped while a CUDA graph is being captured).
 
 CUDA graphs: a call can be captured once the graph of its bucket and tensor layout exists, so the
 first call of each bucket must run eagerly; a capture that would need a new graph raises.
 """
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 
@@ -30,17 +30,11 @@ from ...dispatch.reasons import Reason, Unsupported
 from . import CudnnBackend, graphs
 from .graphs import Geometry, GraphOptions, capturing
 from .handles import handle_on_current_stream
-from .plan import INT32_MAX, NEG_INF, blind_rows, bucket_options, byte_view
+from .plan import INT32_MAX, NEG_INF, bucket_options, byte_view, request_rows
 
-CHECK_ENV = "FLASHDISPATCH_CHECK_INPUTS"
-DTYPES = (torch.float16, torch.bfloat16)
 DECODE = "cudnn_batch_decode_with_kv_cache"
 PREFILL = "cudnn_batch_prefill_with_kv_cache"
-
-
-def checking() -> bool:
-    """Whether FLASHDISPATCH_CHECK_INPUTS=1 asks to check the device values of every call."""
-    return os.environ.get(CHECK_ENV) == "1"
+ONES_CACHE_SIZE = 64    # decode's [batch] ones kept per (device, stream, batch)
 
 
 # --- argument checks (host only) ------------------------------------------------------------
@@ -102,6 +96,8 @@ def output(t, name: str, shape: tuple, dtype: torch.dtype, device: torch.device,
 
 
 def check_int32(name: str, rows: int, stride: int) -> None:
+    """Refuse a tensor of ``rows`` rows of ``stride`` elements whose element offsets pass int32 (the
+    type of cuDNN's ragged offsets); ``name`` names the tensor or its offsets in the error."""
     if rows * stride > INT32_MAX:
         raise ValueError(f"cudnn: {name} spans {rows} rows of {stride} elements, past cuDNN's int32 ragged "
                          f"offsets ({INT32_MAX})")
@@ -123,27 +119,23 @@ def cudnn_problem(what: str, device: torch.device, **fields) -> Problem:
 
 
 # --- device metadata (device ops only) -------------------------------------------------------
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
-def constant(key: tuple, device: torch.device, make) -> torch.Tensor:
-    """A small device tensor made by ``make()``, kept for the process (a captured CUDA graph may read
-    it at any replay, so it is never freed). Made once, then synchronised so that every stream can
-    use it; during a capture it is made afresh and not kept (the capture replays its making)."""
-    t = _CONSTANTS.get((device, *key))
-    if t is None:
-        t = make()
-        if capturing(device):
-            return t
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        _CONSTANTS[(device, *key)] = t
-    return t
+@functools.lru_cache(maxsize=ONES_CACHE_SIZE)
+def _ones_of_stream(device: torch.device, stream: int, batch: int) -> torch.Tensor:
+    return torch.ones(batch, dtype=torch.int32, device=device)
 
 
 def ones(batch: int, device: torch.device) -> torch.Tensor:
-    """[batch] int32 ones: decode's seq_len_q (one query row per request)."""
-    return constant(("ones", batch), device, lambda: torch.ones(batch, dtype=torch.int32, device=device))
+    """[batch] int32 ones: decode's seq_len_q (one query row per request), with no host sync.
+
+    Made on the current stream and kept in a small LRU cache keyed by (device, stream, batch): a
+    later call on that stream reads it after its making, in stream order (an evicted one goes back
+    to that stream's memory pool, reused in stream order too). During a CUDA-graph capture it is
+    made afresh in the graph's memory pool (each replay remakes it) and not cached, so no captured
+    graph reads a cached tensor that eviction could free."""
+    if capturing(device):
+        return torch.ones(batch, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return _ones_of_stream(device, stream, batch)
 
 
 def fit(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -183,6 +175,8 @@ def table_width(block_tables: torch.Tensor, opts: GraphOptions) -> int:
 
 
 def fitted_table(block_tables: torch.Tensor, opts: GraphOptions, width: int) -> torch.Tensor:
+    """The block table handed to cuDNN: the caller's own when `table_width` gave ``width`` >= 0,
+    else a zeroed [opts.batch, opts.max_pages] copy of its rows and first columns (device ops)."""
     if width >= 0:
         return block_tables
     b, w = block_tables.shape
@@ -233,7 +227,7 @@ def batch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     graphs.check_alignment({"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}, None)
     if batch == 0:
         return out
-    if checking() and not capturing(dev):
+    if checks.device_values_checked() and not capturing(dev):
         check_lengths_on_host("actual_seq_lens_kv", seq_kv, "max_sequence_kv", max_sequence_kv)
         check_pages_on_host(block_tables, seq_kv, page_size, k_cache.shape[0])
     opts = bucket_options(problem, dev.index, batch=batch, max_q=1, max_kv=max_sequence_kv)
@@ -302,7 +296,7 @@ def batch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             check_int32(f"batch_offsets_{key}" if off[key] is not None else key, t.shape[0], t.stride(0))
     if batch == 0 or total_q == 0:
         return out, lse
-    if checking() and not capturing(dev):
+    if checks.device_values_checked() and not capturing(dev):
         check_prefill_on_host(seq_q, seq_kv, max_token_per_sequence, max_sequence_kv, rows, off,
                               block_tables, page_size, k_cache.shape[0])
     opts = bucket_options(problem, dev.index, batch=batch, max_q=max_token_per_sequence, max_kv=max_sequence_kv)
@@ -318,6 +312,7 @@ def batch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kv = indptr(seq_kv) if not paged and (off["k"] is None or off["v"] is None) else None
 
     def offs(key: str, ind: torch.Tensor | None) -> torch.Tensor:
+        """[B + 1] element offsets of ``key``'s rows: the caller's, padded, or the packed ``ind``."""
         return fit_offsets(off[key], B + 1) if off[key] is not None else ind * rows[key].stride(0)
 
     pack = {G.UID_Q: q, G.UID_K: k_cache, G.UID_V: v_cache, G.UID_O: out, G.UID_SEQ_Q: seq_q, G.UID_SEQ_KV: seq_kv,
@@ -330,28 +325,33 @@ def batch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         pack[G.UID_K_OFF], pack[G.UID_V_OFF] = offs("k", kv), offs("v", kv)
     execute(built, pack, workspace, sm_scale, dev.index)
 
-    def blind(t: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
-        """Rows of ``t`` that see no key; a request's first row is its packed prefix sum, or the
-        caller's element offset over the row stride."""
+    def rows_of(t: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owned, blind) rows of ``t`` (`request_rows`); a request's first row is its packed prefix
+        sum, or the caller's element offset over the row stride."""
+        given = pack[G.UID_O_OFF if key == "o" else G.UID_STATS_OFF] if off[key] is not None else None
         starts = qo[:-1] if given is None else torch.div(given[:-1], t.stride(0), rounding_mode="floor")
-        return blind_rows(starts, seq_q, seq_kv, t.shape[0], causal)
+        return request_rows(starts, seq_q, seq_kv, t.shape[0], causal)
 
-    blind_out = blind(out, pack[G.UID_O_OFF] if off["o"] is not None else None)
+    owned_out, blind_out = rows_of(out, "o")
     out.masked_fill_(blind_out[:, None, None], 0.0)
     if lse is not None:
-        lse.mul_(graphs.LOG2E)
+        # cuDNN's natural-log stats -> base 2 on the requests' rows only: rows of no request (gaps
+        # between caller offsets, rows past the packed total) keep what the caller had there
         same_rows = off["o"] is None and off["stats"] is None
-        blind_lse = blind_out if same_rows else blind(lse, pack[G.UID_STATS_OFF] if off["stats"] is not None else None)
+        owned, blind_lse = (owned_out, blind_out) if same_rows else rows_of(lse, "stats")
+        lse.mul_(torch.where(owned, graphs.LOG2E, 1.0)[:, None])
         lse.masked_fill_(blind_lse[:, None], NEG_INF)
     return out, lse
 
 
 # --- FLASHDISPATCH_CHECK_INPUTS=1: the device values, read back and checked ----------------------
 def _host(t: torch.Tensor) -> list[int]:
+    """The values of int tensor ``t`` on the host (a device->host copy: checked mode only)."""
     return t.detach().to("cpu", torch.int64).reshape(-1).tolist()
 
 
 def check_lengths_on_host(name: str, lens: torch.Tensor, limit_name: str, limit: int) -> list[int]:
+    """Read ``lens`` and check each is in [0, limit]; returns them as host ints."""
     values = _host(lens)
     for b, n in enumerate(values):
         if not 0 <= n <= limit:
@@ -360,6 +360,8 @@ def check_lengths_on_host(name: str, lens: torch.Tensor, limit_name: str, limit:
 
 
 def check_pages_on_host(block_tables: torch.Tensor, lens, page_size: int, num_pages: int) -> None:
+    """Read the block table and check that the pages each request reads (ceil(lens[b] / page_size)
+    first entries of its row) are pages of the cache; ``lens`` host ints or a device tensor."""
     table = block_tables.detach().cpu().tolist()
     for b, n in enumerate(lens if isinstance(lens, list) else _host(lens)):
         used = -(-n // page_size)
@@ -384,6 +386,9 @@ def check_offsets_on_host(name: str, given: torch.Tensor, lens: list[int], t: to
 
 def check_prefill_on_host(seq_q, seq_kv, max_q: int, max_kv: int, rows: dict, off: dict, block_tables,
                           page_size: int, num_pages: int) -> None:
+    """Checked mode of `batch_prefill`: lengths within the maxima, pages within the cache, and each
+    of q/o/stats/k/v (``rows``: its tensor or None) holding its requests' rows, at the caller's
+    offsets (``off``) or packed."""
     q_lens = check_lengths_on_host("actual_seq_lens_q", seq_q, "max_token_per_sequence", max_q)
     kv_lens = check_lengths_on_host("actual_seq_lens_kv", seq_kv, "max_sequence_kv", max_kv)
     if block_tables is not None:

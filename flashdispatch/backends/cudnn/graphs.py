@@ -86,6 +86,8 @@ class Geometry:
 
 @dataclass
 class BuiltGraph:
+    """A built cuDNN graph, the workspace bytes it needs and the seconds its build took."""
+
     graph: object
     workspace_size: int
     build_seconds: float
@@ -131,9 +133,11 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
     dqk, dvo = opts.head_dim_qk, opts.head_dim_vo
 
     def offsets(name: str, uid: int):
+        """A [batch + 1] int32 ragged-offset tensor of the graph."""
         return g.tensor(name=name, dim=[B + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32, uid=uid)
 
     def lengths(name: str, uid: int):
+        """A [batch] int32 sequence-length tensor of the graph."""
         return g.tensor(name=name, dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32, uid=uid)
 
     dense = opts.dense_rows
@@ -218,6 +222,7 @@ class GraphCache:
         self._lock = threading.Lock()
 
     def get(self, opts: GraphOptions, geo: Geometry) -> BuiltGraph | None:
+        """The graph of this bucket and layout (now the most recently used), or None."""
         with self._lock:
             built = self._graphs.get((opts, geo))
             if built is not None:
@@ -225,6 +230,7 @@ class GraphCache:
             return built
 
     def put(self, opts: GraphOptions, geo: Geometry, built: BuiltGraph) -> None:
+        """Keep ``built``, evicting the least recently used graphs past the capacity."""
         with self._lock:
             self._graphs[(opts, geo)] = built
             self._graphs.move_to_end((opts, geo))
@@ -235,6 +241,7 @@ class GraphCache:
         return len(self._graphs)
 
     def clear(self) -> None:
+        """Drop every cached graph."""
         with self._lock:
             self._graphs.clear()
 

@@ -82,17 +82,29 @@ def graph_options(problem: Problem, device: Device, params: AttentionParams) -> 
                           max_q=max(params.qo_lens_host, default=0), max_kv=max(params.kv_lens_host, default=0))
 
 
-def blind_rows(starts: torch.Tensor, seq_q: torch.Tensor, seq_kv: torch.Tensor, n_rows: int,
-               causal: bool) -> torch.Tensor:
-    """bool [n_rows], on the device: rows that see no key. Request b owns rows starts[b] ..
-    starts[b] + seq_q[b] - 1 (``starts`` non-decreasing); its row i sees no key when
-    seq_kv[b] == 0 or, causal, when i + seq_kv[b] - seq_q[b] < 0. Rows of no request: False."""
+def request_rows(starts: torch.Tensor, seq_q: torch.Tensor, seq_kv: torch.Tensor, n_rows: int,
+                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owned, blind): bool [n_rows] on the device, with device ops only. Request b owns rows
+    starts[b] .. starts[b] + seq_q[b] - 1 (``starts`` non-decreasing, requests with rows not
+    overlapping; a request with no rows may start anywhere); ``owned`` marks the rows of some
+    request. ``blind`` marks the owned rows that see no key: row i of request b when seq_kv[b] == 0
+    or, causal, when i + seq_kv[b] - seq_q[b] < 0."""
     rows = torch.arange(n_rows, device=starts.device, dtype=starts.dtype)
-    req = (torch.searchsorted(starts, rows, right=True) - 1).clamp_(min=0)
+    # the request of a row is the first whose end lies past it (running max: empty requests
+    # starting inside an earlier request's rows end before it)
+    ends = torch.cummax(starts + seq_q, 0).values
+    req = torch.searchsorted(ends, rows, right=True).clamp_(max=starts.numel() - 1)
     i = rows - starts[req]
     q_len, kv_len = seq_q[req], seq_kv[req]
+    owned = (i >= 0) & (i < q_len)
     blind = i + kv_len < q_len if causal else kv_len == 0
-    return blind & (i >= 0) & (i < q_len)
+    return owned, blind & owned
+
+
+def blind_rows(starts: torch.Tensor, seq_q: torch.Tensor, seq_kv: torch.Tensor, n_rows: int,
+               causal: bool) -> torch.Tensor:
+    """The ``blind`` mask of `request_rows`: rows of a request that see no key (others False)."""
+    return request_rows(starts, seq_q, seq_kv, n_rows, causal)[1]
 
 
 class _Metadata:
@@ -110,6 +122,7 @@ class _Metadata:
 
     @staticmethod
     def sizes(opts: GraphOptions) -> dict[str, int]:
+        """int32 element count of each slot the graph of ``opts`` reads."""
         B = opts.batch
         sizes = {"seq_q": B, "seq_kv": B, "qo_indptr": B + 1}
         if not opts.dense_rows:
@@ -122,6 +135,7 @@ class _Metadata:
 
     @staticmethod
     def size(opts: GraphOptions) -> int:
+        """Bytes of all slots, each aligned to ALIGN."""
         return sum(_aligned(4 * n) for n in _Metadata.sizes(opts).values())
 
     def __getitem__(self, name: str) -> torch.Tensor:
