@@ -35,6 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .trig import sincos
+
 WORK_COLS = 8
 
 
@@ -49,8 +51,7 @@ def _rope(x1, x2, pos, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM: tl.
     """Rotate-half RoPE of (x1, x2) = the two halves, [rows, HALF], at positions pos [rows]."""
     inv_freq = tl.exp2(-(offs_half.to(tl.float32) * (2.0 / HEAD_DIM)) * rope_log2_theta)
     angle = (pos.to(tl.float32) * rope_rcp_scale)[:, None] * inv_freq[None, :]
-    c = tl.cos(angle)
-    s = tl.sin(angle)
+    s, c = sincos(angle)
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 

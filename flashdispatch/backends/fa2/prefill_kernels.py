@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .trig import sincos
+
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 WORK_COLS = 10  # int32 per work item, see the module docstring
 _WORK_COLS = tl.constexpr(WORK_COLS)
@@ -50,7 +52,8 @@ def _rope(x, x_partner, pos, offs_d, HALF: tl.constexpr, HEAD_QK: tl.constexpr,
     inv_freq = tl.exp2(-(2.0 * t / HEAD_QK) * rope_log2_theta)
     angle = (pos.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
     sign = tl.where(offs_d < HALF, -1.0, 1.0)
-    return x * tl.cos(angle) + (sign[None, :] * x_partner) * tl.sin(angle)
+    sin_a, cos_a = sincos(angle)
+    return x * cos_a + (sign[None, :] * x_partner) * sin_a
 
 
 @triton.jit

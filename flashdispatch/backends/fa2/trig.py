@@ -1,0 +1,52 @@
+"""sin and cos of fp32 RoPE angles from plain Triton arithmetic (shared by the fa2 kernels).
+
+``tl.sin``/``tl.cos`` lower to libdevice's precise sinf/cosf, whose large-argument path
+(Payne-Hanek) is inlined at every use; in the unrolled RoPE tiles that made a first compile take
+tens of seconds. ``sincos`` is about 22 mul/add/floor/bit operations per element and runs the
+same way under TRITON_INTERPRET=1.
+
+Method: k = nearest integer to x / pi, r = x - k*pi by Cody-Waite with pi = C1 + C2 + C3 (C1 has
+12 significant bits, so k*C1 and x - k*C1 are exact for |k| < 2^12, i.e. |x| < 12867; above, the
+rounding of k*C1 adds at most 2^-24 |x|, which is the fp32 angle's own rounding), then
+sin x = (-1)^k sin r, cos x = (-1)^k cos r with
+sin r = r + r^3 (s1 + s2 r^2 + s3 r^4 + s4 r^6) and cos r = 1 - r^2/2 + r^4 (c1 + ... + c4 r^6),
+fitted near-minimax in absolute error on |r| <= 1.8 (fit errors 2.0e-8 and 2.0e-9; the rounded
+estimate of k leaves |r| up to 1.67 at |x| = 2^21, not pi/2).
+
+Measured against float64 sin/cos (tests/test_fa2_trig.py): |error| <= 7.5e-8 for |x| < 1,
+<= 1.9e-7 for |x| < 12867, and <= 2^-24 |x| + 2e-7 above; at most 0.5 of the RoPE budget
+2e-7 + 2^-23 |x| over |x| <= 4e6 (positions up to 2^21 give angles up to 2^21).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INV_PI = tl.constexpr(0.3183098861837907)
+PI_C1 = tl.constexpr(3.140625)  # 3216 / 2^10
+PI_C2 = tl.constexpr(0.0009676535846665502)  # fp32(pi - C1)
+PI_C3 = tl.constexpr(5.126565838509123e-12)  # fp32(pi - C1 - C2)
+SIN_1 = tl.constexpr(-0.16666638851165771)
+SIN_2 = tl.constexpr(0.008332626894116402)
+SIN_3 = tl.constexpr(-0.00019782193703576922)
+SIN_4 = tl.constexpr(2.5530280254315585e-06)
+COS_1 = tl.constexpr(0.04166663438081741)
+COS_2 = tl.constexpr(-0.0013888173270970583)
+COS_3 = tl.constexpr(2.4746481358306482e-05)
+COS_4 = tl.constexpr(-2.578025259936112e-07)
+
+
+@triton.jit
+def sincos(x):
+    """(sin x, cos x) of an fp32 tensor (accuracy: see the module docstring)."""
+    k = tl.floor(x * INV_PI + 0.5)
+    r = x - k * PI_C1
+    r = r - k * PI_C2
+    r = r - k * PI_C3
+    u = r * r
+    s = r + (r * u) * (SIN_1 + u * (SIN_2 + u * (SIN_3 + u * SIN_4)))
+    c = (1.0 - 0.5 * u) + (u * u) * (COS_1 + u * (COS_2 + u * (COS_3 + u * COS_4)))
+    flip = (k.to(tl.int32) & 1) << 31  # sign bit set for odd k
+    s = (s.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
+    c = (c.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
+    return s, c

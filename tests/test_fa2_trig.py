@@ -1,0 +1,117 @@
+"""fa2 RoPE trig (flashdispatch/backends/fa2/trig.py) against float64 sin/cos.
+
+The budget is |error| <= 2e-7 + 2^-23 |x| over the angles RoPE can reach (positions up to 2^21,
+rope_scale >= 1, theta 1e4..1e6: |x| <= 2^21); the fp32 angle itself is only that accurate. The
+helper runs under the Triton interpreter here; a numpy float32 mirror of the same arithmetic must
+agree with it bit for bit, and sweeps more values.
+"""
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from flashdispatch.backends.fa2 import trig
+from flashdispatch.backends.fa2.trig import sincos
+
+F32 = np.float32
+EXACT_REDUCTION = 12800.0  # |x / pi| < 2^12: k * C1 is exact, r is exact up to its last rounding
+
+
+def half_budget(x: np.ndarray) -> np.ndarray:
+    """What trig.py claims: 2e-7 plus the rounding of k * C1 (2^-24 |x|) where it is inexact."""
+    ax = np.abs(x.astype(np.float64))
+    return 2e-7 + np.where(ax < EXACT_REDUCTION, 0.0, 2.0 ** -24 * ax)
+
+
+@triton.jit
+def _sincos_kernel(X, S, C, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0)
+    s, c = sincos(x)
+    tl.store(S + offs, s, mask=offs < n)
+    tl.store(C + offs, c, mask=offs < n)
+
+
+def triton_sincos(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=F32))
+    s, c = torch.full_like(xt, float("nan")), torch.full_like(xt, float("nan"))
+    block = 1 << 16
+    _sincos_kernel[(triton.cdiv(xt.numel(), block),)](xt, s, c, xt.numel(), BLOCK=block)
+    return s.numpy(), c.numpy()
+
+
+def mirror_sincos(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """trig.sincos in numpy float32, operation for operation."""
+    const = {name: F32(value.value) for name, value in vars(trig).items() if isinstance(value, tl.constexpr)}
+    x = x.astype(F32)
+    k = np.floor(x * const["INV_PI"] + F32(0.5))
+    r = x - k * const["PI_C1"]
+    r = r - k * const["PI_C2"]
+    r = r - k * const["PI_C3"]
+    u = r * r
+    s = r + (r * u) * (const["SIN_1"] + u * (const["SIN_2"] + u * (const["SIN_3"] + u * const["SIN_4"])))
+    c = (F32(1.0) - F32(0.5) * u) + (u * u) * (const["COS_1"] + u * (const["COS_2"] + u * (const["COS_3"]
+                                                                                            + u * const["COS_4"])))
+    flip = (k.astype(np.int32) & 1) << 31
+    return (s.view(np.int32) ^ flip).view(F32), (c.view(np.int32) ^ flip).view(F32)
+
+
+def rope_angles(rng: np.random.Generator, n: int) -> np.ndarray:
+    """fp32 angles as the kernels form them: (pos / rope_scale) * theta^(-2t/d)."""
+    pos = rng.integers(0, 1 << 21, n).astype(F32)
+    scale = rng.choice(np.array([1.0, 2.0, 8.0, 32.0], F32), n)
+    d = rng.choice(np.array([64, 128, 256]), n)
+    t = (rng.integers(0, 1 << 20, n) % (d // 2)).astype(F32)
+    log2_theta = np.log2(rng.choice(np.array([1e4, 5e5, 1e6]), n)).astype(F32)
+    inv_freq = np.exp2(-(F32(2.0) * t / d.astype(F32)) * log2_theta)
+    return (pos * (F32(1.0) / scale)) * inv_freq
+
+
+def sample_angles(seed: int = 0) -> np.ndarray:
+    """~1.75e6 random and edge angles (near multiples of pi/4) in [-2^21, 2^21], and 3e6."""
+    rng = np.random.default_rng(seed)
+    near_quadrants = F32(np.arange(1, 1 << 21, 7) * (np.pi / 4))  # every 7th multiple of pi/4
+    edges = np.concatenate([
+        near_quadrants, np.nextafter(near_quadrants, F32(np.inf)), np.nextafter(near_quadrants, F32(0)),
+        np.array([0.0, 1e-30, 1e-7, 0.5, np.pi / 4, np.pi / 2, np.pi, 12866.0, 12868.0, 2 ** 21 - 0.25, 2 ** 21,
+                  3e6], F32)])
+    parts = [rng.uniform(0, 2 ** 21, 300_000), np.exp(rng.uniform(np.log(1e-6), np.log(2 ** 21), 200_000)),
+             rng.uniform(0, 64, 100_000), -rng.uniform(0, 2 ** 21, 50_000), rope_angles(rng, 200_000), edges]
+    return np.concatenate([np.asarray(p).astype(F32) for p in parts])
+
+
+def errors(x: np.ndarray, s: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    xd = x.astype(np.float64)
+    return np.abs(s - np.sin(xd)), np.abs(c - np.cos(xd))
+
+
+def test_triton_sincos_within_budget():
+    x = sample_angles()
+    s, c = triton_sincos(x)
+    assert np.isfinite(s).all() and np.isfinite(c).all()
+    err_s, err_c = errors(x, s, c)
+    budget = 2e-7 + 2.0 ** -23 * np.abs(x.astype(np.float64))
+    assert (err_s <= budget).all(), f"sin: worst {err_s.max():.3g} at x={x[np.argmax(err_s / budget)]}"
+    assert (err_c <= budget).all(), f"cos: worst {err_c.max():.3g} at x={x[np.argmax(err_c / budget)]}"
+    assert (err_s <= half_budget(x)).all() and (err_c <= half_budget(x)).all()
+    small = np.abs(x) < 1.0
+    assert max(err_s[small].max(), err_c[small].max()) <= 1e-7
+
+
+def test_mirror_matches_triton_bitwise():
+    x = sample_angles(seed=1)
+    s, c = triton_sincos(x)
+    ms, mc = mirror_sincos(x)
+    np.testing.assert_array_equal(s, ms)
+    np.testing.assert_array_equal(c, mc)
+
+
+@pytest.mark.parametrize("lo,hi", [(0.0, 4.0), (4.0, EXACT_REDUCTION), (EXACT_REDUCTION, 2.0 ** 21), (2.0 ** 21, 4e6)])
+def test_mirror_sweep(lo, hi):
+    """Ten times more values through the numpy mirror, per magnitude range, both signs."""
+    rng = np.random.default_rng(int(lo))
+    x = (rng.uniform(lo, hi, 2_000_000) * rng.choice([-1.0, 1.0], 2_000_000)).astype(F32)
+    err_s, err_c = errors(x, *mirror_sincos(x))
+    assert (err_s <= half_budget(x)).all() and (err_c <= half_budget(x)).all(), (lo, hi, err_s.max(), err_c.max())
+
