@@ -11,6 +11,7 @@ compare with `assert_close`.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from operator import mul
 
@@ -439,3 +440,17 @@ def assert_close(out, lse, ref_out, ref_lse, tol: float) -> None:
         diff = (lse_c[~empty] - ref_lse_c[~empty]).abs().max().item()
         bound = tol * max(1.0, ref_lse_c[~empty].abs().max().item())
         assert diff <= bound, f"lse max abs err {diff:.3g} > {bound:.3g}"
+
+
+def reference_backend_result(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out float32, lse) of the reference backend on the same problem, params and inputs (fresh
+    buffers): what the GPU tests compare a kernel with."""
+    from flashdispatch.backends.reference import BACKEND
+    backend = BACKEND()
+    problem = case.problem.with_(o_dtype=torch.float32, return_lse=True)
+    q = case.inputs.q
+    inputs = dataclasses.replace(
+        case.inputs, out=torch.empty(*q.shape[:2], problem.head_dim_vo, dtype=torch.float32, device=q.device),
+        lse=torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device))
+    backend.run(backend.plan(problem, case.device, case.params), inputs)
+    return inputs.out, inputs.lse

@@ -10,14 +10,13 @@ values, and the same range cases.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from flashdispatch.backends.common import TRITON_INTERPRETED
 
-from oracle import assert_close, make_paged_case
+from oracle import assert_close, make_paged_case, reference_backend_result
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP16 = {"fp8_dot_dtype": "fp16"}
@@ -151,21 +150,8 @@ def test_cpu_knob_off_for_half_kv_and_validated():
 
 
 # --- GPU ------------------------------------------------------------------------------------
-def _reference(case):
-    """(out float32, lse) of the reference backend on the same problem and inputs."""
-    from flashdispatch.backends.reference import BACKEND
-    backend = BACKEND()
-    problem = case.problem.with_(o_dtype=torch.float32, return_lse=True)
-    q = case.inputs.q
-    inputs = dataclasses.replace(
-        case.inputs, out=torch.empty(*q.shape[:2], problem.head_dim_vo, dtype=torch.float32, device=q.device),
-        lse=torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device))
-    backend.run(backend.plan(problem, case.device, case.params), inputs)
-    return inputs.out, inputs.lse
-
-
 def _check_gpu(case, config, **params):
-    ref_out, ref_lse = _reference(case)
+    ref_out, ref_lse = reference_backend_result(case)
     _run(case, config, **params)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, GPU_TOL[case.problem.kv_dtype])
 

@@ -9,26 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from oracle import assert_close, make_paged_case
+from oracle import assert_close, make_paged_case, reference_backend_result
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float8_e4m3fn: 8e-2, torch.float8_e5m2: 1.5e-1}
 WORKSPACE_BYTES = 128 << 20
-
-
-def reference(case):
-    """(out float32, lse) of the reference backend on the same problem, params and inputs."""
-    from flashdispatch.backends.reference import BACKEND
-    backend = BACKEND()
-    problem = case.problem.with_(o_dtype=torch.float32, return_lse=True)
-    q = case.inputs.q
-    inputs = dataclasses.replace(
-        case.inputs, out=torch.empty(*q.shape[:2], problem.head_dim_vo, dtype=torch.float32, device=q.device),
-        lse=torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device))
-    backend.run(backend.plan(problem, case.device, case.params), inputs)
-    return inputs.out, inputs.lse
 
 
 def _case(kv_lens, **kw):
@@ -55,7 +42,7 @@ def _run(case, config=None, **params):
 
 
 def _check(case, **kw):
-    ref_out, ref_lse = reference(case)
+    ref_out, ref_lse = reference_backend_result(case)
     _run(case, **kw)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])
 
@@ -130,7 +117,7 @@ def test_cuda_graph_replay_after_replan():
     inputs.lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    ref_out, ref_lse = reference(dataclasses.replace(case, params=prm_b))
+    ref_out, ref_lse = reference_backend_result(dataclasses.replace(case, params=prm_b))
     assert_close(inputs.out, inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])
 
 
