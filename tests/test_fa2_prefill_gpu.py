@@ -237,3 +237,19 @@ def test_split_batch_invariance():
         lse=torch.full_like(inp.lse[rows], float("nan"))))
     assert run_split(sub, fixed=64).n_merge > 0
     assert torch.equal(sub.inputs.out, inp.out[rows]) and torch.equal(sub.inputs.lse, inp.lse[rows])
+
+
+def test_autotune_runs_the_winner_and_keeps_it():
+    """FLASHDISPATCH_FA2_AUTOTUNE's mechanism on real GPU timings: every candidate compiles and
+    runs, the result is the reference's, and the bucket's next plan is the winner's config."""
+    from flashdispatch.backends.fa2 import tuning
+    tuning.clear()
+    case = make_paged_case(qo_lens=[300, 77], kv_lens=[900, 500], page_size=16, num_qo_heads=8, num_kv_heads=2,
+                           head_dim_qk=128, q_dtype=BF16, mask_mode="causal", device="cuda", seed=4)
+    plan = plan_prefill(case.problem, case.device, case.params, autotune=True)
+    plan.run(case.inputs)
+    torch.cuda.synchronize()
+    assert not plan.failures and len(plan.timings) == len(tuning.candidates(case.problem, plan.configs[0]))
+    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[BF16])
+    assert plan_prefill(case.problem, case.device, case.params, autotune=True).config == plan.plan.config
+    tuning.clear()

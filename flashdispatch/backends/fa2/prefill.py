@@ -26,6 +26,7 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
 from .launch import BoundKernel, bind
+from . import tuning
 from .merge import MERGE_INFO_COLS, launch_decode_merge
 from .prefill_kernels import WORK_COLS, fa2_prefill_kernel, mask_tile_classes_kernel, mask_tile_list_kernel
 
@@ -401,11 +402,20 @@ class PrefillPlan:
 
 
 def plan_prefill(problem: Problem, device: Device, params: AttentionParams,
-                 config: PrefillConfig | None = None) -> PrefillPlan:
+                 config: PrefillConfig | None = None, autotune: bool | None = None):
     """Plan a paged or ragged prefill. ``config`` (or FLASHDISPATCH_FA2_PREFILL_CONFIG) overrides
-    the per-head-dim tile sizes, e.g. for a benchmark sweep."""
+    the per-head-dim tile sizes, e.g. for a benchmark sweep. ``autotune`` (None: whether
+    FLASHDISPATCH_FA2_AUTOTUNE=1) picks the tile config per shape bucket instead (see
+    tuning.py); never with an explicit config or under CUDA graphs, and on a CUDA device only
+    unless asked for explicitly."""
     reasons = prefill_extra_checks(problem, device)
     if reasons:
         raise Unsupported("fa2 prefill cannot run this problem", {"fa2": reasons})
-    cfg = (config or config_from_env(default_config(problem, device))).validate()
-    return PrefillPlan(problem, device, params, cfg)
+    base = default_config(problem, device)
+    if config is not None or os.environ.get(CONFIG_ENV, "").strip():
+        return PrefillPlan(problem, device, params, (config or config_from_env(base)).validate())
+    tune = tuning.enabled() and device.is_cuda if autotune is None else autotune
+    if tune and not problem.use_cuda_graph:
+        return tuning.plan_with_autotune(problem, device, params, base,
+                                         lambda cfg: PrefillPlan(problem, device, params, cfg.validate()))
+    return PrefillPlan(problem, device, params, base.validate())

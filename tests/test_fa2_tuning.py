@@ -1,0 +1,91 @@
+"""The opt-in fa2 prefill autotune (backends/fa2/tuning.py) on the CPU: the candidates run under
+the Triton interpreter, the timer is a stand-in (no GPU timing here), so the choice is forced and
+what is tested is the mechanism: the winner runs and is kept per bucket, failures are skipped."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdispatch.backends.base import DEFAULT_TOLERANCE
+from flashdispatch.backends.common import TRITON_INTERPRETED
+from flashdispatch.backends.fa2 import tuning
+from flashdispatch.backends.fa2.prefill import PrefillConfig, PrefillPlan, plan_prefill
+from oracle import assert_close, make_ragged_case
+
+pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of Triton)")
+
+CONFIGS = [PrefillConfig(32, 16, 4, 1), PrefillConfig(16, 16, 4, 1), PrefillConfig(16, 32, 4, 1)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    tuning.clear()
+    monkeypatch.setattr(tuning, "candidates", lambda problem, base: list(CONFIGS))
+    yield
+    tuning.clear()
+
+
+def fake_timer(times: list[float]):
+    """Runs each candidate once (so it must work) and reports the next time of ``times``."""
+    it = iter(times)
+
+    def timer(run):
+        run()
+        return next(it)
+    return timer
+
+
+def case(kv_len=70, seed=0):
+    return make_ragged_case(qo_lens=[20, 33], kv_lens=[30, kv_len], mask_mode="causal", head_dim_qk=64,
+                            q_dtype=torch.float16, seed=seed)
+
+
+def test_first_run_times_the_candidates_runs_the_fastest_and_keeps_it(monkeypatch):
+    monkeypatch.setattr(tuning, "device_ms", fake_timer([3.0, 1.0, 2.0]))
+    c = case()
+    plan = plan_prefill(c.problem, c.device, c.params, autotune=True)
+    assert isinstance(plan, tuning.AutotunedPlan)
+    c.inputs.out.fill_(float("nan"))
+    plan.run(c.inputs)
+    assert plan.plan.config == CONFIGS[1] and [t for _, t in plan.timings] == [3.0, 1.0, 2.0]
+    assert_close(c.inputs.out, c.inputs.lse, *c.oracle(), DEFAULT_TOLERANCE[torch.float16])
+    # the same bucket (lengths rounded up to powers of two) plans the winner directly
+    again = case(kv_len=100, seed=1)
+    kept = plan_prefill(again.problem, again.device, again.params, autotune=True)
+    assert isinstance(kept, PrefillPlan) and kept.config == CONFIGS[1]
+    kept.run(again.inputs)
+    assert_close(again.inputs.out, again.inputs.lse, *again.oracle(), DEFAULT_TOLERANCE[torch.float16])
+    # a longer KV is another bucket: tuned again
+    assert isinstance(plan_prefill(c.problem, c.device, case(kv_len=200).params, autotune=True),
+                      tuning.AutotunedPlan)
+
+
+def test_a_failing_candidate_is_skipped_and_the_default_must_work():
+    c = case()
+    plans = {}
+
+    def make_plan(cfg):
+        if cfg == CONFIGS[2]:
+            raise RuntimeError("out of shared memory")
+        plans[cfg] = PrefillPlan(c.problem, c.device, c.params, cfg)
+        return plans[cfg]
+
+    tuned = tuning.AutotunedPlan(("k",), list(CONFIGS), make_plan, timer=fake_timer([2.0, 5.0]))
+    tuned.run(c.inputs)
+    assert tuned.plan is plans[CONFIGS[0]] and tuned.timings[2] == (CONFIGS[2], float("inf"))
+    assert "out of shared memory" in tuned.failures[0]
+    broken = tuning.AutotunedPlan(("k2",), [CONFIGS[2]], make_plan, timer=fake_timer([1.0]))
+    with pytest.raises(RuntimeError, match="out of shared memory"):
+        broken.run(c.inputs)
+
+
+def test_autotune_stays_off_unless_asked_and_on_a_gpu(monkeypatch):
+    c = case()
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
+    assert isinstance(plan_prefill(c.problem, c.device, c.params), PrefillPlan)  # CPU device
+    assert isinstance(plan_prefill(c.problem, c.device, c.params, config=CONFIGS[0], autotune=True), PrefillPlan)
+    graph = c.problem.with_(use_cuda_graph=True)
+    c.params.int_workspace = torch.zeros(1 << 16, dtype=torch.uint8)
+    assert isinstance(plan_prefill(graph, c.device, c.params, autotune=True), PrefillPlan)
+    monkeypatch.delenv(tuning.AUTOTUNE_ENV)
+    assert not tuning.enabled()
