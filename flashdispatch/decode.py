@@ -233,7 +233,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         a = self._plan_args
         base, scalars = a.scalars
         batch = a.kv_lens_h.size
-        problem = self._problem(base, q_len_per_req=q_len, mask_mode="causal" if q_len > 1 else "none",
+        problem = self._problem(base, key, q_len_per_req=q_len, mask_mode="causal" if q_len > 1 else "none",
                                 return_lse=return_lse)
         indptr, indices, last = a.indptr, a.indices, a.last_page_len
         if self._graph_buffers is not None:

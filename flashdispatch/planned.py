@@ -186,6 +186,11 @@ def device_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor
     """int32 copies of host arrays on ``device``, in one host->device transfer (views of one buffer)."""
     if device.type == "cpu":
         return [torch.from_numpy(a.astype(np.int32)) for a in arrays]
+    return _upload_int32(device, arrays)
+
+
+def _upload_int32(device: torch.device, arrays) -> list[torch.Tensor]:
+    """`device_int32` on a GPU: the arrays concatenated, uploaded once, split into views."""
     flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     flat = torch.from_numpy(flat.astype(np.int32)).to(device, non_blocking=True)
     if len(arrays) == 1:
@@ -204,23 +209,30 @@ def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv
     and, for a GPU ``device``, every small host tensor (qo_indptr, kv_indptr, kv_last_page_len)
     go to ``device`` in one host->device transfer; the page indices and a tensor on another GPU
     are moved on their own."""
-    gpu = device.type != "cpu"
-    small = [qo_indptr, kv_indptr, kv_last_page_len]
-    up = [i for i in (0, 1, 2) if isinstance(small[i], np.ndarray) or (gpu and small[i].is_cpu)]
-    if up:
-        host = [small[i] if isinstance(small[i], np.ndarray) else small[i].numpy() for i in up]
-        kv_lens, *moved = device_int32(device, kv_lens_h, *host)
-        for i, t in zip(up, moved):
-            small[i] = t
+    if device.type == "cpu":
+        kv_lens = torch.from_numpy(kv_lens_h.astype(np.int32))
+        if isinstance(qo_indptr, np.ndarray):
+            qo_indptr = torch.from_numpy(qo_indptr.astype(np.int32))
+        kv_indices = on_device(kv_indices, device)
     else:
-        kv_lens = device_int32(device, kv_lens_h)[0]
-    if gpu:  # a tensor on another GPU
-        small = [on_device(t, device) for t in small]
-    qo_indptr, kv_indptr, kv_last_page_len = small
+        qo_indptr, kv_lens, kv_indptr, kv_indices, kv_last_page_len = _to_gpu(
+            device, qo_indptr, kv_lens_h, kv_indptr, kv_indices, kv_last_page_len)
     return AttentionParams(
         qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_lens=kv_lens, qo_lens_host=qo_lens_host,
-        kv_lens_host=kv_lens_h.tolist(), kv_indices=on_device(kv_indices, device),
-        kv_last_page_len=kv_last_page_len, **kw)
+        kv_lens_host=kv_lens_h.tolist(), kv_indices=kv_indices, kv_last_page_len=kv_last_page_len, **kw)
+
+
+def _to_gpu(device, qo_indptr, kv_lens_h, kv_indptr, kv_indices, kv_last_page_len):
+    """`paged_params`' arrays on a GPU ``device``: the kv lengths and the small host arrays and
+    tensors in one upload, the rest (page indices, a tensor on another GPU) on their own."""
+    small = [qo_indptr, kv_indptr, kv_last_page_len]
+    up = [i for i in (0, 1, 2) if isinstance(small[i], np.ndarray) or small[i].is_cpu]
+    host = [small[i] if isinstance(small[i], np.ndarray) else small[i].numpy() for i in up]
+    kv_lens, *moved = _upload_int32(device, [kv_lens_h, *host])
+    for i, t in zip(up, moved):
+        small[i] = t
+    qo_indptr, kv_indptr, kv_last_page_len = (on_device(t, device) for t in small)
+    return qo_indptr, kv_lens, kv_indptr, on_device(kv_indices, device), kv_last_page_len
 
 
 INT_WORKSPACE_BYTES = 8 << 20
@@ -352,14 +364,14 @@ class WrapperBase:
             self._scalar_key = key
         return self._scalar_value
 
-    def _problem(self, base: Problem, **changes) -> Problem:
-        """``base.with_(**changes)``, remembered per base problem (a plan asks for the same few)."""
+    def _problem(self, base: Problem, variant, **changes) -> Problem:
+        """``base.with_(**changes)`` for plan variant ``variant`` (what decides ``changes``),
+        remembered per base problem (a plan asks for the same few)."""
         if self._problems[0] is not base:
             self._problems = (base, {})
-        key = tuple(changes.items())
-        problem = self._problems[1].get(key)
+        problem = self._problems[1].get(variant)
         if problem is None:
-            problem = self._problems[1][key] = base.with_(**changes)
+            problem = self._problems[1][variant] = base.with_(**changes)
         return problem
 
     def _plan(self, problem: Problem, params, **plan_kw) -> PlannedAttention:
@@ -401,7 +413,7 @@ class WrapperBase:
         problem, params, plan_kw = self._base_plan
         if self._use_cuda_graph:
             params = dataclasses.replace(params, int_workspace=self._int_workspace(return_lse))
-        return self._plan(self._problem(problem, return_lse=return_lse), params, **plan_kw)
+        return self._plan(self._problem(problem, return_lse, return_lse=return_lse), params, **plan_kw)
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Replace the workspace buffer(s); takes effect at the next plan()."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -318,3 +319,30 @@ def test_cuda_single_calls_run_their_kept_plans_on_new_data(backend):
         od = fi.single_decode_with_kv_cache(q[0].cuda(), k.cuda(), v.cuda(), backend=backend)
         assert rel(od.cpu(), dense(q[:1], k, v)[0][0]) < 2e-2
     assert len(single_plans) == 2
+
+
+def test_paged_params_on_the_cpu_keeps_tensors_and_converts_host_arrays():
+    from flashdispatch.planned import paged_params
+    indptr, indices, last = table([5, 17, 0], 8)
+    kv_lens = np.array([5, 17, 0], dtype=np.int64)
+    qo_indptr = np.array([0, 1, 3, 4], dtype=np.int64)
+    params = paged_params(qo_indptr, kv_lens, indptr, indices, last, torch.device("cpu"), [1, 2, 1], sm_scale=0.5)
+    assert params.qo_indptr.dtype == torch.int32 and params.qo_indptr.tolist() == [0, 1, 3, 4]
+    assert params.kv_lens.dtype == torch.int32 and params.kv_lens.tolist() == [5, 17, 0]
+    assert params.kv_lens_host == [5, 17, 0] and params.qo_lens_host == [1, 2, 1]
+    assert params.kv_indptr is indptr and params.kv_indices is indices and params.kv_last_page_len is last
+
+
+def test_decode_variants_get_their_own_problem():
+    indptr, indices, last = table([5, 17], 8)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference")
+    decode_plan(w, indptr, indices, last)
+    cache = torch.randn(8, 2, 8, 2, 16)
+    w.run(torch.randn(2, 4, 16), cache)
+    plain = w._planned.problem
+    w.run(torch.randn(4, 4, 16), cache, q_len_per_req=2, return_lse=True)
+    spec = w._planned.problem
+    assert (plain.q_len_per_req, plain.mask_mode, plain.return_lse) == (1, "none", False)
+    assert (spec.q_len_per_req, spec.mask_mode, spec.return_lse) == (2, "causal", True)
+    w.run(torch.randn(2, 4, 16), cache)
+    assert w._planned.problem is plain
