@@ -128,6 +128,37 @@ def test_first_call_normal_then_direct(fake_cuda):
     assert bound.cached_kernels() == 1
 
 
+def test_a_tensor_on_another_gpu_launches_on_that_gpu(fake_cuda, monkeypatch):
+    """Triton launches on the current device; the launcher switches to the first argument's GPU
+    for the launch (and back), so a wrapper used with tensors on cuda:1 never launches on cuda:0."""
+    entered = []
+
+    class Switch:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+            fake_cuda["device"] = self.index
+
+        def __exit__(self, *exc):
+            fake_cuda["device"] = 0
+
+    monkeypatch.setattr(launch, "_cuda_index", lambda t: 1 if isinstance(t, torch.Tensor) else None)
+    monkeypatch.setattr(launch, "_current_cuda_device", lambda: fake_cuda["device"])
+    monkeypatch.setattr(torch.cuda, "device", Switch)
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=64))
+    x, y = torch.randn(64), torch.randn(64)
+    bound((3,), x, y, 32, 0.5)
+    bound((3,), x, y, 32, 0.5)
+    assert entered == [1, 1] and fake_cuda["device"] == 0
+    assert jit.kinds() == ["normal", "direct"] and jit.log[1][1][3] == 78  # stream of device 1
+    monkeypatch.setattr(launch, "_cuda_index", lambda t: 0)  # already on the current GPU: no switch
+    bound((3,), x, y, 32, 0.5)
+    assert entered == [1, 1]
+
+
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_one", "int_width", "float_for_int"])
 def test_other_specialization_takes_the_normal_path_and_is_kept(fake_cuda, change):
     jit = FakeJit()

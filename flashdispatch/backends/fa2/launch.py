@@ -91,6 +91,15 @@ def _cuda_calls():
     return active.get_current_device, active.get_current_stream
 
 
+def _cuda_index(t) -> int | None:
+    """The CUDA device index of ``t`` when it is a CUDA tensor, else None."""
+    return t.get_device() if isinstance(t, torch.Tensor) and t.is_cuda else None
+
+
+def _current_cuda_device() -> int:
+    return torch.cuda.current_device()
+
+
 def _hook_idle(hook) -> bool:
     return hook is None or (isinstance(hook, knobs.HookChain) and not hook.calls)
 
@@ -147,7 +156,17 @@ class BoundKernel:
         return tuple(tail), len(runtime)
 
     def __call__(self, grid: tuple, *args) -> None:
-        """Launch on ``grid`` (a tuple of 1 to 3 ints) with the runtime arguments ``args``."""
+        """Launch on ``grid`` (a tuple of 1 to 3 ints) with the runtime arguments ``args``, on the
+        GPU of the first argument (Triton launches on the current device: a tensor on another
+        GPU would be read through a pointer that GPU does not own)."""
+        index = _cuda_index(args[0]) if args else None
+        if index is not None and index != _current_cuda_device():
+            with torch.cuda.device(index):
+                self._launch(grid, args)
+            return
+        self._launch(grid, args)
+
+    def _launch(self, grid: tuple, args: tuple) -> None:
         if not (self._direct and DIRECT_LAUNCH):
             self.fn[grid](*args, **self._kwargs)
             return
