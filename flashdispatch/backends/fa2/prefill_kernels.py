@@ -210,7 +210,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                  CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                  HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr):
+                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, ONE_LOOP: tl.constexpr):
     """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head."""
     head = pid % NUM_QO_HEADS
     item = pid // NUM_QO_HEADS
@@ -303,6 +303,13 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE,
                                     HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
                                     ROPE, SPLIT)
+    elif ONE_LOOP:  # the whole range [lo, hi) in one masked loop
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
+                                    kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
+                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
+                                    DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
+                                    CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
@@ -361,7 +368,8 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                        CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                        SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                        HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                       V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr):
+                       V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
+                       ONE_LOOP: tl.constexpr):
     """Grid: one program per (work item, head) or, PERSISTENT (CUDA-graph mode), a fixed
     number of programs striding over item * heads with the item count read from memory.
     SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT)."""
@@ -375,7 +383,8 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                          stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                          BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
+                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT,
+                         ONE_LOOP)
     else:
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
                      kv_indices_ptr, mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
@@ -384,7 +393,8 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
+                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT,
+                     ONE_LOOP)
 
 
 @triton.jit
