@@ -89,3 +89,12 @@ def test_autotune_stays_off_unless_asked_and_on_a_gpu(monkeypatch):
     assert isinstance(plan_prefill(graph, c.device, c.params, autotune=True), PrefillPlan)
     monkeypatch.delenv(tuning.AUTOTUNE_ENV)
     assert not tuning.enabled()
+
+
+def test_plan_errors_surface_at_plan_not_at_the_first_run():
+    """The default config is planned at plan(), so its errors (here: a custom mask without its
+    bits) are raised there, as without autotune."""
+    c = make_ragged_case(qo_lens=[8], kv_lens=[20], mask_mode="custom", head_dim_qk=64, q_dtype=torch.float16)
+    c.params.packed_mask = None
+    with pytest.raises(ValueError, match="packed_mask"):
+        plan_prefill(c.problem, c.device, c.params, autotune=True)

@@ -121,6 +121,7 @@ def cudnn_problem(what: str, device: torch.device, **fields) -> Problem:
 # --- device metadata (device ops only) -------------------------------------------------------
 @functools.lru_cache(maxsize=ONES_CACHE_SIZE)
 def _ones_of_stream(device: torch.device, stream: int, batch: int) -> torch.Tensor:
+    """An int32 ones vector of ``batch``, kept per (device, stream, batch) by the LRU cache."""
     return torch.ones(batch, dtype=torch.int32, device=device)
 
 

@@ -97,6 +97,7 @@ def _cuda_index(t) -> int | None:
 
 
 def _current_cuda_device() -> int:
+    """torch's current CUDA device index (where Triton launches)."""
     return torch.cuda.current_device()
 
 

@@ -408,7 +408,8 @@ class PrefillPlan:
 
 
 def plan_prefill(problem: Problem, device: Device, params: AttentionParams,
-                 config: PrefillConfig | None = None, autotune: bool | None = None):
+                 config: PrefillConfig | None = None,
+                 autotune: bool | None = None) -> "PrefillPlan | tuning.AutotunedPlan":
     """Plan a paged or ragged prefill. ``config`` (or FLASHDISPATCH_FA2_PREFILL_CONFIG) overrides
     the per-head-dim tile sizes, e.g. for a benchmark sweep. ``autotune`` (None: whether
     FLASHDISPATCH_FA2_AUTOTUNE=1) picks the tile config per shape bucket instead (see

@@ -15,7 +15,10 @@ estimate of k leaves |r| up to 1.67 at |x| = 2^21, not pi/2).
 
 Measured against float64 sin/cos (tests/test_fa2_trig.py): |error| <= 7.5e-8 for |x| < 1,
 <= 1.9e-7 for |x| < 12867, and <= 2^-24 |x| + 2e-7 above; at most 0.5 of the RoPE budget
-2e-7 + 2^-23 |x| over |x| <= 4e6 (positions up to 2^21 give angles up to 2^21).
+2e-7 + 2^-23 |x| over |x| <= 4e6 (positions up to 2^21 give angles up to 2^21). Past ~2^24 the
+first reduction leaves |r| beyond the fit: a second step (k2, zero below that) brings it back,
+so sin and cos stay on the unit circle up to |x| < 2^31 (the fp32 angle itself carries radians
+of rounding there).
 """
 from __future__ import annotations
 
@@ -43,10 +46,16 @@ def sincos(x):
     r = x - k * PI_C1
     r = r - k * PI_C2
     r = r - k * PI_C3
+    # past |x| ~ 2^24 the roundings of x / pi and k * C1 leave |r| beyond the polynomials' range:
+    # a second step brings it back (k2 is 0 below that, and r unchanged)
+    k2 = tl.floor(r * INV_PI + 0.5)
+    r = r - k2 * PI_C1
+    r = r - k2 * PI_C2
+    r = r - k2 * PI_C3
     u = r * r
     s = r + (r * u) * (SIN_1 + u * (SIN_2 + u * (SIN_3 + u * SIN_4)))
     c = (1.0 - 0.5 * u) + (u * u) * (COS_1 + u * (COS_2 + u * (COS_3 + u * COS_4)))
-    flip = (k.to(tl.int32) & 1) << 31  # sign bit set for odd k
+    flip = ((k.to(tl.int32) + k2.to(tl.int32)) & 1) << 31  # sign bit set for odd k + k2
     s = (s.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
     c = (c.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
     return s, c
