@@ -454,3 +454,23 @@ def reference_backend_result(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         lse=torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device))
     backend.run(backend.plan(problem, case.device, case.params), inputs)
     return inputs.out, inputs.lse
+
+
+def run_fa2_decode(case: Case, config=None, **params):
+    """Plan fa2 decode with ``config`` (a DecodeConfig override dict) and ``params`` set on the
+    case's AttentionParams, and run it into NaN-poisoned out/lse (a 128 MiB workspace on a GPU,
+    4 MiB on the CPU); returns the plan."""
+    from flashdispatch.backends.fa2.decode import plan_decode
+    prm = case.params
+    on_gpu = case.inputs.q.is_cuda
+    prm.workspace = torch.zeros((128 << 20) if on_gpu else (1 << 22), dtype=torch.uint8, device=case.inputs.q.device)
+    for name, value in params.items():
+        setattr(prm, name, value)
+    case.inputs.out.fill_(float("nan"))
+    if case.inputs.lse is not None:
+        case.inputs.lse.fill_(float("nan"))
+    plan = plan_decode(case.problem, case.device, prm, config)
+    plan.run(case.inputs)
+    if on_gpu:
+        torch.cuda.synchronize()
+    return plan

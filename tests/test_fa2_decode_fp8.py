@@ -16,7 +16,7 @@ import torch
 
 from flashdispatch.backends.common import TRITON_INTERPRETED
 
-from oracle import assert_close, make_paged_case, reference_backend_result
+from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP16 = {"fp8_dot_dtype": "fp16"}
@@ -45,27 +45,9 @@ def _reshape(case, q=None, k=None, v=None):
     return case
 
 
-def _run(case, config, **params):
-    """Plan with ``config`` and run into NaN-poisoned out/lse."""
-    from flashdispatch.backends.fa2.decode import plan_decode
-    prm = case.params
-    on_gpu = case.inputs.q.is_cuda
-    prm.workspace = torch.zeros((128 << 20) if on_gpu else (1 << 22), dtype=torch.uint8, device=case.inputs.q.device)
-    for name, value in params.items():
-        setattr(prm, name, value)
-    case.inputs.out.fill_(float("nan"))
-    if case.inputs.lse is not None:
-        case.inputs.lse.fill_(float("nan"))
-    plan = plan_decode(case.problem, case.device, prm, config)
-    plan.run(case.inputs)
-    if on_gpu:
-        torch.cuda.synchronize()
-    return plan
-
-
 def _check_cpu(case, config=FP16, tol=None, **params):
     ref_out, ref_lse = case.oracle()
-    plan = _run(case, config, **params)
+    plan = run_fa2_decode(case, config, **params)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol or CPU_TOL[case.problem.o_dtype])
     return plan
 
@@ -146,13 +128,13 @@ def test_cpu_knob_off_for_half_kv_and_validated():
     plan = _check_cpu(case, tol=4e-3)
     assert not plan._consts["FP16_DOTS"], "fp8_dot_dtype only applies to fp8 KV"
     with pytest.raises(ValueError, match="fp8_dot_dtype"):
-        _run(case, {"fp8_dot_dtype": "bf16"})
+        run_fa2_decode(case, {"fp8_dot_dtype": "bf16"})
 
 
 # --- GPU ------------------------------------------------------------------------------------
 def _check_gpu(case, config, **params):
     ref_out, ref_lse = reference_backend_result(case)
-    _run(case, config, **params)
+    run_fa2_decode(case, config, **params)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, GPU_TOL[case.problem.kv_dtype])
 
 

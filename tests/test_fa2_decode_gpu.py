@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from oracle import assert_close, make_paged_case, reference_backend_result
+from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,24 +26,9 @@ def _case(kv_lens, **kw):
     return make_paged_case("decode", kv_lens=list(kv_lens), device="cuda", poison_unused=False, **kw)
 
 
-def _run(case, config=None, **params):
-    from flashdispatch.backends.fa2.decode import plan_decode
-    prm = case.params
-    prm.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    for name, value in params.items():
-        setattr(prm, name, value)
-    case.inputs.out.fill_(float("nan"))
-    if case.inputs.lse is not None:
-        case.inputs.lse.fill_(float("nan"))
-    plan = plan_decode(case.problem, case.device, prm, config)
-    plan.run(case.inputs)
-    torch.cuda.synchronize()
-    return plan
-
-
 def _check(case, **kw):
     ref_out, ref_lse = reference_backend_result(case)
-    _run(case, **kw)
+    run_fa2_decode(case, **kw)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])
 
 
@@ -123,11 +108,11 @@ def test_cuda_graph_replay_after_replan():
 
 def test_batch_invariance_fixed_split():
     big = _case([3000, 10, 777, 4096, 0], seed=6)
-    _run(big, fixed_split_size=16)
+    run_fa2_decode(big, fixed_split_size=16)
     out_big, lse_big = big.inputs.out.clone(), big.inputs.lse.clone()
     single = _case([4096], seed=6)
     starts = big.params.kv_indptr.tolist()
     single.params.kv_indices = big.params.kv_indices[starts[3]:starts[4]].clone()
     single.inputs = dataclasses.replace(single.inputs, q=big.inputs.q[3:4].clone(), kv=big.inputs.kv)
-    _run(single, fixed_split_size=16)
+    run_fa2_decode(single, fixed_split_size=16)
     assert torch.equal(single.inputs.out, out_big[3:4]) and torch.equal(single.inputs.lse, lse_big[3:4])

@@ -276,6 +276,9 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
     full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
     b = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
     c = tl.minimum(tl.maximum(full_hi, b), tl.maximum(hi, b))
+    if ONE_LOOP:  # the whole range [lo, hi) in the first, masked, loop; the other two are empty
+        b = tl.maximum(hi, lo)
+        c = b
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -303,13 +306,6 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE,
                                     HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
                                     ROPE, SPLIT)
-    elif ONE_LOOP:  # the whole range [lo, hi) in one masked loop
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
-                                    kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
-                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
-                                    DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
-                                    CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
