@@ -86,13 +86,12 @@ def test_unsupported_features_are_reasons():
     assert "op" in codes(caps_reasons(problem("mla")))
 
 
-def test_lse_reasons_gqa_decode_only():
-    # GQA decode lse stays a Reason until the dense-row decode graph is verified on a GPU
-    # (cuDNN's one-row ragged kernel wrote the lse of the first head of each group only)
+def test_lse_is_supported_for_every_op_and_grouping():
+    # GQA decode lse was a Reason until the dense-row decode graph passed test_decode_with_lse on
+    # the H200 (cuDNN's one-row ragged kernel wrote the lse of the first head of each group only)
     for op in ("decode", "prefill_paged", "prefill_ragged"):
         for kv_heads in (8, 32):
-            got = codes(caps_reasons(problem(op, return_lse=True, num_kv_heads=kv_heads), H200))
-            assert got == ({"feature.lse"} if op == "decode" and kv_heads == 8 else set()), (op, kv_heads)
+            assert caps_reasons(problem(op, return_lse=True, num_kv_heads=kv_heads), H200) == [], (op, kv_heads)
 
 
 def test_architecture_limits():

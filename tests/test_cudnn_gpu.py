@@ -113,8 +113,7 @@ def test_decode(layout, dtype):
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_decode_with_lse(heads, layout):
     """GQA lse used to come back NaN for all but the first head of each group: the ragged one-row
-    Stats bug of cuDNN (NVIDIA/cudnn-frontend#1083). Decode rows are dense now, which should spare
-    it; until this passes on a GPU the caps keep GQA decode lse as a Reason (bypassed here)."""
+    Stats bug of cuDNN (NVIDIA/cudnn-frontend#1083). Decode rows are dense since, which spares it."""
     problem, params, inputs = make_case("decode", [1] * len(DECODE_KV), DECODE_KV, heads=heads, layout=layout)
     # out and lse are views of larger buffers whose two extra rows hold a finite sentinel: a write
     # past the batch's rows (e.g. the group heads stepped along the row axis) shows up there
@@ -123,7 +122,7 @@ def test_decode_with_lse(heads, layout):
     lse_buf = torch.full((rows + 2, inputs.lse.shape[1]), 7.0, dtype=torch.float32, device=inputs.lse.device)
     out_buf[:rows], lse_buf[:rows] = float("nan"), float("nan")
     case = (problem, params, dataclasses.replace(inputs, out=out_buf[:rows], lse=lse_buf[:rows]))
-    run_cudnn(*case, reasons=("feature.lse",) if heads[0] != heads[1] else ())
+    run_cudnn(*case)
     check(*case)
     assert (out_buf[rows:] == 7.0).all() and (lse_buf[rows:] == 7.0).all(), "written past the batch's rows"
 

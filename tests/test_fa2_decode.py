@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,3 +196,19 @@ def test_caps():
     bad = case.problem.with_(head_dim_qk=96, head_dim_vo=96, mask_mode="custom", q_dtype=torch.float32)
     codes = {r.code for r in check_caps(DECODE_CAPS, bad, cuda)}
     assert {"head_dim", "feature.custom_mask", "dtype"} <= codes
+
+
+@pytest.mark.parametrize("batch,kv_len,chunks", [(32, 4096, 2), (16, 8192, 4), (64, 4096, None), (1, 32768, 64),
+                                                 (4, 32768, 16)])
+def test_split_policy_stays_within_one_wave(batch, kv_len, chunks):
+    """Chunks per request are rounded down so the grid never exceeds SMs x ctas_per_sm programs
+    (132 SMs x 4 = 528 on an H200; 8 KV heads): a chunk more would start a mostly idle wave."""
+    from flashdispatch.backends.fa2.decode import DecodeConfig, _chunk_tokens
+    case = _case((1,))
+    case.params.fixed_split_size, case.params.disable_split_kv = None, False
+    eff = np.full(batch, kv_len)
+    chunk = _chunk_tokens(eff, case.problem, case.params, DecodeConfig(block_n=64), 8, 132)
+    if chunks is None:
+        assert chunk is None
+    else:
+        assert (-(-eff // chunk) == chunks).all() and batch * 8 * chunks <= 528

@@ -241,21 +241,6 @@ def test_config_override(monkeypatch):
           config=PrefillConfig(16, 64, 4, 1))
 
 
-@pytest.mark.parametrize("feats", [dict(mask_mode="causal", window_left=20), dict(mask_mode="causal"),
-                                   dict(window_left=30, logits_soft_cap=3.0)])
-def test_one_loop_config(feats):
-    """one_loop=1 (one masked loop over a tile's KV range) gives the oracle's result, split too."""
-    case = make_paged_case(qo_lens=[40, 9], kv_lens=[150, 60], page_size=16, head_dim_qk=64, **feats)
-    check(case, config=PrefillConfig(32, 16, 4, 1, one_loop=1))
-    with pytest.raises(ValueError, match="one_loop"):
-        PrefillConfig(32, 16, 4, 1, one_loop=2).validate()
-    split = make_ragged_case(seed=6, **SPLIT_LENS, **H2, **feats)
-    plan = plan_split(split, 100, config=replace(SPLIT_CFG, one_loop=1))
-    assert plan.n_merge > 0
-    plan.run(split.inputs)
-    assert_close(split.inputs.out, split.inputs.lse, *split.oracle(), DEFAULT_TOLERANCE[split.problem.q_dtype])
-
-
 def test_caps_and_extra_checks():
     case = make_ragged_case(qo_lens=[4], kv_lens=[4], q_dtype=F16, kv_dtype=torch.bfloat16, head_dim_qk=64)
     assert [r.code for r in prefill_extra_checks(case.problem, case.device)] == ["dtype"]

@@ -95,8 +95,8 @@ class CudnnBackend(Backend):
 
     @classmethod
     def extra_checks(cls, problem: Problem, device: Device) -> list[Reason]:
-        """What the caps cannot say: one dtype for q/kv/o, head dims by architecture, GQA decode
-        lse, the loaded cuDNN version."""
+        """What the caps cannot say: one dtype for q/kv/o, head dims by architecture, the
+        loaded cuDNN version."""
         reasons = []
         if not problem.q_dtype == problem.kv_dtype == problem.o_dtype:
             reasons.append(Reason("dtype", f"q/kv/o dtypes {dtype_name(problem.q_dtype)}/{dtype_name(problem.kv_dtype)}/"
@@ -109,14 +109,6 @@ class CudnnBackend(Backend):
         if problem.op == "decode" and max(dims) > 128 and cc != (9, 0):
             reasons.append(Reason("head_dim", f"head_dim={max(dims)} > 128 in cuDNN decode on sm_{cc[0]}{cc[1]} "
                                   f"(only Hopper decodes up to 256)"))
-        if problem.op == "decode" and problem.return_lse and problem.num_qo_heads != problem.num_kv_heads:
-            # Seen on the H200 with cuDNN 9.19 (frontend 1.32) when decode rows were declared ragged:
-            # the kernel wrote every head's output but only the first GQA head's lse (the rest NaN;
-            # NVIDIA/cudnn-frontend#1083). Decode rows are dense now, which should spare it: kept until
-            # tests/test_cudnn_gpu.py::test_decode_with_lse (it bypasses this check) passes on a GPU.
-            reasons.append(Reason("feature.lse", f"lse of GQA decode (heads {problem.num_qo_heads}/"
-                                  f"{problem.num_kv_heads}) is not verified on cuDNN's decode kernel",
-                                  "use fa2, or decode without lse (cudnn_batch_decode_with_kv_cache)"))
         loaded = backend_version()
         if loaded is not None and loaded < MIN_CUDNN:
             reasons.append(Reason("version", f"cuDNN {_fmt(loaded)} < {_fmt(MIN_CUDNN)}"))

@@ -58,9 +58,7 @@ _LIST_CHUNK = 256  # KV tiles the custom-mask list kernel reads per step
 class PrefillConfig:
     """Tile shape and launch parameters of the prefill kernel, and the split-KV policy knobs:
     ctas_per_sm (programs per SM the policy aims for), min_chunk_tokens (shortest KV chunk it
-    cuts), max_splits (most chunks of one query tile). one_loop=1 walks a tile's KV range in one
-    masked loop instead of three (masked edges, unmasked band): an experiment for windowed rows,
-    whose three loops are short (docs/perf-notes.md, Version 3)."""
+    cuts), max_splits (most chunks of one query tile)."""
 
     block_m: int
     block_n: int
@@ -69,7 +67,6 @@ class PrefillConfig:
     ctas_per_sm: int = 2
     min_chunk_tokens: int = 512
     max_splits: int = 32
-    one_loop: int = 0
 
     def validate(self) -> "PrefillConfig":
         for name in ("block_m", "block_n"):
@@ -81,8 +78,6 @@ class PrefillConfig:
         for name in ("ctas_per_sm", "min_chunk_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"fa2 prefill {name}={getattr(self, name)}: must be >= 1")
-        if self.one_loop not in (0, 1):
-            raise ValueError(f"fa2 prefill one_loop={self.one_loop}: must be 0 or 1")
         return self
 
 
@@ -352,7 +347,7 @@ class PrefillPlan:
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
             ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=sinks,
             HAS_LSE=has_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
-            PERSISTENT=p.use_cuda_graph, ONE_LOOP=bool(cfg.one_loop), num_warps=cfg.num_warps,
+            PERSISTENT=p.use_cuda_graph, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
         return launch
 

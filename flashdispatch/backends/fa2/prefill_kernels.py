@@ -210,7 +210,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                  CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                  HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, ONE_LOOP: tl.constexpr):
+                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr):
     """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head."""
     head = pid % NUM_QO_HEADS
     item = pid // NUM_QO_HEADS
@@ -276,9 +276,6 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
     full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
     b = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
     c = tl.minimum(tl.maximum(full_hi, b), tl.maximum(hi, b))
-    if ONE_LOOP:  # the whole range [lo, hi) in the first, masked, loop; the other two are empty
-        b = tl.maximum(hi, lo)
-        c = b
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -364,8 +361,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                        CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                        SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                        HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                       V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
-                       ONE_LOOP: tl.constexpr):
+                       V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr):
     """Grid: one program per (work item, head) or, PERSISTENT (CUDA-graph mode), a fixed
     number of programs striding over item * heads with the item count read from memory.
     SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT)."""
@@ -379,8 +375,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                          stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                          BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT,
-                         ONE_LOOP)
+                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
     else:
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
                      kv_indices_ptr, mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
@@ -389,8 +384,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT,
-                     ONE_LOOP)
+                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
 
 
 @triton.jit
