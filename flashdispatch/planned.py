@@ -64,6 +64,11 @@ class PlannedAttention:
     def explain(self) -> str:
         return self.decision.explain()
 
+    def replan_mask(self, packed_mask: torch.Tensor) -> None:
+        """Take a new packed custom mask of the planned lengths (a kept single-request plan)."""
+        self.params.packed_mask = packed_mask
+        self.plan = self.backend.replan_mask(self.plan, self.problem, self.device, self.params)
+
 
 def plan_problem(problem: Problem, torch_device: torch.device, params, requested: str, *, total_q: int,
                  max_page_index: int = -1, total_kv: int = 0, device: Device | None = None,
@@ -275,14 +280,22 @@ class PlanCache:
 
     def get(self, key: tuple | None, build) -> PlannedAttention:
         """The plan kept for ``key``, else ``build()`` (kept unless ``key`` is None; errors are not)."""
+        return self.lookup(key) or self.keep(key, build())
+
+    def lookup(self, key: tuple | None) -> PlannedAttention | None:
+        """The plan kept for ``key`` (now the most recently used), or None."""
         if key is None:
-            return build()
+            return None
         with self._lock:
             planned = self._plans.get(key)
             if planned is not None:
                 self._plans.move_to_end(key)
-                return planned
-        planned = build()
+            return planned
+
+    def keep(self, key: tuple | None, planned: PlannedAttention) -> PlannedAttention:
+        """Keep ``planned`` under ``key`` (nothing when ``key`` is None); returns it."""
+        if key is None:
+            return planned
         with self._lock:
             self._plans[key] = planned
             if len(self._plans) > self.size:

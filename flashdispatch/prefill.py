@@ -17,7 +17,7 @@ from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, device_int32, host_workload, on_device, paged_params, run_attention,
                       scratch_workspace, single_key, single_plans)
-from .quantization import segment_packbits
+from .quantization import packbits, segment_packbits
 
 
 def _packed_mask(custom_mask, packed_custom_mask, qo_lens: np.ndarray, kv_lens: np.ndarray, device):
@@ -313,17 +313,24 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ``causal``. ``scale_q/k/v`` are fp8 calibration scales. Returns ``[qo_len, num_qo_heads,
     head_dim_vo]`` and, with ``return_lse``, the base-2 lse ``[qo_len, num_qo_heads]``.
 
-    The plan of an unmasked call is kept (`planned.single_plans`, 64 of them) per shapes, dtypes,
-    device and scalar arguments, so a repeated call only checks its tensors and launches; calls
-    on one device share a scratch workspace: run them on one stream (see `planned.PlanCache`).
+    The plan is kept (`planned.single_plans`, 64 of them) per shapes, dtypes, device and scalar
+    arguments, so a repeated call only checks its tensors and launches; with a mask it also hands
+    the new mask to the plan (fa2 rebuilds its tile lists on the device). Calls on one device
+    share a scratch workspace: run them on one stream (see `planned.PlanCache`).
     """
-    key = None
-    if custom_mask is None and packed_custom_mask is None:
-        key = single_key((q, k, v), (o_dtype, causal, kv_layout, pos_encoding_mode, sm_scale, window_left,
-                                     logits_soft_cap, rope_scale, rope_theta, return_lse), backend)
-    planned = single_plans.get(key, lambda: _plan_single_prefill(
-        q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
-        window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse))
+    mask = packed_custom_mask if packed_custom_mask is not None else custom_mask
+    tensors = (q, k, v) if mask is None else (q, k, v, mask)
+    key = single_key(tensors, (o_dtype, causal, kv_layout, pos_encoding_mode, sm_scale, window_left,
+                               logits_soft_cap, rope_scale, rope_theta, return_lse, packed_custom_mask is None),
+                     backend)
+    planned = single_plans.lookup(key)
+    if planned is None:
+        planned = single_plans.keep(key, _plan_single_prefill(
+            q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
+            window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse))
+    elif mask is not None:  # of the shape, dtype and device this plan checked
+        packed = packbits(mask.reshape(-1), bitorder="little") if packed_custom_mask is None else mask
+        planned.replan_mask(on_device(packed, q.device))
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     return run_attention(planned, q, RaggedKV(k, v), return_lse=return_lse, q_scale=scale_q, k_scale=scale_k,

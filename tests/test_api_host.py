@@ -13,6 +13,7 @@ import torch
 
 import flashdispatch as fi
 from flashdispatch import checks
+from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.dispatch.registry import get_backend
 from flashdispatch.dispatch.select import clear_cache
 from flashdispatch.planned import SINGLE_PLANS, single_plans
@@ -174,8 +175,9 @@ def test_block_tables_plan_equals_page_table_plan():
 
 
 # --- the single-request functions keep their plans ------------------------------------------------
-def dense(q, k, v, causal=False):
-    """float64 attention of one request (q [Lq, Hq, D], k/v [Lk, Hkv, D]) -> out, base-2 lse."""
+def dense(q, k, v, causal=False, mask=None):
+    """float64 attention of one request (q [Lq, Hq, D], k/v [Lk, Hkv, D]; mask [Lq, Lk] True
+    keeps) -> out, base-2 lse."""
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -183,6 +185,8 @@ def dense(q, k, v, causal=False):
     if causal:
         pos = torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
         s = s.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     out = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
     return out, (torch.logsumexp(s, -1) / math.log(2)).transpose(0, 1)
 
@@ -259,17 +263,39 @@ def test_kept_plans_are_bounded_and_dropped_by_clear_cache():
     assert len(single_plans) == 0
 
 
-def test_calls_with_a_mask_or_a_tensor_scalar_are_planned_each_time(plans_made):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("backend", ["fa2", "reference"])
+def test_masked_calls_keep_their_plan_and_take_each_new_mask(backend, packed, device, plans_made):
+    """A kept masked plan takes the mask of every call: fa2 plans once and rebuilds its tile lists
+    from each mask on the device; the reference plans again (its plan holds the mask)."""
+    if backend == "fa2" and device == "cpu" and not TRITON_INTERPRETED:
+        pytest.skip("fa2 on CPU tensors needs TRITON_INTERPRET=1")
+    single_plans.clear()
+    q, k, v = (t.to(device) for t in qkv(1, q_len=40, kv_len=70, d=64, dtype=torch.float16))
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(40, 70, generator=g) > 0.3
+    for step in range(3):
+        if step == 1:
+            mask[:, :40] = False  # in place: a plan that kept the old tile lists would see keys here
+        if step == 2:
+            mask = torch.rand(40, 70, generator=g) > 0.8
+        mask[:, -1] = True  # every row sees a key
+        mask = mask.to(device)
+        arg = dict(packed_custom_mask=fi.packbits(mask.reshape(-1), "little")) if packed else dict(custom_mask=mask)
+        o, lse = fi.single_prefill_with_kv_cache(q, k, v, return_lse=True, backend=backend, **arg)
+        ref, ref_lse = dense(q.cpu(), k.cpu(), v.cpu(), mask=mask.cpu())
+        o, lse = o.cpu(), lse.cpu()
+        assert rel(o, ref) < 4e-3 and torch.allclose(lse.double(), ref_lse, atol=1e-2), step
+    assert plans_made == {backend: 1 if backend == "fa2" else 3} and len(single_plans) == 1
+
+
+def test_calls_with_a_tensor_scalar_are_planned_each_time(plans_made):
     q, k, v = qkv(1)
-    mask = torch.rand(7, 19, generator=torch.Generator().manual_seed(2)) > 0.3
-    a = fi.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, backend="reference")
-    mask[:, :4] = False  # in place: a kept plan would have kept the old mask
-    b = fi.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, backend="reference")
-    assert not torch.equal(a, b) and plans_made == {"reference": 2}
     scale = torch.tensor(0.5)
     fi.single_prefill_with_kv_cache(q, k, v, sm_scale=scale, backend="reference")
     fi.single_prefill_with_kv_cache(q, k, v, sm_scale=scale, backend="reference")
-    assert plans_made == {"reference": 4} and len(single_plans) == 0
+    assert plans_made == {"reference": 2} and len(single_plans) == 0
 
 
 def test_kept_plans_still_check_every_call():

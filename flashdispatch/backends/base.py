@@ -239,6 +239,12 @@ class Backend:
         per wrapper.plan(); run() must not decide anything that plan() could."""
         raise NotImplementedError(f"{self.name} does not plan {problem.op}")
 
+    def replan_mask(self, plan: Any, problem: Problem, device: Device, params: AttentionParams) -> Any:
+        """``plan`` for the new custom mask in ``params.packed_mask`` (same lengths and mask
+        layout as planned: a kept single-request plan called with another mask). Here: planned
+        again; a backend that derives little from the mask refreshes only that."""
+        return self.plan(problem, device, params)
+
     def run(self, plan: Any, inputs: AttentionInputs | MLAInputs) -> None:
         """Compute into inputs.out (and inputs.lse when not None)."""
         raise NotImplementedError(f"{self.name} has no run for this plan")

@@ -46,6 +46,13 @@ class FA2Backend(Backend):
             return plan_decode(problem, device, params)
         return plan_prefill(problem, device, params)
 
+    def replan_mask(self, plan, problem, device, params: AttentionParams):
+        """Prefill: the tile lists are rebuilt from the new mask on the device (no host work)."""
+        if problem.op == "decode":
+            return super().replan_mask(plan, problem, device, params)
+        plan.refresh_tile_lists()
+        return plan
+
     def run(self, plan, inputs: AttentionInputs) -> None:
         plan.run(inputs)
 

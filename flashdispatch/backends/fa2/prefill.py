@@ -249,8 +249,10 @@ class PrefillPlan:
             self.grid = (self.num_items * problem.num_qo_heads,)
             if custom:
                 self.tiles = torch.empty(list_len, dtype=torch.int32, device=dev)
+        self._mask_classes = None
         if custom and self.num_items:
-            self._build_tile_lists(max_tiles)
+            self._mask_classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=dev)
+            self.refresh_tile_lists()
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
         self._launchers: dict = {}  # (q dtype, SINKS, HAS_LSE, Q/K/V_SCALE_T) -> BoundKernel
 
@@ -298,11 +300,14 @@ class PrefillPlan:
         self.po = ws[lse_bytes:need].view(torch.float32)
         return need
 
-    def _build_tile_lists(self, max_tiles: int) -> None:
-        """Custom mask: classify each (item, KV tile) from the mask bits, then compact each item's
-        visible tiles into its list (two launches, stream-ordered, no host sync)."""
-        prm, cfg = self.params, self.config
-        classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=self.tiles.device)
+    def refresh_tile_lists(self) -> None:
+        """Custom mask: classify each (item, KV tile) from the bits of ``params.packed_mask``, then
+        compact each item's visible tiles into its list (two launches, stream-ordered, no host
+        sync). Called at plan() and for each new mask of a kept plan."""
+        if self._mask_classes is None:
+            return
+        prm, cfg, classes = self.params, self.config, self._mask_classes
+        max_tiles = classes.shape[1]
         classify = bind(mask_tile_classes_kernel, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                         WINDOW=self.problem.window_left >= 0)
         classify((self.num_items * max_tiles,), self.work, prm.packed_mask, prm.mask_indptr, classes, max_tiles,
