@@ -21,6 +21,7 @@ from flashdispatch.backends.fa2.prefill import (CONFIG_ENV, PREFILL_CAPS, Prefil
                                                 policy_splits, prefill_extra_checks, tile_ranges)
 from flashdispatch.dispatch.caps import check_caps
 from flashdispatch.dispatch.reasons import Unsupported
+from flashdispatch.quantization import packbits
 from oracle import assert_close, make_paged_case, make_ragged_case
 
 pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of Triton)")
@@ -191,6 +192,21 @@ def test_custom_mask_tile_lists_longer_than_a_chunk(monkeypatch):
     assert whole >= 4 and partial > 0 and whole + partial < 25
     plan.run(case.inputs)
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
+
+
+def test_custom_mask_items_run_heaviest_first():
+    """The host sees every masked item as the whole KV; once the lists are built the work rows
+    are reordered by visible KV tiles, most first: with a causal-pattern mask the last query
+    tile runs first. A new mask of a kept plan reorders them again."""
+    causal = torch.ones(128, 128, dtype=torch.bool).tril()
+    case = make_ragged_case(qo_lens=[128], kv_lens=[128], mask_mode="custom", custom_masks=[causal], head_dim_qk=64)
+    plan = plan_prefill(case.problem, case.device, case.params)
+    assert [row[1] for row in plan.work.view(-1, 10).tolist()] == [96, 64, 32, 0]
+    plan.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
+    case.params.packed_mask.copy_(packbits(causal.flip(0).reshape(-1), "little"))  # rows 0-31 see the most
+    plan.refresh_tile_lists()
+    assert [row[1] for row in plan.work.view(-1, 10).tolist()] == [0, 32, 64, 96]
 
 
 # --- CUDA-graph mode (persistent grid over a workspace list), config, caps -------------------

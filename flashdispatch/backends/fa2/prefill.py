@@ -301,9 +301,11 @@ class PrefillPlan:
         return need
 
     def refresh_tile_lists(self) -> None:
-        """Custom mask: classify each (item, KV tile) from the bits of ``params.packed_mask``, then
-        compact each item's visible tiles into its list (two launches, stream-ordered, no host
-        sync). Called at plan() and for each new mask of a kept plan."""
+        """Custom mask: classify each (item, KV tile) from the bits of ``params.packed_mask``,
+        compact each item's visible tiles into its list, then reorder the work rows by their
+        visible tiles, most first (the host saw every item as the whole KV range; a causal-like
+        mask left the heaviest programs last: 4096 tokens ran at 245 TFLOP/s, causal at 413).
+        Stream-ordered, no host sync; at plan() and for each new mask of a kept plan."""
         if self._mask_classes is None:
             return
         prm, cfg, classes = self.params, self.config, self._mask_classes
@@ -314,6 +316,10 @@ class PrefillPlan:
                  self.problem.window_left)
         compact = bind(mask_tile_list_kernel, BLOCK_N=cfg.block_n, CHUNK=_LIST_CHUNK)
         compact((self.num_items,), self.work, classes, self.tiles, max_tiles)
+        rows = self.work.view(self.num_items, WORK_COLS)
+        starts = rows[:, 9].long()
+        visible = self.tiles[starts] + self.tiles[starts + 1]  # whole + partial tiles
+        rows.copy_(rows[torch.argsort(visible, descending=True, stable=True)])
 
     def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device,
                          list_len: int):
