@@ -20,6 +20,12 @@ Layouts handed to cuDNN (its dims are always [batch, heads, seq, dim]):
   strides) read through a block table [batch, 1, width, 1] int32: width is the bucket's
   max_pages for tables we fill, or the caller's own (wider) table passed through as it is.
 - ragged K/V (prefill_ragged) are ragged like q.
+- one request of ragged prefill (``single``: what single_prefill_with_kv_cache plans) gets the
+  graph PyTorch's cuDNN SDPA builds: q/k/v/o/lse *dense* [1, heads, seq, dim] at the exact
+  lengths with the tensors' own strides, no ragged offsets, no sequence-length tensors, no
+  padding mask; causal is top-left when qo_len == kv_len (the same diagonal as bottom-right
+  there), bottom-right otherwise (dense graphs allow it for qo_len <= kv_len). One graph per
+  exact (qo_len, kv_len), like PyTorch's: each new length pays a graph build.
 """
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ class GraphOptions:
     return_lse: bool
     cuda_graph: bool
     dense_rows: bool           # q/o/lse one row per request at batch stride, no ragged offsets
+    single: bool = False       # one dense request at the exact max_q/max_kv: no offsets, lengths, padding
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,13 @@ def _rows_bhsd(stride: tuple[int, ...], seq: int, dense: bool = False) -> list[i
     return [tok if dense else seq * tok, head, tok, dim]
 
 
+def _single_bhsd(stride: tuple[int, ...], seq: int, heads: int) -> list[int]:
+    """[1, heads, seq, dim] strides of one request's [tokens, heads, dim] view; the batch stride
+    (never used with one request) is the request's extent, so no two axes share a stride."""
+    tok, head, dim = stride
+    return [max(seq * tok, heads * head), head, tok, dim]
+
+
 def _cache_bhsd(stride: tuple[int, ...], layout: str) -> list[int]:
     """[pages, kv_heads, page_size, dim] strides of an NHD or HND page view."""
     if layout == "NHD":
@@ -129,6 +143,44 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
     f32, i32 = cudnn.data_type.FLOAT, cudnn.data_type.INT32
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle,
                       is_cuda_graph_replay_expected=opts.cuda_graph)
+    if opts.single:
+        _single_graph(g, opts, geo, io, f32, cudnn)
+    else:
+        _batch_graph(g, opts, geo, io, f32, i32, cudnn)
+    g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    return BuiltGraph(g, int(g.get_workspace_size()), time.perf_counter() - t0)
+
+
+def _scale_tensor(g, f32):
+    """The softmax scale, a float passed by value at each execute."""
+    return g.tensor(name="attn_scale", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32,
+                    is_pass_by_value=True, uid=UID_SCALE)
+
+
+def _single_graph(g, opts: GraphOptions, geo: Geometry, io, f32, cudnn) -> None:
+    """One request, dense: PyTorch's cuDNN SDPA graph with FlashInfer's GQA and diagonal."""
+    Hq, Hk, S, T = opts.num_qo_heads, opts.num_kv_heads, opts.max_q, opts.max_kv
+    dqk, dvo = opts.head_dim_qk, opts.head_dim_vo
+    q = g.tensor(name="q", dim=[1, Hq, S, dqk], stride=_single_bhsd(geo.q_stride, S, Hq), data_type=io, uid=UID_Q)
+    k = g.tensor(name="k", dim=[1, Hk, T, dqk], stride=_single_bhsd(geo.k_stride, T, Hk), data_type=io, uid=UID_K)
+    v = g.tensor(name="v", dim=[1, Hk, T, dvo], stride=_single_bhsd(geo.v_stride, T, Hk), data_type=io, uid=UID_V)
+    masking = {}
+    if (opts.causal or opts.window_left >= 0) and S != T:   # S == T: top-left is the same diagonal
+        masking["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
+    if opts.causal:
+        masking["diagonal_band_right_bound"] = 0
+    if opts.window_left >= 0:
+        masking["diagonal_band_left_bound"] = opts.window_left + 1
+    o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=_scale_tensor(g, f32), generate_stats=opts.return_lse,
+                      compute_data_type=f32, **masking)
+    o.set_output(True).set_dim([1, Hq, S, dvo]).set_stride(_single_bhsd(geo.o_stride, S, Hq)).set_uid(UID_O)
+    if opts.return_lse:
+        lse_stride = _single_bhsd((*geo.lse_stride, 1), S, Hq)
+        stats.set_output(True).set_data_type(f32).set_dim([1, Hq, S, 1]).set_stride(lse_stride).set_uid(UID_STATS)
+
+
+def _batch_graph(g, opts: GraphOptions, geo: Geometry, io, f32, i32, cudnn) -> None:
+    """Bucketed batch: ragged or dense rows, paged or ragged K/V, lengths and padding mask."""
     B, Hq, Hk, S = opts.batch, opts.num_qo_heads, opts.num_kv_heads, opts.max_q
     dqk, dvo = opts.head_dim_qk, opts.head_dim_vo
 
@@ -162,8 +214,7 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
         k.set_ragged_offset(offsets("k_offsets", UID_K_OFF))
         v.set_ragged_offset(offsets("v_offsets", UID_V_OFF))
         paging = {}
-    scale = g.tensor(name="attn_scale", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32,
-                     is_pass_by_value=True, uid=UID_SCALE)
+    scale = _scale_tensor(g, f32)
     masking = {}
     if opts.causal or opts.window_left >= 0:
         masking["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
@@ -184,8 +235,6 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
         stats.set_output(True).set_data_type(f32).set_dim([B, Hq, S, 1]).set_stride(lse_stride).set_uid(UID_STATS)
         if not dense:
             stats.set_ragged_offset(offsets("stats_offsets", UID_STATS_OFF))
-    g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    return BuiltGraph(g, int(g.get_workspace_size()), time.perf_counter() - t0)
 
 
 def check_alignment(tensors: dict[str, torch.Tensor], lse: torch.Tensor | None) -> None:

@@ -76,6 +76,21 @@ def bucket_options(problem: Problem, device_index: int, *, batch: int, max_q: in
         dense_rows=dense)
 
 
+def single_options(problem: Problem, device_index: int, qo_lens: list[int], kv_lens: list[int]) -> GraphOptions | None:
+    """The exact dense graph of a ragged prefill of one request (graphs.py, ``single``), or None
+    where it does not apply: other ops, CUDA graphs (a re-plan must reuse the captured graph),
+    empty requests, and a causal or windowed request with more queries than keys (cuDNN's dense
+    bottom-right diagonal needs qo_len <= kv_len; such requests have rows that see no key)."""
+    if problem.op != "prefill_ragged" or problem.use_cuda_graph or len(qo_lens) != 1:
+        return None
+    q_len, kv_len = qo_lens[0], kv_lens[0]
+    masked = problem.mask_mode == "causal" or problem.window_left >= 0
+    if q_len == 0 or kv_len == 0 or (masked and q_len > kv_len):
+        return None
+    bucket = bucket_options(problem, device_index, batch=1, max_q=q_len, max_kv=kv_len)
+    return dataclasses.replace(bucket, max_q=q_len, max_kv=kv_len, single=True)
+
+
 def graph_options(problem: Problem, device: Device, params: AttentionParams) -> GraphOptions:
     """The bucket a plan's graph is built for (from the plan's host lengths)."""
     return bucket_options(problem, device.index, batch=params.batch_size,
@@ -167,6 +182,8 @@ class CudnnPlan:
             raise ValueError(f"cudnn plans need a CUDA device, got {device.describe()}")
         self.problem, self.device = problem, device
         self.opts = graph_options(problem, device, params)
+        # one request: the dense exact-length graph, when run() gets tensors holding just its rows
+        self.single_opts = single_options(problem, device.index, params.qo_lens_host, params.kv_lens_host)
         self.batch_size = params.batch_size
         self.total_q = sum(params.qo_lens_host)
         self.total_kv = sum(params.kv_lens_host)
@@ -293,19 +310,36 @@ class CudnnPlan:
             raise ValueError("cudnn plan made with return_lse=False got an lse tensor")
         # checked before anything runs: a device scale is refused (it would need a host sync)
         scale = self.sm_scale * _host_scale(inputs.q_scale, "q_scale") * _host_scale(inputs.k_scale, "k_scale")
+        # the dense graph addresses rows from 0: only when q/k hold exactly the request's rows
+        # (indptr starting at 0); else the bucket's ragged graph, which reads the offsets
+        single = (self.single_opts is not None and inputs.q.shape[0] == self.total_q
+                  and inputs.kv.k.shape[0] == self.total_kv)
+        base = self.single_opts if single else self.opts
         # a plan that may return lse runs the graph without stats when this call wants none
-        opts = self.opts if want_lse == self.opts.return_lse else dataclasses.replace(self.opts, return_lse=False)
+        opts = base if want_lse == base.return_lse else dataclasses.replace(base, return_lse=False)
         graphs.check_alignment({"q": inputs.q, "k": inputs.kv.k, "v": inputs.kv.v, "out": inputs.out},
                                inputs.lse if self.opts.return_lse else None)
         if self.opts.dense_rows:
             graphs.check_dense_rows({"q": inputs.q, "out": inputs.out, "lse": inputs.lse}, self.opts.batch)
         built = self._bind(self._geometry(inputs), opts)
         workspace = self._cudnn_workspace(built)
-        self._refresh_offsets(inputs)
         self._scale_host.fill_(scale)
-        m, G = self.meta, graphs
+        G = graphs
         pack = {G.UID_Q: inputs.q, G.UID_K: inputs.kv.k, G.UID_V: inputs.kv.v, G.UID_O: inputs.out,
-                G.UID_SCALE: self._scale_host, G.UID_SEQ_Q: m["seq_q"], G.UID_SEQ_KV: m["seq_kv"]}
+                G.UID_SCALE: self._scale_host}
+        if want_lse:
+            pack[G.UID_STATS] = inputs.lse
+        if not single:
+            self._refresh_offsets(inputs)
+            self._bind_metadata(pack, want_lse)
+        handle = handle_on_current_stream(self.device.index)
+        built.graph.execute(pack, workspace, handle=handle)
+        self._finish(inputs)
+
+    def _bind_metadata(self, pack: dict, want_lse: bool) -> None:
+        """Add the bucket graph's lengths, offsets and block table to the variant pack."""
+        m, G = self.meta, graphs
+        pack[G.UID_SEQ_Q], pack[G.UID_SEQ_KV] = m["seq_q"], m["seq_kv"]
         dense = self.opts.dense_rows
         if not dense:
             pack[G.UID_Q_OFF], pack[G.UID_O_OFF] = m["q_off"], m["o_off"]
@@ -313,13 +347,8 @@ class CudnnPlan:
             pack[G.UID_TABLE_K] = pack[G.UID_TABLE_V] = m["table"]
         else:
             pack[G.UID_K_OFF], pack[G.UID_V_OFF] = m["k_off"], m["v_off"]
-        if want_lse:
-            pack[G.UID_STATS] = inputs.lse
-            if not dense:
-                pack[G.UID_STATS_OFF] = m["lse_off"]
-        handle = handle_on_current_stream(self.device.index)
-        built.graph.execute(pack, workspace, handle=handle)
-        self._finish(inputs)
+        if want_lse and not dense:
+            pack[G.UID_STATS_OFF] = m["lse_off"]
 
     def _finish(self, inputs: AttentionInputs) -> None:
         """Base-2 lse, v_scale, and out 0 / lse -inf on rows that see no key."""
