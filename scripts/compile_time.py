@@ -89,7 +89,7 @@ def prefill_variant(head: int, rope: bool, split: bool, tiles: list[int] | None)
     fp16 = {name: "*fp16" for name in ("Q", "K", "V", "O")}
     f32 = {name: "*fp32" for name in ("LSE", "PO", "PLSE", "sinks_ptr", "alibi_ptr", "q_scale_ptr",
                                       "k_scale_ptr", "v_scale_ptr")}
-    sig = _signature(fa2_prefill_kernel, const, {**fp16, **f32, "mask_ptr": "*u8"})
+    sig = _signature(fa2_prefill_kernel, const, {**fp16, **f32, "mask_ptr": "*i16"})
     text = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
     return fa2_prefill_kernel, sig, const, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), text
 

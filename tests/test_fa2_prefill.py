@@ -213,16 +213,18 @@ def test_custom_mask_items_run_heaviest_first():
 @pytest.mark.parametrize("mask", ["causal", "custom"])
 def test_graph_mode_replans_into_same_workspace(mask):
     ws = torch.zeros(1 << 16, dtype=torch.uint8)  # the wrapper's int workspace
+    float_ws = torch.zeros(1 << 16, dtype=torch.uint8)  # and its float workspace (mask tile bitmaps)
     plans = []
     for seed, (qo, kv) in enumerate([([30, 5], [40, 5]), ([3, 64], [3, 80])]):
         case = make_paged_case(qo_lens=qo, kv_lens=kv, page_size=16, mask_mode=mask,
                                use_cuda_graph=True, seed=seed)
-        case.params.int_workspace = ws
+        case.params.int_workspace, case.params.workspace = ws, float_ws
         plan = plan_prefill(case.problem, case.device, case.params)
         plans.append(plan)
         assert plan.grid == plans[0].grid and plan.work.data_ptr() == plans[0].work.data_ptr()
         if mask == "custom":
             assert plan.tiles.data_ptr() == plans[0].tiles.data_ptr()
+            assert plan.tile_bits.data_ptr() == float_ws.data_ptr()
         plan.run(case.inputs)
         assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 
@@ -233,6 +235,11 @@ def test_graph_mode_workspace_errors():
         plan_prefill(case.problem, case.device, case.params)
     case.params.int_workspace = torch.zeros(300, dtype=torch.uint8)
     with pytest.raises(ValueError, match="int workspace bytes"):
+        plan_prefill(case.problem, case.device, case.params)
+    case = make_paged_case(qo_lens=[40], kv_lens=[40], page_size=16, mask_mode="custom", use_cuda_graph=True)
+    case.params.int_workspace = torch.zeros(1 << 16, dtype=torch.uint8)
+    case.params.workspace = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="float_workspace_buffer too small: 100 bytes.*bitmaps of its mask tiles"):
         plan_prefill(case.problem, case.device, case.params)
 
 

@@ -249,9 +249,10 @@ class PrefillPlan:
             self.grid = (self.num_items * problem.num_qo_heads,)
             if custom:
                 self.tiles = torch.empty(list_len, dtype=torch.int32, device=dev)
-        self._mask_classes = None
+        self._mask_classes = self.tile_bits = None
         if custom and self.num_items:
             self._mask_classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=dev)
+            self.tile_bits = self._tile_bitmaps(list_len * config.block_m * config.block_n // 16, dev, params)
             self.refresh_tile_lists()
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
         self._launchers: dict = {}  # (q dtype, SINKS, HAS_LSE, Q/K/V_SCALE_T) -> BoundKernel
@@ -300,6 +301,19 @@ class PrefillPlan:
         self.po = ws[lse_bytes:need].view(torch.float32)
         return need
 
+    def _tile_bitmaps(self, words: int, dev: torch.device, params: AttentionParams) -> torch.Tensor:
+        """int16 room for the partial tiles' bitmaps, one slot per tile-list entry: its own
+        buffer, or in CUDA-graph mode the start of the float workspace (fixed across re-plans,
+        unused otherwise there: no split-KV partials)."""
+        if not self.problem.use_cuda_graph:
+            return torch.empty(words, dtype=torch.int16, device=dev)
+        ws = params.workspace
+        have = 0 if ws is None else ws.numel() * ws.element_size()
+        if 2 * words > have:
+            raise ValueError(f"float_workspace_buffer too small: {have} bytes, this fa2 prefill plan (CUDA-graph "
+                             f"mode, custom mask) needs {2 * words} bytes for the bitmaps of its mask tiles")
+        return ws.view(torch.uint8).reshape(-1)[:2 * words].view(torch.int16)
+
     def refresh_tile_lists(self) -> None:
         """Custom mask: classify each (item, KV tile) from the bits of ``params.packed_mask``,
         compact each item's visible tiles into its list, then reorder the work rows by their
@@ -312,8 +326,8 @@ class PrefillPlan:
         max_tiles = classes.shape[1]
         classify = bind(mask_tile_classes_kernel, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                         WINDOW=self.problem.window_left >= 0)
-        classify((self.num_items * max_tiles,), self.work, prm.packed_mask, prm.mask_indptr, classes, max_tiles,
-                 self.problem.window_left)
+        classify((self.num_items * max_tiles,), self.work, prm.packed_mask, prm.mask_indptr, classes, self.tile_bits,
+                 max_tiles, self.problem.window_left)
         compact = bind(mask_tile_list_kernel, BLOCK_N=cfg.block_n, CHUNK=_LIST_CHUNK)
         compact((self.num_items,), self.work, classes, self.tiles, max_tiles)
         rows = self.work.view(self.num_items, WORK_COLS)
@@ -401,8 +415,7 @@ class PrefillPlan:
             self.grid, q, k, v, out, lse if lse is not None else out,
             self.po if self.n_merge else out, self.plse if self.n_merge else out, self.work, self.num_work,
             prm.qo_indptr, prm.kv_indptr, kv_indices,
-            prm.packed_mask if custom else prm.qo_indptr, self.tiles if custom else prm.qo_indptr,
-            prm.mask_indptr if custom else prm.qo_indptr,
+            self.tile_bits if custom else prm.qo_indptr, self.tiles if custom else prm.qo_indptr,
             inputs.sinks if inputs.sinks is not None else prm.qo_indptr,
             self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
             prm.sm_scale * q_f * k_f * log2e, v_f, p.logits_soft_cap * log2e,

@@ -79,6 +79,17 @@ def _load_k_part(k_base, row_off, kv_len, offs_n, offs_d, stride_kd, pos_n, rope
 
 
 @triton.jit
+def _tile_bits(bits_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The visible pairs [BLOCK_M, BLOCK_N] of one partial KV tile from its bitmap, written by
+    mask_tile_classes_kernel: row-major [BLOCK_M, BLOCK_N // 16] int16, bit b of word w = key
+    16 * w + b of the tile (one coalesced load instead of a byte gather per pair)."""
+    WORDS: tl.constexpr = BLOCK_N // 16
+    words = tl.load(bits_ptr + tl.arange(0, BLOCK_M)[:, None] * WORDS + tl.arange(0, WORDS)[None, :])
+    bits = (words.to(tl.int32)[:, :, None] >> tl.arange(0, 16)[None, None, :]) & 1
+    return tl.reshape(bits, [BLOCK_M, BLOCK_N]) != 0
+
+
+@triton.jit
 def _custom_keep(mask_ptr, mask_off, offs_m, offs_n, qo_len, kv_len, keep):
     """``keep`` and the packed custom-mask bits (row-major [qo_len, kv_len], little bit order)."""
     bit = offs_m.to(tl.int64)[:, None] * kv_len + offs_n[None, :]
@@ -155,8 +166,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             keep = (offs_n < kv_hi)[None, :]
             if SPLIT:
                 keep = keep & (offs_n >= kv_lo)[None, :]
-            if CUSTOM_MASK:
-                keep = _custom_keep(mask_ptr, mask_off, offs_m, offs_n, qo_len, kv_len, keep)
+            if CUSTOM_MASK:  # the bitmap holds the window and the chunk and row bounds too
+                BM: tl.constexpr = offs_m.shape[0]
+                keep = _tile_bits(mask_ptr + (mask_off + start_n // BLOCK_N) * (BM * (BLOCK_N // 16)), BM, BLOCK_N)
             elif CAUSAL:
                 keep = keep & (offs_n[None, :] <= pos_m[:, None])
             if WINDOW:
@@ -198,7 +210,7 @@ def _load_q_part(Q, q_row_off, offs_m, qo_len, offs_d, stride_qd, pos_m, rope_in
 
 @triton.jit
 def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-                 mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                 mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                  qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                  stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                  stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
@@ -231,8 +243,8 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
     q_start = tl.load(qo_indptr_ptr + req)
     kv_start = tl.load(kv_indptr_ptr + req)
     mask_off = 0
-    if CUSTOM_MASK:
-        mask_off = tl.load(mask_indptr_ptr + req).to(tl.int64)
+    if CUSTOM_MASK:  # bitmap slot of KV tile 0: tile t's is the item's list offset + t - its first tile
+        mask_off = (tl.load(row + 9) - kv_lo // BLOCK_N).to(tl.int64)
     kvh = head // GROUP
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
 
@@ -348,7 +360,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
 
 @triton.jit
 def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_indptr_ptr, kv_indptr_ptr,
-                       kv_indices_ptr, mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr,
+                       kv_indices_ptr, mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr,
                        q_scale_ptr, k_scale_ptr, v_scale_ptr,
                        qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                        stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
@@ -369,7 +381,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
         total = tl.load(num_work_ptr) * NUM_QO_HEADS
         for pid in range(tl.program_id(0), total, tl.num_programs(0)):
             _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-                         mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                         mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                          qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                          stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
@@ -378,7 +390,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                          SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
     else:
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
-                     kv_indices_ptr, mask_ptr, tiles_ptr, mask_indptr_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
+                     kv_indices_ptr, mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
                      v_scale_ptr, qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
                      stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
@@ -388,7 +400,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
 
 
 @triton.jit
-def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, max_tiles, window_left,
+def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, bits_ptr, max_tiles, window_left,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
     """1-D grid of items x max_tiles programs: class of KV tile ``kv_lo // BLOCK_N + t`` for work
     item ``i`` at ``classes[i, t]`` (int8): 0 no visible key, 1 every in-bounds pair visible (and
@@ -416,6 +428,13 @@ def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, m
     whole = (visible == tl.sum(in_bounds.to(tl.int32))) & (start_n >= kv_lo) & (start_n + BLOCK_N <= kv_hi)
     cls = tl.where(visible == 0, 0, tl.where(whole, 1, 2))
     tl.store(classes_ptr + item.to(tl.int64) * max_tiles + t, cls.to(tl.int8), mask=start_n < kv_hi)
+    # a partial tile's pairs as a bitmap (see _tile_bits) at slot list offset + t
+    WORDS: tl.constexpr = BLOCK_N // 16
+    words = tl.sum(tl.reshape(keep.to(tl.int32), [BLOCK_M, WORDS, 16]) << tl.arange(0, 16)[None, None, :], 2)
+    slot = (tl.load(row + 9) + t).to(tl.int64)
+    offs = slot * (BLOCK_M * WORDS) + tl.arange(0, BLOCK_M)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    partial = (tl.zeros([BLOCK_M, WORDS], tl.int32) + ((cls == 2) & (start_n < kv_hi)).to(tl.int32)) != 0
+    tl.store(bits_ptr + offs, words.to(tl.int16), mask=partial)
 
 
 @triton.jit
