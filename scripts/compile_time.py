@@ -105,7 +105,8 @@ def decode_variant(head: int, rope: bool, split: bool, tiles: list[int] | None):
                  BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, CAUSAL=False,
                  WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, SINKS=False, WRITE_LSE=True,
                  Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, K_ROWS=cfg.k_rows,
-                 FP16_DOTS=False, HEADS_FASTEST=cfg.heads_fastest)
+                 FP16_DOTS=False, HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
+                 V_STAGED=False)
     fp16 = {name: "*fp16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     f32 = {name: "*fp32" for name in ("lse_ptr", "po_ptr", "plse_ptr", "slopes_ptr", "sinks_ptr",
                                       "q_scale_ptr", "k_scale_ptr", "v_scale_ptr")}

@@ -70,6 +70,11 @@ class DecodeConfig:
     decode_kernel.py for the ranges).
     heads_fastest: program order of the 1-D grid: all (kv head, row block) units of a work item
     next to each other (whole pages read together), or one unit of every item at a time.
+    page_prefetch: load the next tile's page numbers one step ahead, so that K/V get
+    num_stages - 1 buffers (else one buffer below num_stages 5: no copy in flight during compute).
+    fp8_v_convert (fp8 KV with fp16 dots): "operand" converts V inside the dot operand layout
+    (one ld.shared.b8 per value), "staged" converts it in registers and stages it as fp16 in
+    shared memory (more shared memory, far fewer instructions); the interpreter runs "operand".
     """
 
     block_n: int = 32
@@ -83,11 +88,15 @@ class DecodeConfig:
     split_block_n: int | None = None
     fp8_dot_dtype: str = "q"
     heads_fastest: bool = True
+    page_prefetch: bool = False
+    fp8_v_convert: str = "operand"
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
-        for name in ("k_rows", "heads_fastest"):
+        if self.fp8_v_convert not in ("operand", "staged"):
+            raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
+        for name in ("k_rows", "heads_fastest", "page_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
 
@@ -96,11 +105,14 @@ def default_config(problem: Problem) -> DecodeConfig:
     """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
     d = problem.head_dim_qk
     if problem.kv_dtype in FP8_DTYPES:
-        return DecodeConfig(block_n=128 if d <= 128 else 64, fp8_dot_dtype="fp16", num_stages=3)
+        if d <= 128:
+            return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3, page_prefetch=True,
+                                fp8_v_convert="staged")
+        return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128)
     if problem.num_qo_heads == problem.num_kv_heads and d <= 128:
-        return DecodeConfig(block_n=64, num_stages=3)
+        return DecodeConfig(block_n=64, num_stages=3, page_prefetch=True)
     if d <= 64:
         return DecodeConfig(block_n=64)
     return DecodeConfig(block_n=32, split_block_n=64 if d <= 128 else None)
@@ -299,6 +311,7 @@ class DecodePlan:
     def _launch_constants(self) -> None:
         """Everything of the decode launch that run() does not learn from the inputs."""
         p, cfg = self.problem, self.config
+        fp16_dots = p.kv_dtype in FP8_DTYPES and (cfg.fp8_dot_dtype == "fp16" or p.q_dtype == torch.float16)
         self._grid = (self.n_work * p.num_kv_heads * self.row_blocks,)
         dummy = self.plse
         self._tables = (self.po, self.plse, self.work, self.kv_indices,
@@ -311,7 +324,8 @@ class DecodePlan:
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
             ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, K_ROWS=cfg.k_rows,
             FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
-            HEADS_FASTEST=cfg.heads_fastest,
+            HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
+            V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
 

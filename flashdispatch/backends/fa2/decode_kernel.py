@@ -29,6 +29,18 @@ more precise than the bf16 dots, and nothing overflows for finite inputs:
 - P (<= 1) in fp16: 11 significant bits (bf16: 8), but weights below 2^-14 of the row max lose
   bits and below 2^-25 flush to 0 (the fp32 denominator still counts them).
 - Both dots accumulate in fp32.
+
+PAGE_PREFETCH: the page numbers of the next tile are loaded one step ahead and carried in the
+loop state. Without it the K/V gathers depend on a page-table load of the same step, a two-level
+load chain for which Triton's pipeliner gives K and V (num_stages - 1) // 2 buffers: one for
+num_stages 2..4, i.e. no copy in flight while the tile is computed. With it K/V get num_stages - 1.
+
+V_STAGED (fp8 KV with fp16 dots): V is converted to fp16 in registers right after its tile arrives
+(4 bytes per 32-bit register, one cvt.rn.f16x2 per half) and reaches the P @ V dot through a fp16
+shared tile (ldmatrix.trans). Without it Triton converts V inside the dot operand layout, where
+each fp8 value is its own ld.shared.b8 (V's tokens, the dot's K dimension, are not contiguous in
+memory) plus a byte pack per pair. The conversion is inline PTX (marked impure so that Triton does
+not move it back behind the operand load); the interpreter cannot run it (decode.py passes False).
 """
 from __future__ import annotations
 
@@ -68,6 +80,21 @@ def _row_pow2(x):
 
 
 @triton.jit
+def _fp8_to_f16_regs(x, E5M2: tl.constexpr):
+    """fp8 -> fp16 (exact), four values per 32-bit register, in the layout x is in."""
+    b = x.to(tl.uint8, bitcast=True)
+    if E5M2:
+        y = tl.inline_asm_elementwise("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; "
+                                      "cvt.rn.f16x2.e5m2x2 $1, hi; }", "=r,=r,r", [b], dtype=tl.float16,
+                                      is_pure=False, pack=4)
+    else:
+        y = tl.inline_asm_elementwise("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+                                      "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [b], dtype=tl.float16,
+                                      is_pure=False, pack=4)
+    return y
+
+
+@triton.jit
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
     work_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
@@ -79,7 +106,7 @@ def decode_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
     ROPE: tl.constexpr, SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
     Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
-    FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+    FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
 ):
     # 1-D grid of work items x (kv head, row block) units. HEADS_FASTEST: the programs resident
     # together read every head of the same pages; else one head of many requests at a time.
@@ -165,10 +192,17 @@ def decode_kernel(
 
     k_head = k_ptr + hk * stride_kh
     v_head = v_ptr + hk * stride_vh
+    if PAGE_PREFETCH:  # the first tile's pages, clamped as in the loop (nothing to read when empty)
+        page_next = tl.load(kv_indices_ptr + page_base + tl.minimum(tok_start + offs_n, tok_end - 1) // PAGE,
+                            mask=(offs_n * 0 + tok_start) < tok_end, other=0)
     for start in range(tok_start, tok_end, BLOCK_N):
         t = start + offs_n
         tc = tl.minimum(t, tok_end - 1)  # clamped: loads stay in bounds, scores masked below
-        page = tl.load(kv_indices_ptr + page_base + tc // PAGE).to(tl.int64)
+        if PAGE_PREFETCH:
+            page = page_next.to(tl.int64)
+            page_next = tl.load(kv_indices_ptr + page_base + tl.minimum(t + BLOCK_N, tok_end - 1) // PAGE)
+        else:
+            page = tl.load(kv_indices_ptr + page_base + tc // PAGE).to(tl.int64)
         in_page = tc % PAGE
         k_off = page * stride_kp + in_page * stride_ks
         v_off = page * stride_vp + in_page * stride_vs
@@ -208,6 +242,9 @@ def decode_kernel(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + v_off[:, None] + offs_dv[None, :])
+        if V_STAGED:
+            tl.static_assert(dt == tl.float16, "V_STAGED needs fp16 dots")
+            v = _fp8_to_f16_regs(v, v_ptr.dtype.element_ty == tl.float8e5)
         acc = acc * alpha[:, None] + tl.dot(p.to(dt), v.to(dt))
         m_i = m_new
 
