@@ -74,6 +74,15 @@ def test_packaged_orders(op, device, order, source):
     assert got_source == f"{source} ({PACKAGED_LABEL})"
 
 
+@pytest.mark.parametrize("batch, first, rule", [(1, "cudnn", "hopper-decode-few-requests"),
+                                                (16, "cudnn", "hopper-decode-few-requests"),
+                                                (17, "fa2", "hopper-decode"), (256, "fa2", "hopper-decode")])
+def test_hopper_decode_order_by_batch(batch, first, rule):
+    """cudnn led fa2 up to 16 requests in the session-3 H200 run, fa2 from 64 on."""
+    got, source = load_policy().order_for(problem("decode"), SM90, workload(batch, 4096))
+    assert got[0] == first and source == f"rule '{rule}' ({PACKAGED_LABEL})"
+
+
 def test_default_yaml_documents_every_condition_and_marks_numbers_to_measure():
     text = resources.files("flashdispatch").joinpath("configs/default.yaml").read_text()
     for key in CONDITION_KEYS + ("reference_fallback", "pins", "rules", "defaults"):
