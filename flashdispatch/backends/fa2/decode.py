@@ -112,7 +112,7 @@ def default_config(problem: Problem) -> DecodeConfig:
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128)
     if problem.num_qo_heads == problem.num_kv_heads and d <= 128:
-        return DecodeConfig(block_n=64, num_stages=3, page_prefetch=True)
+        return DecodeConfig(block_n=64, num_stages=3)
     if d <= 64:
         return DecodeConfig(block_n=64)
     return DecodeConfig(block_n=32, split_block_n=64 if d <= 128 else None)
