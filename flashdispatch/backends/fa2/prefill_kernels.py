@@ -13,8 +13,8 @@ visible band (sliding window, chunk start), the unmasked band, masked tiles on t
 diagonal, chunk end, KV end). With a custom mask, plan() first classifies every (item, KV tile)
 from the mask bits (`mask_tile_classes_kernel`: no visible key / all visible / partial) and
 lists the visible ones per item (`mask_tile_list_kernel`, at the tile-list offset); the
-attention kernel walks the whole tiles without masks, then the partial ones with them, and
-never visits a tile without a visible key. Every feature is a tl.constexpr, so a feature
+attention kernel walks the whole tiles without masks, then the partial ones with the bitmaps the
+classifier wrote for them (`_tile_bits`), and never visits a tile without a visible key. Every feature is a tl.constexpr, so a feature
 that is off costs nothing on the hot path.
 """
 from __future__ import annotations
