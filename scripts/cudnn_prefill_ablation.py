@@ -1,4 +1,4 @@
-"""Where cudnn single prefill loses to PyTorch's SDPA-cuDNN: one row per graph variant, same run.
+"""Where cudnn prefill loses to PyTorch's SDPA-cuDNN: one row per graph variant, same run.
 
 Variants (bf16, 32/8 heads, d128 by default; TFLOP/s over visible pairs, median of --reps,
 L2 flushed as in the bench), each step changing one thing:
@@ -7,9 +7,12 @@ L2 flushed as in the bench), each step changing one thing:
   dense-bhsd the same graph on heads-first q/k/v/out (PyTorch's layout), GQA
   dense-mha  heads-first with K/V repeated to the query heads (the peer's work, our graph)
   torch      F.scaled_dot_product_attention under SDPBackend.CUDNN_ATTENTION, as the bench's peer
+Batch shapes (BxQ/KV[:nc], paged NHD cache, page 16, random page order, as the bench):
+  bucket     the bucketed graph (ragged q/o offsets, batch and rows rounded up)
+  uniform    the dense-row graph of equal query lengths (exact batch and rows, no q/o offsets)
 With --kernels, the CUDA kernels of one call of each variant (torch.profiler).
 
-    python scripts/cudnn_prefill_ablation.py --shapes 4096,16384,4096:nc --reps 30 --kernels
+    python scripts/cudnn_prefill_ablation.py --shapes 4096,16384,4096:nc,8x512/8192 --reps 30 --kernels
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ import math
 
 import torch
 
-from flashdispatch.backends.base import AttentionInputs, AttentionParams, RaggedKV
+from flashdispatch.backends.base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from flashdispatch.backends.cudnn import CudnnBackend
-from flashdispatch.bench.prefill import visible_pairs
+from flashdispatch.bench.prefill import make_prefill_data, parse_prefill_shapes, prefill_flops, visible_pairs
 from flashdispatch.bench.timing import L2Flusher, device_times_ms, median
 from flashdispatch.dispatch.problem import Problem, device_of
 
@@ -51,6 +54,34 @@ def cudnn_job(q, k, v, causal: bool, *, ragged: bool):
     return lambda: backend.run(plan, inputs)
 
 
+def cudnn_paged_job(d, *, uniform: bool):
+    """A planned cudnn paged-prefill call on the bench's data ``d``; ``uniform`` False forces the
+    bucket graph."""
+    s, dev = d.shape, d.q.device
+    lens = torch.full((s.batch,), s.kv_len, dtype=torch.int32, device=dev)
+    problem = Problem("prefill_paged", s.dtype, s.dtype, s.dtype, s.qo_heads, s.kv_heads, s.head_dim, s.head_dim,
+                      page_size=s.page_size, kv_layout="NHD", mask_mode="causal" if s.causal else "none",
+                      return_lse=False)
+    params = AttentionParams(qo_indptr=d.qo_indptr, kv_indptr=d.kv_indptr, kv_lens=lens,
+                             qo_lens_host=[s.qo_len] * s.batch, kv_lens_host=[s.kv_len] * s.batch,
+                             sm_scale=1 / math.sqrt(s.head_dim), kv_indices=d.kv_indices,
+                             kv_last_page_len=d.last_page_len,
+                             workspace=torch.empty(256 << 20, dtype=torch.uint8, device=dev))
+    backend = CudnnBackend()
+    plan = backend.plan(problem, device_of(dev), params)
+    if not uniform:
+        plan.uniform_opts = None
+    inputs = AttentionInputs(d.q, PagedKV(d.cache[:, 0], d.cache[:, 1], "NHD"), torch.empty_like(d.q))
+    return lambda: backend.run(plan, inputs)
+
+
+def batch_jobs(item: str, heads: tuple[int, int], head_dim: int):
+    """(flops, jobs) of a paged batch row ``BxQ/KV[:nc]``."""
+    d = make_prefill_data(parse_prefill_shapes(item, heads=heads, head_dim=head_dim)[0])
+    return prefill_flops(d.shape), {"bucket": lambda: cudnn_paged_job(d, uniform=False),
+                   "uniform": lambda: cudnn_paged_job(d, uniform=True)}
+
+
 def torch_job(q, k, v, causal: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -64,6 +95,23 @@ def torch_job(q, k, v, causal: bool):
     return run
 
 
+def single_jobs(item: str, hq: int, hk: int, head_dim: int):
+    """(flops, jobs) of a single-request row ``N[:nc]``."""
+    n_text, _, mod = item.partition(":")
+    n, causal = int(n_text), mod != "nc"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(n, h, head_dim, generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
+    flops = 4.0 * hq * head_dim * visible_pairs(n, n, causal)
+    return flops, {
+        "ragged": lambda: cudnn_job(q, k, v, causal, ragged=True),
+        "dense": lambda: cudnn_job(q, k, v, causal, ragged=False),
+        "dense-bhsd": lambda: cudnn_job(heads_first(q), heads_first(k), heads_first(v), causal, ragged=False),
+        "dense-mha": lambda: cudnn_job(heads_first(q), heads_first(k, hq // hk), heads_first(v, hq // hk), causal,
+                                       ragged=False),
+        "torch": lambda: torch_job(q, k, v, causal),
+    }
+
+
 def kernel_names(fn) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -75,7 +123,8 @@ def kernel_names(fn) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="4096,16384,4096:nc", help="N[:nc], single requests of N tokens")
+    ap.add_argument("--shapes", default="4096,16384,4096:nc,8x512/8192,16x2048/2048,64x128/4096",
+                    help="N[:nc] (single requests of N tokens) or BxQ/KV[:nc] (paged batches)")
     ap.add_argument("--heads", default="32/8")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
@@ -85,21 +134,12 @@ def main() -> None:
     flush = L2Flusher(torch.device("cuda"))
     print(f"cuDNN {torch.backends.cudnn.version()}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for item in args.shapes.split(","):
-        n_text, _, mod = item.partition(":")
-        n, causal = int(n_text), mod != "nc"
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(n, h, args.head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
-                   for h in (hq, hk, hk))
-        flops = 4.0 * hq * args.head_dim * visible_pairs(n, n, causal)
-        jobs = {
-            "ragged": lambda: cudnn_job(q, k, v, causal, ragged=True),
-            "dense": lambda: cudnn_job(q, k, v, causal, ragged=False),
-            "dense-bhsd": lambda: cudnn_job(heads_first(q), heads_first(k), heads_first(v), causal, ragged=False),
-            "dense-mha": lambda: cudnn_job(heads_first(q), heads_first(k, hq // hk), heads_first(v, hq // hk), causal,
-                                           ragged=False),
-            "torch": lambda: torch_job(q, k, v, causal),
-        }
-        print(f"\n{item}: {'causal' if causal else 'non-causal'}, {hq}/{hk} heads, d{args.head_dim}")
+        if "x" in item:
+            flops, jobs = batch_jobs(item, (hq, hk), args.head_dim)
+            print(f"\n{item}: paged batch, {hq}/{hk} heads, d{args.head_dim}")
+        else:
+            flops, jobs = single_jobs(item, hq, hk, args.head_dim)
+            print(f"\n{item}: single request, {hq}/{hk} heads, d{args.head_dim}")
         for name, make in jobs.items():
             try:
                 fn = make()
