@@ -8,8 +8,11 @@ L2 flushed as in the bench), each step changing one thing:
   dense-mha  heads-first with K/V repeated to the query heads (the peer's work, our graph)
   torch      F.scaled_dot_product_attention under SDPBackend.CUDNN_ATTENTION, as the bench's peer
 Batch shapes (BxQ/KV[:nc], paged NHD cache, page 16, random page order, as the bench):
-  bucket     the bucketed graph (ragged q/o offsets, batch and rows rounded up)
-  uniform    the dense-row graph of equal query lengths (exact batch and rows, no q/o offsets)
+  bucket     the bucketed graph as the backend runs it (heuristics mode A's first plan)
+  plan N     the same graph run with the N-th execution plan cuDNN offers for it under heuristics
+             modes A, B and FALLBACK (every plan built, `execute_plan_at_index`), named by cuDNN
+  cfg V      with --kernel-cfgs N: the first plan's engine with knob KERNEL_CFG = V, V < N (the
+             kernel variant, e.g. its tile shape; values that do not build are skipped)
 With --kernels, the CUDA kernels of one call of each variant (torch.profiler).
 
     python scripts/cudnn_prefill_ablation.py --shapes 4096,16384,4096:nc,8x512/8192 --reps 30 --kernels
@@ -54,14 +57,13 @@ def cudnn_job(q, k, v, causal: bool, *, ragged: bool):
     return lambda: backend.run(plan, inputs)
 
 
-def cudnn_paged_job(d, *, uniform: bool):
-    """A planned cudnn paged-prefill call on the bench's data ``d``; ``uniform`` False forces the
-    bucket graph."""
+def cudnn_paged_job(d):
+    """(backend, plan, inputs) of a cudnn paged-prefill call on the bench's data ``d``."""
     s, dev = d.shape, d.q.device
     lens = torch.full((s.batch,), s.kv_len, dtype=torch.int32, device=dev)
     problem = Problem("prefill_paged", s.dtype, s.dtype, s.dtype, s.qo_heads, s.kv_heads, s.head_dim, s.head_dim,
                       page_size=s.page_size, kv_layout="NHD", mask_mode="causal" if s.causal else "none",
-                      return_lse=False)
+                      window_left=s.window_left, return_lse=False)
     params = AttentionParams(qo_indptr=d.qo_indptr, kv_indptr=d.kv_indptr, kv_lens=lens,
                              qo_lens_host=[s.qo_len] * s.batch, kv_lens_host=[s.kv_len] * s.batch,
                              sm_scale=1 / math.sqrt(s.head_dim), kv_indices=d.kv_indices,
@@ -69,17 +71,67 @@ def cudnn_paged_job(d, *, uniform: bool):
                              workspace=torch.empty(256 << 20, dtype=torch.uint8, device=dev))
     backend = CudnnBackend()
     plan = backend.plan(problem, device_of(dev), params)
-    if not uniform:
-        plan.uniform_opts = None
     inputs = AttentionInputs(d.q, PagedKV(d.cache[:, 0], d.cache[:, 1], "NHD"), torch.empty_like(d.q))
-    return lambda: backend.run(plan, inputs)
+    return backend, plan, inputs
 
 
-def batch_jobs(item: str, heads: tuple[int, int], head_dim: int):
-    """(flops, jobs) of a paged batch row ``BxQ/KV[:nc]``."""
+def engine_plans(plan, inputs, kernel_cfgs: int = 0) -> dict:
+    """One job per execution plan cuDNN offers for ``plan``'s bucket graph (modes A, B, FALLBACK),
+    then one per KERNEL_CFG value below ``kernel_cfgs`` of the first plan's engine."""
+    import cudnn
+
+    from flashdispatch.backends.cudnn import graphs
+    from flashdispatch.backends.cudnn.handles import handle_for, handle_on_current_stream
+
+    opts, geo = plan.opts, plan._geometry(inputs)
+    g = cudnn.pygraph(io_data_type=graphs._data_type(opts.dtype), intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle_for(opts.device_index))
+    graphs._batch_graph(g, opts, geo, graphs._data_type(opts.dtype), cudnn.data_type.FLOAT, cudnn.data_type.INT32,
+                        cudnn)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans(cudnn.build_plan_policy.ALL)
+    pack = {graphs.UID_Q: inputs.q, graphs.UID_K: inputs.kv.k, graphs.UID_V: inputs.kv.v, graphs.UID_O: inputs.out,
+            graphs.UID_SCALE: torch.full((1, 1, 1, 1), plan.sm_scale)}
+    plan._refresh_offsets(inputs)
+    plan._bind_metadata(pack, False)
+    heuristic_plans = g.get_execution_plan_count()
+    if kernel_cfgs:
+        engine = g.get_engine_and_knobs_at_index(0)[0]
+        for value in range(kernel_cfgs):
+            try:
+                g.create_execution_plan(engine, {cudnn.knob_type.KERNEL_CFG: value})
+                g.build_plan_at_index(g.get_execution_plan_count() - 1)
+            except Exception as e:  # noqa: BLE001 - a knob value without a kernel
+                print(f"  engine {engine} KERNEL_CFG={value}: {type(e).__name__}: {str(e)[:80]}")
+    jobs = {}
+    for i in range(g.get_execution_plan_count()):
+        try:
+            ws = torch.empty(max(1, g.get_workspace_size_plan_at_index(i)), dtype=torch.uint8, device=inputs.q.device)
+            name = g.get_plan_name_at_index(i)
+        except Exception as e:  # noqa: BLE001 - a plan that did not build
+            print(f"  plan {i}: {type(e).__name__}: {e}")
+            continue
+
+        def run(i=i, ws=ws):
+            g.execute_plan_at_index(pack, ws, i, handle=handle_on_current_stream(opts.device_index))
+        jobs[f"plan {i} {name[:40]}" if i < heuristic_plans else f"cfg {i - heuristic_plans} {name[:40]}"] = run
+    return jobs
+
+
+def batch_jobs(item: str, heads: tuple[int, int], head_dim: int, kernel_cfgs: int):
+    """(flops, jobs) of a paged batch row ``BxQ/KV[:nc][:wN]``."""
     d = make_prefill_data(parse_prefill_shapes(item, heads=heads, head_dim=head_dim)[0])
-    return prefill_flops(d.shape), {"bucket": lambda: cudnn_paged_job(d, uniform=False),
-                   "uniform": lambda: cudnn_paged_job(d, uniform=True)}
+    backend, plan, inputs = cudnn_paged_job(d)
+    jobs = {"bucket": lambda: lambda: backend.run(plan, inputs)}
+    try:
+        backend.run(plan, inputs)
+        jobs.update({name: (lambda fn=fn: fn) for name, fn in engine_plans(plan, inputs, kernel_cfgs).items()})
+    except Exception as e:  # noqa: BLE001 - report and keep the bucket row
+        print(f"  engine plans: {type(e).__name__}: {e}")
+    return prefill_flops(d.shape), jobs
 
 
 def torch_job(q, k, v, causal: bool):
@@ -129,13 +181,15 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--kernels", action="store_true", help="print the CUDA kernels of each variant")
+    ap.add_argument("--kernel-cfgs", type=int, default=0, metavar="N",
+                    help="batch rows: also try KERNEL_CFG values 0..N-1 of the heuristics' engine")
     args = ap.parse_args()
     hq, hk = map(int, args.heads.split("/"))
     flush = L2Flusher(torch.device("cuda"))
     print(f"cuDNN {torch.backends.cudnn.version()}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for item in args.shapes.split(","):
         if "x" in item:
-            flops, jobs = batch_jobs(item, (hq, hk), args.head_dim)
+            flops, jobs = batch_jobs(item, (hq, hk), args.head_dim, args.kernel_cfgs)
             print(f"\n{item}: paged batch, {hq}/{hk} heads, d{args.head_dim}")
         else:
             flops, jobs = single_jobs(item, hq, hk, args.head_dim)

@@ -69,14 +69,15 @@ def _view(t: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
 
 
 def row_offsets(opts: graphs.GraphOptions, geo: graphs.Geometry, pack: dict) -> tuple[list, list, list | None]:
-    """Element offsets of each request's first q/o/lse row: dense rows at b x max_q x the row stride
+    """Element offsets of each request's first q/o/lse row: dense rows (decode) at b x the row stride
     the graph was built for, with no offset tensor in the pack; else the ragged offset tensors."""
-    B, S, has_lse = opts.batch, opts.max_q, G.UID_STATS in pack
+    B, has_lse = opts.batch, G.UID_STATS in pack
     if opts.dense_rows:
         assert not {G.UID_Q_OFF, G.UID_O_OFF, G.UID_STATS_OFF} & pack.keys(), "dense rows take no offsets"
+        assert opts.max_q == 1
         assert pack[G.UID_Q].stride(0) == geo.q_stride[0] and pack[G.UID_O].stride(0) == geo.o_stride[0]
-        return ([b * S * geo.q_stride[0] for b in range(B)], [b * S * geo.o_stride[0] for b in range(B)],
-                [b * S * geo.lse_stride[0] for b in range(B)] if has_lse else None)
+        return ([b * geo.q_stride[0] for b in range(B)], [b * geo.o_stride[0] for b in range(B)],
+                [b * geo.lse_stride[0] for b in range(B)] if has_lse else None)
     q_off, o_off = pack[G.UID_Q_OFF].tolist(), pack[G.UID_O_OFF].tolist()
     assert len(q_off) == len(o_off) == B + 1
     return q_off, o_off, pack[G.UID_STATS_OFF].tolist() if has_lse else None

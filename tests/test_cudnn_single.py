@@ -1,8 +1,6 @@
-"""cudnn's exact dense prefill graphs without a GPU: when a plan gets the one-request graph
-(`plan.single_options`: dense exact-length tensors, no offsets, lengths or padding mask; top-left
-causal when qo_len == kv_len) or the uniform-row graph (`plan.uniform_options`: dense q/o/lse at
-the exact batch and query length, paged or ragged K/V), and what `build_graph` hands the
-frontend for each."""
+"""cudnn's one-request prefill graph without a GPU: when a plan gets it (`plan.single_options`)
+and what `build_graph` hands the frontend for it (dense exact-length tensors, no offsets,
+lengths or padding mask; top-left causal when qo_len == kv_len)."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +8,7 @@ import sys
 import torch
 
 from flashdispatch.backends.cudnn.graphs import Geometry, build_graph
-from flashdispatch.backends.cudnn.plan import bucket_options, single_options, uniform_options
+from flashdispatch.backends.cudnn.plan import bucket_options, single_options
 from tests.test_cudnn import _fake_frontend, problem
 
 
@@ -87,38 +85,3 @@ def test_bucket_graphs_are_unchanged():
     """A batch keeps the bucketed ragged graph (the single flag is off)."""
     o = bucket_options(problem("prefill_ragged", mask_mode="causal"), 0, batch=1, max_q=3000, max_kv=3000)
     assert (o.single, o.max_q, o.max_kv) == (False, 4096, 4096)
-
-
-def test_equal_query_lengths_get_the_uniform_row_graph():
-    o = uniform_options(problem("prefill_paged", mask_mode="causal"), 0, [512] * 8, [8192, 8000, 1] + [8192] * 5)
-    assert (o.dense_rows, o.single, o.batch, o.max_q) == (True, False, 8, 512), "exact batch and rows"
-    assert (o.max_pages, o.max_kv) == (512, 8192), "K/V pages stay bucketed"
-    assert uniform_options(problem("prefill_paged"), 0, [5] * 3, [9] * 3).batch == 3, "batch not rounded up"
-    r = uniform_options(problem("prefill_ragged", return_lse=True), 0, [1, 1], [33, 20])
-    assert (r.dense_rows, r.max_q, r.paged) == (True, 1, False), "one dense row per request even with GQA lse"
-
-
-def test_uniform_row_graph_is_refused_where_it_cannot_serve():
-    assert uniform_options(problem("prefill_paged"), 0, [8, 7], [8, 8]) is None, "unequal query lengths"
-    assert uniform_options(problem("prefill_paged"), 0, [0, 0], [8, 8]) is None, "no rows"
-    assert uniform_options(problem("prefill_paged", use_cuda_graph=True), 0, [8, 8], [8, 8]) is None
-    assert uniform_options(problem("decode"), 0, [1, 1], [8, 8]) is None, "decode is dense already"
-
-
-def test_uniform_row_graph_declares_dense_q_o_lse(monkeypatch):
-    B, S, Hq, Hk, D, P = 3, 5, 8, 2, 64, 16
-    q, out, lse = torch.empty(B * S, Hq, D), torch.empty(B * S, Hq, D), torch.empty(B * S, Hq)
-    cache = torch.empty(40, P, Hk, D)                      # NHD pages
-    opts = uniform_options(problem("prefill_paged", num_qo_heads=Hq, num_kv_heads=Hk, head_dim_qk=D, head_dim_vo=D,
-                                   mask_mode="causal", return_lse=True), 0, [S] * B, [100, 37, 5])
-    fake, made = _fake_frontend()
-    monkeypatch.setitem(sys.modules, "cudnn", fake)
-    build_graph(opts, Geometry(q.stride(), tuple(cache.shape), cache.stride(), tuple(cache.shape), cache.stride(),
-                               out.stride(), lse.stride(), "NHD"), handle="h")
-    t = made[0].tensors
-    assert t["q"].decl["dim"] == [B, Hq, S, D] and t["q"].decl["stride"] == [S * Hq * D, D, Hq * D, 1]
-    assert t["o"].decl["stride"] == [S * Hq * D, D, Hq * D, 1] and t["stats"].decl["stride"] == [S * Hq, 1, Hq, 1]
-    assert not any(n.endswith("_offsets") for n in t), "dense rows and paged K/V: no offsets"
-    assert t["table_k"].decl["dim"] == [B, 1, 8, 1], "the table keeps the bucketed page width"
-    kw = made[0].sdpa_kw
-    assert kw["use_padding_mask"] and kw["diagonal_alignment"] == "bottom_right", "lengths still bound the keys"

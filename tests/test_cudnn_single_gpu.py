@@ -1,14 +1,11 @@
-"""cudnn's exact dense prefill graphs on a GPU. The one-request graph: parity with the float64
-oracle (causal top-left and bottom-right, window, GQA, lse, more queries than keys), the ragged
-fallback when the tensors hold rows before the request, and single_prefill_with_kv_cache going
-through it. The uniform-row graph (batches of equal query lengths): parity, paged and ragged,
-with blind rows and empty requests, and the same results as the bucket's ragged graph."""
+"""cudnn's one-request dense prefill graph on a GPU: parity with the float64 oracle (causal
+top-left and bottom-right, window, GQA, lse, more queries than keys), the ragged fallback when
+the tensors hold rows before the request, and single_prefill_with_kv_cache going through it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashdispatch.dispatch.problem import device_of
 from tests.test_cudnn_gpu import Cudnn, check, make_case, run_cudnn
 
 pytestmark = pytest.mark.gpu
@@ -86,47 +83,3 @@ def test_single_prefill_api_uses_the_dense_graph(causal):
     assert (out.float() - ref).norm() / ref.norm() < 1e-2
     ref_lse = scores.logsumexp(-1).transpose(0, 1) / torch.log(torch.tensor(2.0))
     assert (lse - ref_lse).abs().max() < 2e-2, "lse must be base 2"
-
-
-def _ran_uniform(plan) -> bool:
-    """Whether the plan's last run used the dense uniform-row graph."""
-    return plan._bound is not None and plan._bound[0][1].dense_rows and not plan._bound[0][1].single
-
-
-@pytest.mark.parametrize("causal,window", [(False, -1), (True, -1), (True, 6)])
-@pytest.mark.parametrize("op,layout", [("prefill_paged", "HND"), ("prefill_paged", "NHD"), ("prefill_ragged", "HND")])
-def test_uniform_rows_dense_graph(op, layout, causal, window):
-    """Equal query lengths: 9 rows each; request 1 has fewer keys (blind rows when causal), 2 none."""
-    case = make_case(op, [9] * 4, [40, 5, 0, 61], causal=causal, window=window, layout=layout, heads=(8, 2))
-    plan = run_cudnn(*case)
-    assert _ran_uniform(plan) and plan._bound[0][1].max_q == 9
-    check(*case)
-
-
-def test_uniform_rows_match_the_bucket_graph():
-    problem, params, inputs = make_case("prefill_paged", [33] * 3, [100, 64, 33], causal=True, heads=(8, 2))
-    plan = run_cudnn(problem, params, inputs)
-    assert _ran_uniform(plan)
-    dense_out, dense_lse = inputs.out.clone(), inputs.lse.clone()
-    backend = Cudnn()
-    plan = backend.plan(problem, device_of(inputs.q.device), params)
-    plan.uniform_opts = None
-    backend.run(plan, inputs)
-    torch.cuda.synchronize()
-    assert not plan._bound[0][1].dense_rows
-    err = (dense_out.float() - inputs.out.float()).norm() / inputs.out.float().norm()
-    assert err < 1e-2 and (dense_lse - inputs.lse).abs().max() < 1e-2, f"{err:.2e}"
-
-
-def test_uniform_rows_with_rows_before_the_batch_fall_back():
-    """qo_indptr starting at 2: q holds rows no request owns, which only the offsets can skip."""
-    problem, params, inputs = make_case("prefill_paged", [5, 5], [20, 30], causal=True, heads=(8, 2))
-    dev = inputs.q.device
-    pad_q = torch.cat([torch.randn(2, *inputs.q.shape[1:], device=dev).to(inputs.q.dtype), inputs.q])
-    out = torch.full((12, *inputs.out.shape[1:]), float("nan"), dtype=inputs.out.dtype, device=dev)
-    lse = torch.full((12, inputs.lse.shape[1]), float("nan"), device=dev)
-    params.qo_indptr = torch.tensor([2, 7, 12], dtype=torch.int32, device=dev)
-    plan = run_cudnn(problem, params, type(inputs)(pad_q, inputs.kv, out, lse))
-    assert not _ran_uniform(plan)
-    params.qo_indptr = torch.tensor([0, 5, 10], dtype=torch.int32, device=dev)
-    check(problem, params, type(inputs)(pad_q[2:], inputs.kv, out[2:], lse[2:]))

@@ -12,11 +12,6 @@ Layouts handed to cuDNN (its dims are always [batch, heads, seq, dim]):
   split-KV and writes the Stats of only the first head of each GQA group, while the dense form
   gets the decode kernels (docs/perf-notes.md, "cudnn decode"). The graph's batch is therefore
   the exact batch (a bucket larger than the tensors would read and write past them).
-- a batch prefill whose requests all have the same query length (``dense_rows`` with
-  max_q > 1, eager plans only) gets the same dense form: request b's rows are rows
-  b * max_q .. of q/o/lse, at the exact batch and query length. cuDNN runs it faster than
-  the ragged form (docs/perf-notes.md, "cudnn uniform rows"); K/V stay paged or ragged and the
-  padding mask still bounds each request's keys.
 - otherwise q/o/lse are *ragged*: one row per token, the start of each request given by a
   ragged offset tensor in elements ([batch + 1, 1, 1, 1] int32), so batches padded up to the
   bucket (length 0) can never be read or written. With GQA, lse and at most one row per request
@@ -77,7 +72,7 @@ class GraphOptions:
     window_left: int
     return_lse: bool
     cuda_graph: bool
-    dense_rows: bool           # q/o/lse max_q rows per request at batch stride max_q rows, no ragged offsets
+    dense_rows: bool           # q/o/lse one row per request at batch stride, no ragged offsets
     single: bool = False       # one dense request at the exact max_q/max_kv: no offsets, lengths, padding
 
 
@@ -111,12 +106,11 @@ def _data_type(dtype: torch.dtype):
     return {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[dtype]
 
 
-def _rows_bhsd(stride: tuple[int, ...], seq: int) -> list[int]:
-    """[batch, heads, seq, dim] strides of a [tokens, heads, dim] view holding ``seq`` rows per
-    request (dense rows; for ragged rows the offsets place each request, the batch stride only
-    bounds it)."""
+def _rows_bhsd(stride: tuple[int, ...], seq: int, dense: bool = False) -> list[int]:
+    """[batch, heads, seq, dim] strides of a [tokens, heads, dim] view (ragged: batch stride = seq
+    rows; dense, one row per request: batch and seq strides are both the row stride)."""
     tok, head, dim = stride
-    return [seq * tok, head, tok, dim]
+    return [tok if dense else seq * tok, head, tok, dim]
 
 
 def _single_bhsd(stride: tuple[int, ...], seq: int, heads: int) -> list[int]:
@@ -199,7 +193,7 @@ def _batch_graph(g, opts: GraphOptions, geo: Geometry, io, f32, i32, cudnn) -> N
         return g.tensor(name=name, dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32, uid=uid)
 
     dense = opts.dense_rows
-    q = g.tensor(name="q", dim=[B, Hq, S, dqk], stride=_rows_bhsd(geo.q_stride, S), data_type=io, uid=UID_Q)
+    q = g.tensor(name="q", dim=[B, Hq, S, dqk], stride=_rows_bhsd(geo.q_stride, S, dense), data_type=io, uid=UID_Q)
     if not dense:
         q.set_ragged_offset(offsets("q_offsets", UID_Q_OFF))
     if opts.paged:
@@ -233,11 +227,11 @@ def _batch_graph(g, opts: GraphOptions, geo: Geometry, io, f32, i32, cudnn) -> N
                       use_padding_mask=True, seq_len_q=lengths("seq_len_q", UID_SEQ_Q),
                       seq_len_kv=lengths("seq_len_kv", UID_SEQ_KV), compute_data_type=f32,
                       **paging, **masking)
-    o.set_output(True).set_dim([B, Hq, S, dvo]).set_stride(_rows_bhsd(geo.o_stride, S)).set_uid(UID_O)
+    o.set_output(True).set_dim([B, Hq, S, dvo]).set_stride(_rows_bhsd(geo.o_stride, S, dense)).set_uid(UID_O)
     if not dense:
         o.set_ragged_offset(offsets("o_offsets", UID_O_OFF))
     if opts.return_lse:
-        lse_stride = _rows_bhsd((*geo.lse_stride, 1), S)
+        lse_stride = _rows_bhsd((*geo.lse_stride, 1), S, dense)
         stats.set_output(True).set_data_type(f32).set_dim([B, Hq, S, 1]).set_stride(lse_stride).set_uid(UID_STATS)
         if not dense:
             stats.set_ragged_offset(offsets("stats_offsets", UID_STATS_OFF))
@@ -256,7 +250,7 @@ def check_alignment(tensors: dict[str, torch.Tensor], lse: torch.Tensor | None) 
 
 
 def check_dense_rows(tensors: dict[str, torch.Tensor | None], batch: int) -> None:
-    """A decode graph reads and writes rows 0 .. batch - 1 of q/out/lse: each must have them."""
+    """A dense-row graph reads and writes rows 0 .. batch - 1 of q/out/lse: each must have them."""
     for name, t in tensors.items():
         if t is not None and t.shape[0] < batch:
             raise ValueError(f"cudnn: {name} has {t.shape[0]} rows, the decode graph addresses one row per "

@@ -91,20 +91,6 @@ def single_options(problem: Problem, device_index: int, qo_lens: list[int], kv_l
     return dataclasses.replace(bucket, max_q=q_len, max_kv=kv_len, single=True)
 
 
-def uniform_options(problem: Problem, device_index: int, qo_lens: list[int], kv_lens: list[int]) -> GraphOptions | None:
-    """The dense-row graph of a batch prefill whose requests all have ``max_q`` query rows
-    (graphs.py): the exact batch and query length, K/V bucketed as usual; None where it does not
-    apply: decode (dense already), one ragged request (``single_options``), CUDA graphs (a
-    re-plan with other lengths must reuse the captured graph) and unequal query lengths."""
-    if problem.op == "decode" or problem.use_cuda_graph or not qo_lens:
-        return None
-    q_len = qo_lens[0]
-    if q_len == 0 or any(n != q_len for n in qo_lens):
-        return None
-    bucket = bucket_options(problem, device_index, batch=len(qo_lens), max_q=q_len, max_kv=max(kv_lens))
-    return dataclasses.replace(bucket, batch=len(qo_lens), max_q=q_len, dense_rows=True)
-
-
 def graph_options(problem: Problem, device: Device, params: AttentionParams) -> GraphOptions:
     """The bucket a plan's graph is built for (from the plan's host lengths)."""
     return bucket_options(problem, device.index, batch=params.batch_size,
@@ -196,10 +182,8 @@ class CudnnPlan:
             raise ValueError(f"cudnn plans need a CUDA device, got {device.describe()}")
         self.problem, self.device = problem, device
         self.opts = graph_options(problem, device, params)
-        # exact dense graphs, used when run() gets q/k holding just the planned rows: one ragged
-        # request (dense K/V too), or requests of equal query length (dense q/o/lse rows)
+        # one request: the dense exact-length graph, when run() gets tensors holding just its rows
         self.single_opts = single_options(problem, device.index, params.qo_lens_host, params.kv_lens_host)
-        self.uniform_opts = uniform_options(problem, device.index, params.qo_lens_host, params.kv_lens_host)
         self.batch_size = params.batch_size
         self.total_q = sum(params.qo_lens_host)
         self.total_kv = sum(params.kv_lens_host)
@@ -302,11 +286,10 @@ class CudnnPlan:
                              f"the cuDNN graph needs {need} (graph.get_workspace_size())")
         return self._graph_workspace[:need]
 
-    def _refresh_offsets(self, inputs: AttentionInputs, dense: bool) -> None:
-        """Recompute the offsets the graph reads (no q/o/lse ones when ``dense``) whose row stride
-        differs from the one they hold (no allocation)."""
+    def _refresh_offsets(self, inputs: AttentionInputs) -> None:
+        """Recompute the offsets whose row stride differs from the one they hold (no allocation)."""
         rows = []
-        if not dense:
+        if not self.opts.dense_rows:
             rows += [("q_off", "qo_indptr", inputs.q.stride(0), self.total_q),
                      ("o_off", "qo_indptr", inputs.out.stride(0), self.total_q)]
             if inputs.lse is not None and self.opts.return_lse:
@@ -327,7 +310,11 @@ class CudnnPlan:
             raise ValueError("cudnn plan made with return_lse=False got an lse tensor")
         # checked before anything runs: a device scale is refused (it would need a host sync)
         scale = self.sm_scale * _host_scale(inputs.q_scale, "q_scale") * _host_scale(inputs.k_scale, "k_scale")
-        base = self._graph_for(inputs)
+        # the dense graph addresses rows from 0: only when q/k hold exactly the request's rows
+        # (indptr starting at 0); else the bucket's ragged graph, which reads the offsets
+        single = (self.single_opts is not None and inputs.q.shape[0] == self.total_q
+                  and inputs.kv.k.shape[0] == self.total_kv)
+        base = self.single_opts if single else self.opts
         # a plan that may return lse runs the graph without stats when this call wants none
         opts = base if want_lse == base.return_lse else dataclasses.replace(base, return_lse=False)
         graphs.check_alignment({"q": inputs.q, "k": inputs.kv.k, "v": inputs.kv.v, "out": inputs.out},
@@ -342,29 +329,18 @@ class CudnnPlan:
                 G.UID_SCALE: self._scale_host}
         if want_lse:
             pack[G.UID_STATS] = inputs.lse
-        if not base.single:
-            self._refresh_offsets(inputs, base.dense_rows)
-            self._bind_metadata(pack, want_lse, base.dense_rows)
+        if not single:
+            self._refresh_offsets(inputs)
+            self._bind_metadata(pack, want_lse)
         handle = handle_on_current_stream(self.device.index)
         built.graph.execute(pack, workspace, handle=handle)
         self._finish(inputs)
 
-    def _graph_for(self, inputs: AttentionInputs) -> GraphOptions:
-        """The exact dense graph when the tensors hold just the planned rows (so the indptr
-        starts at 0 and rows are addressed from 0), else the bucket's graph, which reads the
-        offsets: the one-request graph needs that of q and k, the uniform-row graph that of q."""
-        q_exact = inputs.q.shape[0] == inputs.out.shape[0] == self.total_q
-        if self.single_opts is not None and q_exact and inputs.kv.k.shape[0] == self.total_kv:
-            return self.single_opts
-        if self.uniform_opts is not None and q_exact:
-            return self.uniform_opts
-        return self.opts
-
-    def _bind_metadata(self, pack: dict, want_lse: bool, dense: bool) -> None:
-        """Add the graph's lengths, offsets (none for q/o/lse when ``dense``) and block table to
-        the variant pack."""
+    def _bind_metadata(self, pack: dict, want_lse: bool) -> None:
+        """Add the bucket graph's lengths, offsets and block table to the variant pack."""
         m, G = self.meta, graphs
         pack[G.UID_SEQ_Q], pack[G.UID_SEQ_KV] = m["seq_q"], m["seq_kv"]
+        dense = self.opts.dense_rows
         if not dense:
             pack[G.UID_Q_OFF], pack[G.UID_O_OFF] = m["q_off"], m["o_off"]
         if self.opts.paged:

@@ -106,8 +106,8 @@ def default_config(problem: Problem) -> DecodeConfig:
     d = problem.head_dim_qk
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
-            return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3, page_prefetch=True,
-                                fp8_v_convert="staged")
+            return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
+                                page_prefetch=True, fp8_v_convert="staged")
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128)
