@@ -1,7 +1,7 @@
 """Host time of the public API layer: plan() and run() of the batch decode and paged prefill
 wrappers, and calls of the single-request functions, with the backend's own plan/run replaced by
 no-ops, so only our Python above the backends is measured (argument checks, host copies,
-Problem, selection, output allocation).
+Problem, selection, output allocation); with --real the backend's plan/run stay (whole calls).
 
     .venv/bin/python scripts/host_overhead.py                  # CPU tensors
     python scripts/host_overhead.py --device cuda              # index tensors, q and cache on the GPU
@@ -165,6 +165,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (page indices, q and cache live there)")
     ap.add_argument("--host-indptr", action="store_true", help="keep indptr/qo_indptr/last_page_len on the host")
     ap.add_argument("--backend", default="fa2", help="backend whose plan/run are stubbed out (requested explicitly)")
+    ap.add_argument("--real", action="store_true", help="keep the backend's own plan/run (the whole call is timed)")
     ap.add_argument("--op", nargs="+", choices=OPS, default=list(OPS), help="what to time (default: all)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256], help="batch sizes of the wrappers")
     ap.add_argument("--kv-len", type=int, default=1024, help="KV tokens per request (wrappers)")
@@ -187,9 +188,11 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     clock = CLOCKS[args.clock]
-    stub_backend(args.backend)
+    if not args.real:
+        stub_backend(args.backend)
     checked = api("checks").page_indices_checked()
-    print(f"API host overhead, backend {args.backend!r} plan/run stubbed, device {device} (indptr on "
+    print(f"API host overhead, backend {args.backend!r} plan/run {'real' if args.real else 'stubbed'}, "
+          f"device {device} (indptr on "
           f"{small_device}), {str(dtype).replace('torch.', '')}, heads {HEADS}/{KV_HEADS} d {HEAD_DIM} page {PAGE} "
           f"kv_len {args.kv_len}, single {args.single_len}, page-index check {'on' if checked else 'off'}, "
           f"{args.clock} clock, torch {torch.__version__}")
