@@ -116,3 +116,99 @@ def test_batch_invariance_fixed_split():
     single.inputs = dataclasses.replace(single.inputs, q=big.inputs.q[3:4].clone(), kv=big.inputs.kv)
     run_fa2_decode(single, fixed_split_size=16)
     assert torch.equal(single.inputs.out, out_big[3:4]) and torch.equal(single.inputs.lse, lse_big[3:4])
+
+
+# --- fused split-KV merge (DecodeConfig.fused_merge_max_chunks): `pytest -m gpu -k fused` -----
+FUSED = {"fused_merge_max_chunks": 1 << 16}   # fused whatever the chunk count
+
+
+def _fp8_scales(kv_dtype) -> dict:
+    return dict(k_scale=0.8, v_scale=1.5) if kv_dtype != torch.bfloat16 else {}
+
+
+@pytest.mark.parametrize("lse", [True, False], ids=["lse", "nolse"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8kv"])
+@pytest.mark.parametrize("kv_len", [1000, 8192, 32768])
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_fused_merge_grid(batch, kv_len, kv_dtype, lse):
+    """The split policy's plans (every shape here splits) with the merge in the decode kernel."""
+    case = _case([kv_len] * batch, kv_dtype=kv_dtype, return_lse=lse, seed=batch + kv_len, **_fp8_scales(kv_dtype))
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case, config=FUSED)
+    assert plan.fused_merge and not plan.counters.any()
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[kv_dtype])
+
+
+@pytest.mark.parametrize("split", [{}, {"fixed_split_size": 4}], ids=["policy", "fixed4"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8kv"])
+@pytest.mark.parametrize("lengths", [[32768], [8192] * 16, [0, 17, 5000, 32768, 300, 8192]],
+                         ids=["1x32768", "16x8192", "mixed"])
+def test_fused_merge_back_to_back_runs_identical(lengths, kv_dtype, split):
+    """50 runs queued back to back (out/lse poisoned before each): a program that merged before
+    every partial was visible, or a counter not back at 0, would change some result. The merge
+    order is fixed, so every run must equal the first bit for bit."""
+    case = _case(lengths, kv_dtype=kv_dtype, seed=len(lengths), **_fp8_scales(kv_dtype))
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case, config=FUSED, **split)
+    assert plan.fused_merge
+    out, lse = case.inputs.out, case.inputs.lse
+    assert_close(out, lse, ref_out, ref_lse, TOL[kv_dtype])
+    first = out.clone(), lse.clone()
+    runs = []
+    for _ in range(50):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        plan.run(case.inputs)
+        runs.append((out.clone(), lse.clone()))
+    torch.cuda.synchronize()
+    bad = [i for i, (o, s) in enumerate(runs) if not (torch.equal(o, first[0]) and torch.equal(s, first[1]))]
+    assert not bad, f"runs {bad} differ from the first"
+    assert not plan.counters.any()
+
+
+def test_fused_merge_cuda_graph_replay_after_replans():
+    """Capture a fused plan, re-plan twice (same batch size, other lengths and pages, same
+    buffers: the counters stay at their address and are zeroed by the plan), replay three times
+    back to back after each: the new plan's result every time, counters back to 0."""
+    from flashdispatch.backends.fa2.decode import plan_decode
+    case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=2000, seed=8)
+    prm, inputs = case.params, case.inputs
+    indices = torch.zeros(4096, dtype=torch.int32, device="cuda")  # the wrapper's fixed buffer
+    indices[:prm.kv_indices.numel()] = prm.kv_indices
+    prm.kv_indices = indices
+    prm.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    prm.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    plan = plan_decode(case.problem, case.device, prm, FUSED)
+    assert plan.fused_merge
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        plan.run(inputs)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(inputs)
+
+    for lens in ([3000, 17, 900, 1], [20000, 0, 16, 7000]):
+        counts = [-(-n // 16) for n in lens]
+        new_pages = torch.randperm(inputs.kv.k.shape[0], device="cuda")[:sum(counts)].int()
+        indices[:new_pages.numel()] = new_pages
+        indptr = torch.tensor([0] + counts, device="cuda").cumsum(0).int()
+        last = [n - (c - 1) * 16 if c else 0 for n, c in zip(lens, counts)]
+        prm_b = dataclasses.replace(prm, kv_lens_host=lens, kv_indptr=indptr, kv_indices=indices,
+                                    kv_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                    kv_last_page_len=torch.tensor(last, dtype=torch.int32, device="cuda"))
+        replan = plan_decode(case.problem, case.device, prm_b, FUSED)
+        assert replan.counters.data_ptr() == plan.counters.data_ptr()
+        inputs.q.copy_(torch.randn_like(inputs.q))
+        ref_out, ref_lse = reference_backend_result(dataclasses.replace(case, params=prm_b))
+        results = []
+        for _ in range(3):
+            inputs.out.fill_(float("nan"))
+            inputs.lse.fill_(float("nan"))
+            graph.replay()
+            results.append((inputs.out.clone(), inputs.lse.clone()))
+        torch.cuda.synchronize()
+        for out, lse in results:
+            assert_close(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+        assert not plan.counters.any()

@@ -6,6 +6,16 @@ int32 array (work rows + merge rows) to the device. A request with one chunk is 
 out/lse by the decode kernel; the partials of a split request go to the workspace and the
 merge kernel (merge.py) combines them. run() only launches.
 
+Fused merge (DecodeConfig.fused_merge_max_chunks): when no request has more chunks than that,
+the decode kernel merges in place of the merge kernel, one launch in all. Work column 7 holds each split item's merge row; the last program to arrive
+at a (merge row, KV head, row block) int32 counter merges those rows and zeroes the counter
+(decode_kernel.py). The counters, n_merge x kv_heads x row_blocks, follow the plan arrays in
+the same int32 copy (at the next 256-byte boundary), zeros from the host, so the plan's one
+stream-ordered copy zeroes them (no memset, no host sync). Without CUDA graphs that copy is a
+tensor the plan owns. With them it is the wrapper's int workspace: the counters' offset is the
+plan arrays' size, batch x graph-splits work rows + batch merge rows, fixed by the batch size as
+the grid a captured graph replays is, so every re-plan zeroes them at the same address.
+
 CUDA graphs: the grid is fixed by the batch size (batch x max_splits programs, idle ones
 exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, updated in place,
 so a graph captured once replays correctly after a later plan() of the same batch size.
@@ -75,6 +85,11 @@ class DecodeConfig:
     fp8_v_convert (fp8 KV with fp16 dots): "operand" converts V inside the dot operand layout
     (one ld.shared.b8 per value), "staged" converts it in registers and stages it as fp16 in
     shared memory (more shared memory, far fewer instructions); the interpreter runs "operand".
+    fused_merge_max_chunks: plans whose requests have at most this many chunks merge the partials
+    inside the decode kernel (the last program of each split request to finish merges, through an
+    arrival counter) instead of in a second kernel launch; 0: never. That last program merges
+    alone, so many chunks favour the merge kernel (H200 sweep: 32x4096 with 2 chunks 3.75 -> 3.92
+    TB/s fused, 16x8192 with 4 3.85 -> 3.92, 1x32768 with 64 2.60 -> 2.50).
     """
 
     block_n: int = 32
@@ -90,6 +105,7 @@ class DecodeConfig:
     heads_fastest: bool = True
     page_prefetch: bool = False
     fp8_v_convert: str = "operand"
+    fused_merge_max_chunks: int = 16
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
@@ -99,6 +115,10 @@ class DecodeConfig:
         for name in ("k_rows", "heads_fastest", "page_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.fused_merge_max_chunks, int) or isinstance(self.fused_merge_max_chunks, bool) \
+                or self.fused_merge_max_chunks < 0:
+            raise ValueError(f"fa2 decode config fused_merge_max_chunks must be an int >= 0, "
+                             f"got {self.fused_merge_max_chunks!r}")
 
 
 def default_config(problem: Problem) -> DecodeConfig:
@@ -145,6 +165,16 @@ def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeCon
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _merge_tile(rows: int, head_dim: int) -> tuple[int, int]:
+    """(rows, partials) per load round of the fused merge for ``rows`` query rows per program: a
+    [rows, partials, head_dim] float32 tile of 4K values, as merge.py's, all rows at once where
+    that leaves >= 2 partials per round (sm90, d128: 4 warps keep 72 registers, 1 warp does not
+    spill: the merge runs after the token loop, whose registers are free by then)."""
+    pairs = max(4, 4096 // head_dim)
+    block_r = min(1 << (rows - 1).bit_length(), pairs // 2)
+    return block_r, pairs // block_r
 
 
 def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
@@ -201,7 +231,7 @@ class DecodePlan:
         page_base = np.cumsum(pages) - pages
         lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros_like(lens)
         eff = lens - lo
-        units = p.num_kv_heads * self.row_blocks
+        units = self.units = p.num_kv_heads * self.row_blocks
         sm_count = device.sm_count or 8
         splits = self._graph_splits(batch, units, sm_count, params) if p.use_cuda_graph else 0
         if splits > 1 and params.fixed_split_size is None:
@@ -218,7 +248,7 @@ class DecodePlan:
             meta[:, 4] = lens
             meta[:, 5] = -1
             meta[:, 6] = 1
-            self.n_work, self.n_merge = batch, 0
+            self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
             self._place(meta.ravel(), batch, 0, params, run_device)
             return
 
@@ -234,6 +264,7 @@ class DecodePlan:
             sidx = items - req * splits
             slot_of = np.where(nsplit[req] > 1, items, -1)
             merge_rows = np.arange(batch if splits > 1 else 0)
+            merge_row_of = np.where(nsplit[req] > 1, req, -1)
             merge_first = merge_rows * splits
         else:
             n_work = len(req)
@@ -242,6 +273,7 @@ class DecodePlan:
             split_item = nsplit[req] > 1
             slot_of = np.where(split_item, np.cumsum(split_item) - 1, -1)
             merge_rows = np.nonzero(nsplit > 1)[0]
+            merge_row_of = np.where(split_item, (np.cumsum(nsplit > 1) - 1)[req], -1)
             n_partial = int(split_item.sum())
             merge_first = np.cumsum(nsplit[merge_rows]) - nsplit[merge_rows]
         n_merge = len(merge_rows)
@@ -249,6 +281,7 @@ class DecodePlan:
         work = meta[:n_work * WORK_COLS].reshape(n_work, WORK_COLS)
         info = meta[n_work * WORK_COLS:].reshape(n_merge, MERGE_INFO_COLS)
         work[:, 0] = -1
+        work[:, 7] = -1
         req_chunk = chunk[req] if chunk is not None else 0
         start = lo[req] + sidx * req_chunk
         work[items, 0] = req
@@ -258,10 +291,14 @@ class DecodePlan:
         work[items, 4] = lens[req]
         work[items, 5] = slot_of
         work[items, 6] = sidx == 0
+        work[items, 7] = merge_row_of
         info[:, 0] = merge_rows * ql
         info[:, 1] = merge_first
         info[:, 2] = nsplit[merge_rows]
         self.n_work, self.n_merge = n_work, n_merge
+        # CUDA graphs: the most chunks a request can get (fixed by the batch size, as the kernel
+        # variant a captured graph replays must be)
+        self.max_chunks = splits if splits else int(nsplit.max())
         self._place(meta, n_work, n_partial, params, run_device)
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
@@ -273,10 +310,16 @@ class DecodePlan:
 
     def _place(self, meta: np.ndarray, n_work: int, n_partial: int, params: AttentionParams,
                run_device: torch.device) -> None:
-        """Copy the plan arrays to the device and carve the partials out of the workspace."""
+        """Copy the plan arrays (and the fused merge's zeroed counters after them) to the device
+        and carve the partials out of the workspace."""
         p, ql = self.problem, self.q_len
         heads, d = p.num_qo_heads, p.head_dim_vo
         graph = p.use_cuda_graph
+        self.fused_merge = self.n_merge > 0 and self.max_chunks <= self.config.fused_merge_max_chunks
+        n_meta = meta.size
+        if self.fused_merge:
+            counters_at = _align(meta.nbytes) // 4
+            meta = np.concatenate([meta, np.zeros(counters_at - n_meta + self.n_merge * self.units, np.int32)])
         lse_bytes = _align(n_partial * ql * heads * 4)
         need = lse_bytes + n_partial * ql * heads * d * 4 if n_partial else 0
         ws = params.workspace
@@ -298,7 +341,8 @@ class DecodePlan:
         else:
             dst = host.to(run_device, non_blocking=True)
         self.work = dst[:n_work * WORK_COLS]
-        self.info = dst[n_work * WORK_COLS:]
+        self.info = dst[n_work * WORK_COLS:n_meta]
+        self.counters = dst[counters_at:] if self.fused_merge else None
         if need:  # partials: scratch of run(), at fixed offsets of the (possibly shared) float workspace
             self.plse = ws[:n_partial * ql * heads * 4].view(torch.float32)
             self.po = ws[lse_bytes:lse_bytes + n_partial * ql * heads * d * 4].view(torch.float32)
@@ -313,8 +357,10 @@ class DecodePlan:
         p, cfg = self.problem, self.config
         fp16_dots = p.kv_dtype in FP8_DTYPES and (cfg.fp8_dot_dtype == "fp16" or p.q_dtype == torch.float16)
         self._grid = (self.n_work * p.num_kv_heads * self.row_blocks,)
+        merge_r, merge_s = _merge_tile(min(self.block_m, self.q_len * self.group), p.head_dim_vo)
         dummy = self.plse
-        self._tables = (self.po, self.plse, self.work, self.kv_indices,
+        self._tables = (self.po, self.plse, self.info if self.fused_merge else dummy,
+                        self.counters if self.fused_merge else dummy, self.work, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(p.window_left, 0), p.logits_soft_cap or 1.0, *self.rope)
         self._consts = dict(
@@ -326,6 +372,7 @@ class DecodePlan:
             FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
             HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
             V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
+            FUSED_MERGE=self.fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
 
@@ -336,7 +383,8 @@ class DecodePlan:
         return launch
 
     def run(self, inputs: AttentionInputs) -> None:
-        """Launch decode (and merge when some request is split) into inputs.out / inputs.lse."""
+        """Launch decode (and merge when some request is split, unless the kernel fuses the merge)
+        into inputs.out / inputs.lse."""
         if self.n_work == 0:
             return
         q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
@@ -357,15 +405,15 @@ class DecodePlan:
                 raise ValueError("the plan has sinks: run() needs inputs.sinks")
             sinks = dummy
         write_lse = lse is not None
-        po, plse, work, kv_indices, slopes = self._tables
+        po, plse, merge_info, counters, work, kv_indices, slopes = self._tables
         variant = (write_lse, q_in, k_in, v_in)
         launch = self._launchers.get(variant) or self._bind(variant)
         launch(self._grid,
-               q, k, v, out, lse if write_lse else dummy, po, plse, work, kv_indices, slopes,
+               q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, kv_indices, slopes,
                sinks, q_t, k_t, v_t,
                qk_scale, v_scale, *self._plan_scalars, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                *((lse.stride(0), lse.stride(1)) if write_lse else (0, 0)), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
-        if self.n_merge:
+        if self.n_merge and not self.fused_merge:
             launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len)
 
 

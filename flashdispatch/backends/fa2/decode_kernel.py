@@ -11,7 +11,22 @@ in registers (a different shared-memory path; see DecodeConfig.k_rows).
 A work row (int32, `WORK_COLS` wide) holds: request, first page index in kv_indices,
 token start, token end, kv_len, output slot (-1: write out/lse directly, else the partial
 slot in the workspace) and whether the chunk is the request's first (it carries the sink).
-A request index < 0 marks an idle program (CUDA-graph grids are fixed).
+A request index < 0 marks an idle program (CUDA-graph grids are fixed). Column 7 is the
+split request's merge row (-1 for direct writes): its row of the merge info array
+(merge.py: out row base, first partial slot, number of chunks) and of the arrival counters.
+
+FUSED_MERGE (DecodeConfig.fused_merge_max_chunks): no second kernel merges the partials. Each
+program of a split work item, once its partial rows are stored, passes a CTA barrier (every thread's stores
+issued before) and adds 1 to the int32 counter of its (merge row, KV head, row block) with an
+acq_rel atomic at GPU scope (the release publishes the CTA's stores, made visible to the atomic's
+thread by the barrier; the same pattern as CUTLASS's semaphore). Only the program that reads
+old == chunks - 1 goes on: every other chunk's partial is published by then and its acquire (one
+thread, then a barrier for the rest) orders the loads after it. That program reads the request's
+partials of its own rows with L2-only (.cg) loads (L1 is not coherent across SMs), merges them
+with merge.py's `_merge_row_block` (the merge kernel's step; MERGE_BLOCK_R rows x MERGE_BLOCK_S
+partials per load round, so few dependent rounds sit on the kernel's tail), writes out/lse, sets its
+counter back to 0 for the next launch (no other program touches that counter again this launch).
+No program waits for another, so there is no deadlock whatever the scheduling.
 
 FP16_DOTS (fp8 KV only, DecodeConfig.fp8_dot_dtype="fp16"): both dots run in fp16 whatever q's
 dtype, because Triton's fp8 -> fp16 is one packed instruction per two values
@@ -47,6 +62,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .merge import _merge_row_block
 from .trig import sincos
 
 WORK_COLS = 8
@@ -95,8 +111,35 @@ def _fp8_to_f16_regs(x, E5M2: tl.constexpr):
 
 
 @triton.jit
+def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, merge_info_ptr, counter_ptr, merge_row, req, hk, rb,
+                   stride_ot, stride_oh, stride_lt, stride_lh, NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   QLEN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Count this program's partial in; the last of the request's chunks merges the program's rows
+    (KV head hk, row block rb), BLOCK_R at a time, into out/lse and resets the counter (see
+    FUSED_MERGE above)."""
+    first = tl.load(merge_info_ptr + merge_row * 4 + 1)  # MERGE_INFO_COLS
+    chunks = tl.load(merge_info_ptr + merge_row * 4 + 2)
+    tl.debug_barrier()  # all threads' partial stores come before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == chunks - 1:
+        tl.debug_barrier()  # the acquire (one thread) comes before every thread's loads
+        g_end = tl.minimum(rb * BLOCK_M + BLOCK_M, QLEN * GROUP)
+        for g0 in range(rb * BLOCK_M, g_end, BLOCK_R):
+            g = g0 + tl.arange(0, BLOCK_R)
+            qi = g // GROUP
+            hq = hk * GROUP + g % GROUP
+            row = (req * QLEN + qi).to(tl.int64)
+            _merge_row_block(po_ptr + (qi * NUM_QO_HEADS + hq) * HEAD_DIM, plse_ptr + qi * NUM_QO_HEADS + hq,
+                             out_ptr + row * stride_ot + hq * stride_oh, lse_ptr + row * stride_lt + hq * stride_lh,
+                             g < g_end, first, chunks, QLEN * NUM_QO_HEADS * HEAD_DIM, QLEN * NUM_QO_HEADS,
+                             BLOCK_R, BLOCK_S, HEAD_DIM, WRITE_LSE)
+        tl.store(counter_ptr, 0)
+
+
+@triton.jit
 def decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
@@ -107,6 +150,7 @@ def decode_kernel(
     ROPE: tl.constexpr, SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
     Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
     FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
 ):
     # 1-D grid of work items x (kv head, row block) units. HEADS_FASTEST: the programs resident
     # together read every head of the same pages; else one head of many requests at a time.
@@ -264,3 +308,8 @@ def decode_kernel(
         prow = (slot * QLEN + qi).to(tl.int64) * NUM_QO_HEADS + hq
         tl.store(po_ptr + prow[:, None] * HEAD_DIM + offs_dv[None, :], o, mask=row_ok[:, None])
         tl.store(plse_ptr + prow, lse, mask=row_ok)
+        if FUSED_MERGE:
+            merge_row = tl.load(wrow + 7)
+            _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, merge_info_ptr, counters_ptr + merge_row * UNITS + unit,
+                           merge_row, req, hk, rb, stride_ot, stride_oh, stride_lt, stride_lh,
+                           NUM_QO_HEADS, GROUP, QLEN, BLOCK_M, HEAD_DIM, MERGE_BLOCK_R, MERGE_BLOCK_S, WRITE_LSE)

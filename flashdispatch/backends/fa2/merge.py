@@ -4,10 +4,12 @@ A state is (v, s): v the softmax-normalized output over some keys, s = log2(sum 
 over them. Merging n states: m = max s_k, w_k = 2^(s_k - m), v = sum w_k v_k / sum w_k,
 s = m + log2(sum w_k); states with s = -inf count for nothing; all -inf gives v 0, s -inf.
 
-One kernel body serves two callers:
+One merge step (`_merge_step`) serves three callers:
 - `merge_states` (op ``merge``): v [seq, num_states, heads, dim], s [seq, num_states, heads];
 - the split-KV decode (`launch_decode_merge`): partials [P, q_len, heads, dim] float32 in the
-  workspace, one row of ``info`` per split request (out row base, first partial, count).
+  workspace, one row of ``info`` per split request (out row base, first partial, count);
+- the decode kernel's fused merge (decode_kernel.py, DecodeConfig.fused_merge_max_chunks), through
+  `_merge_row_block`: the rows of one KV head and row block at a time.
 """
 from __future__ import annotations
 
@@ -36,6 +38,20 @@ MERGE_INFO_COLS = 4
 
 
 @triton.jit
+def _merge_step(m_i, l_i, acc, s_k, v_k, AXIS: tl.constexpr):
+    """One round of the online merge: the states (s_k, v_k) along AXIS (masked ones s = -inf)
+    joined into the running (max, sum of weights, weighted sum of v)."""
+    m_new = tl.maximum(m_i, tl.max(s_k, AXIS))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    w = tl.exp2(s_k - tl.expand_dims(m_use, AXIS))
+    l_i = l_i * alpha + tl.sum(w, AXIS)
+    w_v = tl.expand_dims(w, AXIS + 1)
+    acc = acc * tl.expand_dims(alpha, AXIS) + tl.sum(tl.where(w_v > 0, w_v * v_k, 0.0), AXIS)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, head_dim,
                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_S: tl.constexpr):
     """Merge states first..first+n-1 of one (row, head); the pointers already point at it.
@@ -52,17 +68,37 @@ def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, he
         s_k = tl.load(s_ptr + k * stride_ss, mask=ok, other=float("-inf"))
         v_k = tl.load(v_ptr + k[:, None] * stride_vs + offs_d[None, :], mask=ok[:, None] & mask_d[None, :],
                       other=0.0).to(tl.float32)
-        m_new = tl.maximum(m_i, tl.max(s_k, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        w = tl.exp2(s_k - m_use)
-        l_i = l_i * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(tl.where(w[:, None] > 0, w[:, None] * v_k, 0.0), 0)
-        m_i = m_new
+        m_i, l_i, acc = _merge_step(m_i, l_i, acc, s_k, v_k, 0)
     l_safe = tl.where(l_i == 0, 1.0, l_i)
     tl.store(vo_ptr + offs_d, (acc / l_safe).to(vo_ptr.dtype.element_ty), mask=mask_d)
     if WRITE_S:
         tl.store(so_ptr, tl.where(l_i == 0, float("-inf"), m_i + tl.log2(l_safe)))
+
+
+@triton.jit
+def _merge_row_block(v_rows, s_rows, vo_rows, so_rows, row_ok, first, n, stride_vs, stride_ss,
+                     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_S: tl.constexpr):
+    """`_merge_rows` for BLOCK_R (row, head) pairs at once, [BLOCK_R, BLOCK_S, HEAD_DIM] tiles:
+    v_rows, s_rows, vo_rows, so_rows are [BLOCK_R] pointers (state 0 of each pair, its outputs);
+    rows where row_ok is False are left alone. The loads are L2-only (.cg): the fused decode merge
+    reads states that other CTAs of the same launch just wrote (L1 is not coherent across SMs)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    for s0 in range(0, n, BLOCK_S):
+        ok = row_ok[:, None] & (s0 + offs_s < n)[None, :]
+        k = (first + s0 + offs_s).to(tl.int64)
+        s_k = tl.load(s_rows[:, None] + k[None, :] * stride_ss, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        v_k = tl.load(v_rows[:, None, None] + (k[None, :] * stride_vs)[:, :, None] + offs_d[None, None, :],
+                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_i, l_i, acc = _merge_step(m_i, l_i, acc, s_k, v_k, 1)
+    l_safe = tl.where(l_i == 0, 1.0, l_i)
+    tl.store(vo_rows[:, None] + offs_d[None, :], (acc / l_safe[:, None]).to(vo_rows.dtype.element_ty),
+             mask=row_ok[:, None])
+    if WRITE_S:
+        tl.store(so_rows, tl.where(l_i == 0, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
 
 
 @triton.jit
