@@ -141,6 +141,28 @@ def time_us(fn, calls: int, reps: int, sync, clock) -> float:
     return statistics.median(samples)
 
 
+def busy_plan_us(fn, reps: int, busy_ms: float) -> float:
+    """Median host time of one call of ``fn`` made while the GPU runs a ``busy_ms`` kernel queued
+    just before it: close to the idle figure when the call never waits for the GPU, about
+    ``busy_ms`` when something in it synchronises."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1 << 20)
+    end.record()
+    end.synchronize()
+    cycles = int(busy_ms / start.elapsed_time(end) * (1 << 20))
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def profile(name: str, fn, calls: int, top: int, sync) -> None:
     """cProfile of ``calls`` calls of ``fn``: the ``top`` functions by own time, in us per call of
     ``fn`` (the profiler's own cost inflates every number; compare them with each other)."""
@@ -177,6 +199,8 @@ def main(argv=None) -> None:
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall (default) or thread: this thread's CPU time, steadier on a busy machine, but "
                          "blind to time spent waiting for the GPU")
+    ap.add_argument("--busy-ms", type=float, default=0.0,
+                    help="also time plan() issued while the GPU runs a kernel this long (a wait shows)")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
                     help="also print a cProfile (TOP functions) of each op's plan (single ops: repeated call) "
                          "at the last batch size")
@@ -196,7 +220,7 @@ def main(argv=None) -> None:
           f"{small_device}), {str(dtype).replace('torch.', '')}, heads {HEADS}/{KV_HEADS} d {HEAD_DIM} page {PAGE} "
           f"kv_len {args.kv_len}, single {args.single_len}, page-index check {'on' if checked else 'off'}, "
           f"{args.clock} clock, torch {torch.__version__}")
-    print(f"{'op':<14} {'batch':>5} {'plan us':>9} {'run us':>8}")
+    print(f"{'op':<14} {'batch':>5} {'plan us':>9} {'run us':>8}" + (f" {'busy plan':>10}" if args.busy_ms else ""))
     profiled = []
     for name in args.op:
         batches = args.batches if not name.startswith("single") else [1]
@@ -204,7 +228,8 @@ def main(argv=None) -> None:
             plan, run = CALLS[name](batch, args, device, small_device, dtype)
             p = time_us(plan, args.calls, args.reps, sync, clock)
             r = time_us(run, args.calls, args.reps, sync, clock)
-            print(f"{name:<14} {batch:>5} {p:>9.1f} {r:>8.1f}")
+            busy = f" {busy_plan_us(plan, args.reps, args.busy_ms):>10.1f}" if args.busy_ms else ""
+            print(f"{name:<14} {batch:>5} {p:>9.1f} {r:>8.1f}{busy}")
         profiled.append((f"{name} batch {batch}", run if name.startswith("single") else plan))
     for title, fn in profiled if args.profile else ():
         profile(title, fn, args.calls, args.profile, sync)

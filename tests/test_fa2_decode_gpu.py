@@ -66,37 +66,51 @@ def test_features(feature, split):
     _check(_case([0, 33, 700, 3000], seed=3, **feature), **split)
 
 
-def test_cuda_graph_replay_after_replan():
-    """Capture on one plan, re-plan (same batch size, other lengths and pages, same buffers),
-    replay: the result is the new plan's."""
+def _captured(case, indices_slots: int, config=None):
+    """(plan, graph): ``case`` planned in CUDA-graph mode on fixed buffers (the wrapper's kv_indices
+    buffer of ``indices_slots`` entries, workspaces) and its run() captured (compiled outside)."""
     from flashdispatch.backends.fa2.decode import plan_decode
-    case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=400, seed=4)
-    prm, inputs = case.params, case.inputs
-    indices = torch.zeros(2048, dtype=torch.int32, device="cuda")  # the wrapper's fixed buffer
+    prm = case.params
+    indices = torch.zeros(indices_slots, dtype=torch.int32, device="cuda")
     indices[:prm.kv_indices.numel()] = prm.kv_indices
     prm.kv_indices = indices
     prm.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     prm.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    plan = plan_decode(case.problem, case.device, prm)
+    plan = plan_decode(case.problem, case.device, prm, config)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        plan.run(inputs)  # compiles outside the capture
+        plan.run(case.inputs)  # compiles outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan.run(inputs)
+        plan.run(case.inputs)
+    return plan, graph
 
-    lens = [3000, 17, 900, 1]
+
+def _replanned(case, lens, config=None):
+    """Re-plan ``case`` (captured by `_captured`) for other kv lengths on random pages, written into
+    the same kv_indices buffer; returns (plan, its params)."""
+    from flashdispatch.backends.fa2.decode import plan_decode
+    prm, indices = case.params, case.params.kv_indices
     counts = [-(-n // 16) for n in lens]
-    new_pages = torch.randperm(inputs.kv.k.shape[0], device="cuda")[:sum(counts)].int()
+    new_pages = torch.randperm(case.inputs.kv.k.shape[0], device="cuda")[:sum(counts)].int()
     indices[:new_pages.numel()] = new_pages
     indptr = torch.tensor([0] + counts, device="cuda").cumsum(0).int()
-    prm_b = dataclasses.replace(prm, kv_lens_host=lens, kv_indptr=indptr, kv_indices=indices,
+    last = [n - (c - 1) * 16 if c else 0 for n, c in zip(lens, counts)]
+    prm_b = dataclasses.replace(prm, kv_lens_host=list(lens), kv_indptr=indptr, kv_indices=indices,
                                 kv_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                kv_last_page_len=torch.tensor([n - (c - 1) * 16 for n, c in zip(lens, counts)],
-                                                              dtype=torch.int32, device="cuda"))
-    plan_decode(case.problem, case.device, prm_b)
+                                kv_last_page_len=torch.tensor(last, dtype=torch.int32, device="cuda"))
+    return plan_decode(case.problem, case.device, prm_b, config), prm_b
+
+
+def test_cuda_graph_replay_after_replan():
+    """Capture on one plan, re-plan (same batch size, other lengths and pages, same buffers),
+    replay: the result is the new plan's."""
+    case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=400, seed=4)
+    _, graph = _captured(case, 2048)
+    _, prm_b = _replanned(case, [3000, 17, 900, 1])
+    inputs = case.inputs
     inputs.q.copy_(torch.randn_like(inputs.q))
     inputs.out.fill_(float("nan"))
     inputs.lse.fill_(float("nan"))
@@ -170,35 +184,12 @@ def test_fused_merge_cuda_graph_replay_after_replans():
     """Capture a fused plan, re-plan twice (same batch size, other lengths and pages, same
     buffers: the counters stay at their address and are zeroed by the plan), replay three times
     back to back after each: the new plan's result every time, counters back to 0."""
-    from flashdispatch.backends.fa2.decode import plan_decode
     case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=2000, seed=8)
-    prm, inputs = case.params, case.inputs
-    indices = torch.zeros(4096, dtype=torch.int32, device="cuda")  # the wrapper's fixed buffer
-    indices[:prm.kv_indices.numel()] = prm.kv_indices
-    prm.kv_indices = indices
-    prm.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    prm.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    plan = plan_decode(case.problem, case.device, prm, FUSED)
+    plan, graph = _captured(case, 4096, FUSED)
     assert plan.fused_merge
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        plan.run(inputs)  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.run(inputs)
-
+    inputs = case.inputs
     for lens in ([3000, 17, 900, 1], [20000, 0, 16, 7000]):
-        counts = [-(-n // 16) for n in lens]
-        new_pages = torch.randperm(inputs.kv.k.shape[0], device="cuda")[:sum(counts)].int()
-        indices[:new_pages.numel()] = new_pages
-        indptr = torch.tensor([0] + counts, device="cuda").cumsum(0).int()
-        last = [n - (c - 1) * 16 if c else 0 for n, c in zip(lens, counts)]
-        prm_b = dataclasses.replace(prm, kv_lens_host=lens, kv_indptr=indptr, kv_indices=indices,
-                                    kv_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                    kv_last_page_len=torch.tensor(last, dtype=torch.int32, device="cuda"))
-        replan = plan_decode(case.problem, case.device, prm_b, FUSED)
+        replan, prm_b = _replanned(case, lens, FUSED)
         assert replan.counters.data_ptr() == plan.counters.data_ptr()
         inputs.q.copy_(torch.randn_like(inputs.q))
         ref_out, ref_lse = reference_backend_result(dataclasses.replace(case, params=prm_b))
