@@ -16,7 +16,6 @@ import torch
 
 from . import checks
 from .backends.base import AttentionInputs, AttentionParams, MLAInputs, MLAParams, PagedKV, RaggedKV
-from .backends.common import copy_into, copy_to_device
 from .dispatch.problem import Device, Problem, Workload, device_of
 from .dispatch.reasons import Unsupported
 from .dispatch.registry import get_backend
@@ -184,9 +183,8 @@ def run_mla(planned: PlannedAttention, q_nope, q_pe, ckv_cache, kpe_cache, *, ou
 
 
 def on_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """``t`` on ``device`` (itself when already there; a host tensor is copied without waiting
-    for the device, `copy_to_device`)."""
-    return t if t is None else copy_to_device(t, device)
+    """``t`` on ``device`` (itself when already there; a host tensor is copied without a sync)."""
+    return t if t is None or t.device == device else t.to(device, non_blocking=True)
 
 
 def device_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
@@ -199,7 +197,7 @@ def device_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor
 def _upload_int32(device: torch.device, arrays) -> list[torch.Tensor]:
     """`device_int32` on a GPU: the arrays concatenated, uploaded once, split into views."""
     flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-    flat = copy_to_device(torch.from_numpy(flat.astype(np.int32)), device)
+    flat = torch.from_numpy(flat.astype(np.int32)).to(device, non_blocking=True)
     if len(arrays) == 1:
         return [flat]
     views, offset = [], 0
@@ -453,7 +451,7 @@ class WrapperBase:
         if buf.numel() < data.numel():
             raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
         view = buf[: data.numel()]
-        copy_into(view, data)
+        view.copy_(data, non_blocking=True)
         return view
 
     def _int_workspace(self, variant) -> torch.Tensor:

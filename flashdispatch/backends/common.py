@@ -1,5 +1,4 @@
-"""Small pieces every backend shares: ALiBi slopes, scale arguments, the Triton-interpreter switch,
-host->device copies that do not wait for the GPU."""
+"""Small pieces every backend shares: ALiBi slopes, scale arguments, the Triton-interpreter switch."""
 from __future__ import annotations
 
 import functools
@@ -10,26 +9,6 @@ import torch
 
 # Triton kernels run on CPU tensors only when this is set before they are defined (tests).
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """A pageable host tensor copied into pinned memory (device and pinned tensors as they are).
-    cudaMemcpyAsync from pageable memory synchronises the stream before it copies, so plan()
-    would wait for every kernel already queued; from pinned memory it returns at once (PyTorch's
-    caching host allocator keeps the block until the copy is done)."""
-    return t.pin_memory() if t.is_cpu and not t.is_pinned() else t
-
-
-def copy_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``, copied without waiting for the device's queued work (see `_pinned`)."""
-    if t.device == device:
-        return t
-    return (_pinned(t) if device.type == "cuda" else t).to(device, non_blocking=True)
-
-
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` without waiting for the device's queued work (see `_pinned`)."""
-    dst.copy_(_pinned(src) if dst.is_cuda else src, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=None)

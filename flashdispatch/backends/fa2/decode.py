@@ -38,7 +38,7 @@ import torch
 from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ..base import AttentionInputs, AttentionParams
-from ..common import TRITON_INTERPRETED, alibi_slopes, copy_into, copy_to_device, kernel_scale
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, bind
 from .merge import MERGE_INFO_COLS, launch_decode_merge
@@ -328,6 +328,8 @@ class DecodePlan:
             raise ValueError(f"float_workspace_buffer too small: {have} bytes, this decode plan needs {need} "
                              f"bytes ({n_partial} split-KV partials of {ql}x{heads}x{d} float32)")
         host = torch.from_numpy(meta)
+        if run_device.type == "cuda":
+            host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
         if graph:
             # the wrapper's own int workspace: same addresses at every re-plan, never shared
             iws = params.int_workspace
@@ -335,9 +337,9 @@ class DecodePlan:
                 raise ValueError(f"fa2 decode with use_cuda_graph needs {meta.nbytes} bytes of int workspace, "
                                  f"got {0 if iws is None else iws.numel() * iws.element_size()}")
             dst = iws.view(torch.uint8).reshape(-1)[:meta.nbytes].view(torch.int32)
-            copy_into(dst, host)
+            dst.copy_(host, non_blocking=True)
         else:
-            dst = copy_to_device(host, run_device)
+            dst = host.to(run_device, non_blocking=True)
         self.work = dst[:n_work * WORK_COLS]
         self.info = dst[n_work * WORK_COLS:n_meta]
         self.counters = dst[counters_at:] if self.fused_merge else None

@@ -24,7 +24,7 @@ from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
-from ..common import TRITON_INTERPRETED, alibi_slopes, copy_into, copy_to_device, kernel_scale
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
 from .launch import BoundKernel, bind
 from . import tuning
 from .merge import MERGE_INFO_COLS, launch_decode_merge
@@ -240,7 +240,10 @@ class PrefillPlan:
             self.info = None
             self.grid = (max(device.sm_count, 4) * 2,)
         else:
-            meta = copy_to_device(torch.from_numpy(np.concatenate([work.items.ravel(), work.merge.ravel()])), dev)
+            host = torch.from_numpy(np.concatenate([work.items.ravel(), work.merge.ravel()]))
+            if dev.type == "cuda":
+                host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
+            meta = host.to(dev, non_blocking=True)
             self.work = self.num_work = meta[:work.items.size]
             self.info = meta[work.items.size:]
             self.grid = (self.num_items * problem.num_qo_heads,)
@@ -350,8 +353,8 @@ class PrefillPlan:
             self.tiles = ws[lists_at:lists_at + 4 * list_len].view(torch.int32)
         count = ws[:4].view(torch.int32)
         work = ws[_GRAPH_ITEMS_AT:need].view(torch.int32)
-        copy_into(count, torch.tensor([self.num_items], dtype=torch.int32))
-        copy_into(work, flat)
+        count.copy_(torch.tensor([self.num_items], dtype=torch.int32))
+        work.copy_(flat)
         return work, count
 
     def _bind(self, variant: tuple) -> BoundKernel:
