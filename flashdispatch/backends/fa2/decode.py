@@ -7,9 +7,9 @@ out/lse by the decode kernel; the partials of a split request go to the workspac
 merge kernel (merge.py) combines them. run() only launches.
 
 Fused merge (DecodeConfig.fused_merge_max_chunks): when no request has more chunks than that,
-the decode kernel merges in place of the merge kernel, one launch in all. Work column 7 holds each split item's merge row; the last program to arrive
-at a (merge row, KV head, row block) int32 counter merges those rows and zeroes the counter
-(decode_kernel.py). The counters, n_merge x kv_heads x row_blocks, follow the plan arrays in
+the decode kernel merges in place of the merge kernel, one launch in all. Work column 7 holds
+each split item's merge row; the last program to arrive at a (merge row, KV head, row block)
+int32 counter merges those rows and zeroes the counter (decode_kernel.py). The counters, n_merge x kv_heads x row_blocks, follow the plan arrays in
 the same int32 copy (at the next 256-byte boundary), zeros from the host, so the plan's one
 stream-ordered copy zeroes them (no memset, no host sync). Without CUDA graphs that copy is a
 tensor the plan owns. With them it is the wrapper's int workspace: the counters' offset is the
@@ -88,8 +88,9 @@ class DecodeConfig:
     fused_merge_max_chunks: plans whose requests have at most this many chunks merge the partials
     inside the decode kernel (the last program of each split request to finish merges, through an
     arrival counter) instead of in a second kernel launch; 0: never. That last program merges
-    alone, so many chunks favour the merge kernel (H200 sweep: 32x4096 with 2 chunks 3.75 -> 3.92
-    TB/s fused, 16x8192 with 4 3.85 -> 3.92, 1x32768 with 64 2.60 -> 2.50).
+    alone, so many chunks favour the merge kernel (H200 sweeps, TB/s unfused -> fused: 32x4096 with
+    2 chunks 3.70-3.75 -> 3.82-3.92, 16x8192 with 4 3.74-3.85 -> 3.82-3.92, 1x32768 with 64
+    2.58-2.60 -> 2.47-2.50).
     """
 
     block_n: int = 32

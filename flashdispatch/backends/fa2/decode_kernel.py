@@ -16,9 +16,9 @@ split request's merge row (-1 for direct writes): its row of the merge info arra
 (merge.py: out row base, first partial slot, number of chunks) and of the arrival counters.
 
 FUSED_MERGE (DecodeConfig.fused_merge_max_chunks): no second kernel merges the partials. Each
-program of a split work item, once its partial rows are stored, passes a CTA barrier (every thread's stores
-issued before) and adds 1 to the int32 counter of its (merge row, KV head, row block) with an
-acq_rel atomic at GPU scope (the release publishes the CTA's stores, made visible to the atomic's
+program of a split work item, once its partial rows are stored, passes a CTA barrier (every
+thread's stores issued before) and adds 1 to the int32 counter of its (merge row, KV head, row
+block) with an acq_rel atomic at GPU scope (the release publishes the CTA's stores, made visible to the atomic's
 thread by the barrier; the same pattern as CUTLASS's semaphore). Only the program that reads
 old == chunks - 1 goes on: every other chunk's partial is published by then and its acquire (one
 thread, then a barrier for the rest) orders the loads after it. That program reads the request's
