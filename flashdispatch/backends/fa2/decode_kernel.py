@@ -18,14 +18,15 @@ split request's merge row (-1 for direct writes): its row of the merge info arra
 FUSED_MERGE (DecodeConfig.fused_merge_max_chunks): no second kernel merges the partials. Each
 program of a split work item, once its partial rows are stored, passes a CTA barrier (every
 thread's stores issued before) and adds 1 to the int32 counter of its (merge row, KV head, row
-block) with an acq_rel atomic at GPU scope (the release publishes the CTA's stores, made visible to the atomic's
-thread by the barrier; the same pattern as CUTLASS's semaphore). Only the program that reads
-old == chunks - 1 goes on: every other chunk's partial is published by then and its acquire (one
-thread, then a barrier for the rest) orders the loads after it. That program reads the request's
-partials of its own rows with L2-only (.cg) loads (L1 is not coherent across SMs), merges them
-with merge.py's `_merge_row_block` (the merge kernel's step; MERGE_BLOCK_R rows x MERGE_BLOCK_S
-partials per load round, so few dependent rounds sit on the kernel's tail), writes out/lse, sets its
-counter back to 0 for the next launch (no other program touches that counter again this launch).
+block) with an acq_rel atomic at GPU scope (the release publishes the CTA's stores, made visible
+to the atomic's thread by the barrier; the same pattern as CUTLASS's semaphore). Only the program
+that reads old == chunks - 1 goes on: every other chunk's partial is published by then and its
+acquire (one thread, then a barrier for the rest) orders the loads after it. That program reads
+the request's partials of its own rows with L2-only (.cg) loads (L1 is not coherent across SMs),
+merges them with merge.py's `_merge_row_block` (the merge kernel's step; MERGE_BLOCK_R rows x
+MERGE_BLOCK_S partials per load round, so few dependent rounds sit on the kernel's tail), writes
+out/lse, sets its counter back to 0 for the next launch (no other program touches that counter
+again this launch).
 No program waits for another, so there is no deadlock whatever the scheduling.
 
 FP16_DOTS (fp8 KV only, DecodeConfig.fp8_dot_dtype="fp16"): both dots run in fp16 whatever q's
