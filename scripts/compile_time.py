@@ -13,7 +13,8 @@ GPU minus the launch, so it is what issue "first call <= 5 s" is about.
 
 Prefill variants: fp16, 32/8 heads, ragged KV, no mask, lse on; --split on sets SPLIT (split-KV
 partials). Decode variants: fp16, 32/8 heads, page 16, one query row per request, lse on; the
-decode kernel has both output paths in every variant (the fused merge off), so --split does not apply. --tiles replaces the
+decode kernel has both output paths in every variant (the fused merge off), so --split does not
+apply. --tiles replaces the
 default tiles: block_m,block_n,num_warps,num_stages (prefill) or block_n,num_warps,num_stages (decode).
 """
 from __future__ import annotations
