@@ -390,8 +390,8 @@ class DecodePlan:
             return
         q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
         k, v = kv.k, kv.v
-        ks, vs = k.stride(), v.stride()
-        if ks[3] != 1 or vs[3] != 1 or q.stride(2) != 1 or out.stride(2) != 1:
+        ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()  # one call each: run() is host-bound
+        if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
             raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
         if kv.layout == "HND":
             ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
@@ -412,8 +412,8 @@ class DecodePlan:
         launch(self._grid,
                q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, kv_indices, slopes,
                sinks, q_t, k_t, v_t,
-               qk_scale, v_scale, *self._plan_scalars, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-               *((lse.stride(0), lse.stride(1)) if write_lse else (0, 0)), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+               qk_scale, v_scale, *self._plan_scalars, qs[0], qs[1], os_[0], os_[1],
+               *(lse.stride() if write_lse else (0, 0)), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
         if self.n_merge and not self.fused_merge:
             launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len)
 
