@@ -7,8 +7,12 @@ import pytest
 import torch
 
 import flashdispatch as flashinfer
+from flashdispatch.dispatch.registry import backend_class
 
 WS = torch.empty(1 << 20, dtype=torch.uint8)
+# the reference's declared float32 tolerance (float32 CPU math against float64; BLAS rounding varies
+# with threads and alignment, one run reached 3.2e-5)
+FP32_TOL = backend_class("reference").tolerance_for(torch.float32)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -85,7 +89,7 @@ def test_seed_batch_decode_example(layout, device):
         for b in range(7):
             k, v = paged_to_dense(kv, SEED_INDPTR, indices, SEED_LAST, 16, b, layout)
             ref, ref_lse = dense_attention(q[b:b + 1], k, v)
-            assert rel(o[b], ref[0]) < 1e-5
+            assert rel(o[b], ref[0]) < FP32_TOL
             assert torch.allclose(lse[b].double(), ref_lse[0], atol=1e-4)
     assert wrapper.decision.backend == "reference"
 
@@ -163,7 +167,7 @@ def test_seed_mla_example_shape_and_values(device):
         k = torch.cat([ckv_c[rows], kpe_c[rows]], -1)
         ref, ref_lse = dense_attention(torch.cat([q_nope[b:b + 1], q_pe[b:b + 1]], -1), k, ckv_c[rows],
                                        sm_scale=sm_scale)
-        assert rel(o[b], ref[0]) < 1e-5
+        assert rel(o[b], ref[0]) < FP32_TOL
         assert torch.allclose(lse[b].double(), ref_lse[0], atol=1e-4)
 
 
@@ -178,12 +182,12 @@ def test_single_decode_and_prefill(layout, device):
                                                                       return_lse=True, backend="reference"))
     ref, ref_lse = dense_attention(q[None], k, v)
     assert o.shape == (8, 64) and lse.shape == (8,)
-    assert rel(o, ref[0]) < 1e-5 and torch.allclose(lse.double(), ref_lse[0], atol=1e-4)
+    assert rel(o, ref[0]) < FP32_TOL and torch.allclose(lse.double(), ref_lse[0], atol=1e-4)
     qp = torch.randn(11, 8, 64)
     o = flashinfer.single_prefill_with_kv_cache(*on(device, qp, kk, vv), causal=True, kv_layout=layout,
                                                 window_left=5, backend="reference").cpu()
     ref, _ = dense_attention(qp, k, v, causal=True, window_left=5)
-    assert rel(o, ref) < 1e-5
+    assert rel(o, ref) < FP32_TOL
     o2, lse2 = (t.cpu() for t in flashinfer.single_prefill_with_kv_cache_return_lse(
         *on(device, qp, kk, vv), causal=True, kv_layout=layout, window_left=5, backend="reference"))
     assert torch.equal(o, o2) and lse2.shape == (11, 8)
@@ -197,7 +201,7 @@ def test_single_prefill_custom_and_packed_mask_agree():
     packed = flashinfer.packbits(mask.flatten(), bitorder="little")
     o2 = flashinfer.single_prefill_with_kv_cache(q, k, v, packed_custom_mask=packed)
     ref, _ = dense_attention(q, k, v, mask=mask)
-    assert rel(o1, ref) < 1e-5 and torch.equal(o1, o2)
+    assert rel(o1, ref) < FP32_TOL and torch.equal(o1, o2)
 
 
 def test_fully_masked_rows_give_zero_and_minus_inf():
@@ -223,7 +227,7 @@ def test_decode_q_len_per_req_is_causal_in_the_block():
     for b in range(2):
         k, v = paged_to_dense(kv, indptr, indices, last, 8, b)
         ref, _ = dense_attention(q[3 * b:3 * b + 3], k, v, causal=True)
-        assert rel(o[3 * b:3 * b + 3], ref) < 1e-5
+        assert rel(o[3 * b:3 * b + 3], ref) < FP32_TOL
     assert w.run(q[::3].contiguous(), kv).shape == (2, 4, 32)
 
 
@@ -244,7 +248,7 @@ def test_trtllm_and_xqa_entry_points_match_the_wrapper(device):
         k = k_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:lens[b]]
         v = v_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:lens[b]]
         ref, _ = dense_attention(q[b:b + 1], k, v, sm_scale=scale)
-        assert rel(o[b], 2.0 * ref[0]) < 1e-5
+        assert rel(o[b], 2.0 * ref[0]) < FP32_TOL
     out = torch.empty(3, 1, hq, d, device=device)
     with flashinfer.use_backends(["reference"]):  # fp32 data: the reference's float32 math, on any device
         flashinfer.xqa(*on(device, q[:, None], k_cache, v_cache, tables, lens[:, None]), out, on(device, WS), None, hkv,
@@ -258,7 +262,7 @@ def test_trtllm_and_xqa_entry_points_match_the_wrapper(device):
     k = k_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:40]
     v = v_cache[pages].transpose(1, 2).reshape(-1, hkv, d)[:40]
     ref, _ = dense_attention(q[:1], k, v, sm_scale=scale, sinks=sinks)
-    assert rel(o_s[0], ref[0]) < 1e-5
+    assert rel(o_s[0], ref[0]) < FP32_TOL
 
 
 def test_trtllm_context_matches_paged_prefill():
@@ -276,7 +280,7 @@ def test_trtllm_context_matches_paged_prefill():
         k = cache[pages, 0].transpose(1, 2).reshape(-1, hkv, d)[:seq[b]]
         v = cache[pages, 1].transpose(1, 2).reshape(-1, hkv, d)[:seq[b]]
         ref, _ = dense_attention(q[cum_q[b]:cum_q[b + 1]], k, v, causal=True, sm_scale=0.2)
-        assert rel(o[cum_q[b]:cum_q[b + 1]], ref) < 1e-5
+        assert rel(o[cum_q[b]:cum_q[b + 1]], ref) < FP32_TOL
     assert qlen.sum() == 14
 
 
@@ -294,7 +298,7 @@ def test_trtllm_mla_matches_wrapper():
         pages = tables[i, :(int(seq[i]) + page - 1) // page].long()
         rows = kv[pages].reshape(-1, rank + rope)[:seq[i]]
         ref, _ = dense_attention(query[i, :, :, :], rows[:, None], rows[:, None, :rank], sm_scale=0.1)
-        assert rel(o[i, 0], ref[0]) < 1e-5
+        assert rel(o[i, 0], ref[0]) < FP32_TOL
 
 
 def test_merge_state_and_states():
@@ -304,7 +308,7 @@ def test_merge_state_and_states():
     a = flashinfer.single_prefill_with_kv_cache(q, k[:10], v[:10], return_lse=True)
     b = flashinfer.single_prefill_with_kv_cache(q, k[10:], v[10:], return_lse=True)
     vm, sm = flashinfer.merge_state(a[0], a[1], b[0], b[1])
-    assert rel(vm, full) < 1e-5
+    assert rel(vm, full) < FP32_TOL
     vs, ss = flashinfer.merge_states(torch.stack([a[0], b[0]], 1), torch.stack([a[1], b[1]], 1))
     assert torch.allclose(vs, vm) and torch.allclose(ss, sm)
     v_in, s_in = a[0].clone(), a[1].clone()

@@ -178,6 +178,12 @@ def _merge_tile(rows: int, head_dim: int) -> tuple[int, int]:
     return block_r, pairs // block_r
 
 
+@functools.lru_cache(maxsize=64)
+def _with_split_block(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` with block_n = split_block_n (cached: plan() is host-time bound)."""
+    return dataclasses.replace(cfg, block_n=cfg.split_block_n)
+
+
 def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
     """Chunk length per request for ``n`` chunks each: equal shares, rounded up to whole blocks."""
     per = -(-eff // np.maximum(n, 1))
@@ -197,8 +203,28 @@ def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cf
     # Chunks per request rounded down: the grid stays within the target (one more chunk each
     # would start a second, mostly idle wave: 32 x 4096 ran at 3.06 TB/s with 3 chunks, 3.73 with 2).
     chunk = max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
-    n = np.clip(eff // chunk, 1, cfg.max_splits)
+    n = np.minimum(np.maximum(eff // chunk, 1), cfg.max_splits)
     return _balanced_chunks(eff, n, cfg.block_n) if n.max() > 1 else None
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool) -> dict:
+    """The decode kernel's constexprs and launch options of a plan (cached: plan() is host-time
+    bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
+    q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
+    fp16_dots = p.kv_dtype in FP8_DTYPES and (cfg.fp8_dot_dtype == "fp16" or p.q_dtype == torch.float16)
+    merge_r, merge_s = _merge_tile(min(block_m, q_len * group), p.head_dim_vo)
+    return dict(
+        NUM_QO_HEADS=p.num_qo_heads, GROUP=group, QLEN=q_len, ROW_BLOCKS=row_blocks,
+        PAGE=p.page_size, HEAD_DIM=p.head_dim_qk, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=p.mask_mode == "causal" and q_len > 1, WINDOW=p.window_left >= 0,
+        SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
+        ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, K_ROWS=cfg.k_rows,
+        FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
+        HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
+        V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
+        FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 class DecodePlan:
@@ -214,7 +240,7 @@ class DecodePlan:
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         target = (device.sm_count or 8) * cfg.ctas_per_sm
         if cfg.split_block_n and policy_splits and params.batch_size * p.num_kv_heads * self.row_blocks < target:
-            cfg = dataclasses.replace(cfg, block_n=cfg.split_block_n)
+            cfg = _with_split_block(cfg)
         self.problem, self.config = problem, cfg
         self.sm_scale = params.sm_scale
         self.rope = (1.0 / params.rope_scale, math.log2(params.rope_theta))
@@ -229,8 +255,8 @@ class DecodePlan:
         lens = np.array(params.kv_lens_host, dtype=np.int64)
         batch = len(lens)
         pages = -(-lens // p.page_size)
-        page_base = np.cumsum(pages) - pages
-        lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros_like(lens)
+        page_base = pages.cumsum() - pages
+        lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros(batch, np.int64)
         eff = lens - lo
         units = self.units = p.num_kv_heads * self.row_blocks
         sm_count = device.sm_count or 8
@@ -254,14 +280,14 @@ class DecodePlan:
             return
 
         nsplit = np.maximum(1, -(-eff // chunk)) if chunk is not None else np.ones_like(eff)
-        req = np.repeat(np.arange(batch), nsplit)
+        req = np.arange(batch).repeat(nsplit)
         if splits:  # CUDA graph: request b owns work items and partial slots b*splits .. +splits-1
             if nsplit.max() > splits:
                 raise ValueError(f"use_cuda_graph: a request needs {int(nsplit.max())} chunks of "
                                  f"fixed_split_size={params.fixed_split_size} pages, the graph grid holds "
                                  f"{splits}; raise fixed_split_size")
             n_work, n_partial = batch * splits, (batch * splits if splits > 1 else 0)
-            items = np.arange(len(req)) - np.repeat(np.cumsum(nsplit) - nsplit, nsplit) + req * splits
+            items = np.arange(len(req)) - (nsplit.cumsum() - nsplit).repeat(nsplit) + req * splits
             sidx = items - req * splits
             slot_of = np.where(nsplit[req] > 1, items, -1)
             merge_rows = np.arange(batch if splits > 1 else 0)
@@ -270,13 +296,13 @@ class DecodePlan:
         else:
             n_work = len(req)
             items = np.arange(n_work)
-            sidx = items - np.repeat(np.cumsum(nsplit) - nsplit, nsplit)
+            sidx = items - (nsplit.cumsum() - nsplit).repeat(nsplit)
             split_item = nsplit[req] > 1
-            slot_of = np.where(split_item, np.cumsum(split_item) - 1, -1)
+            slot_of = np.where(split_item, split_item.cumsum() - 1, -1)
             merge_rows = np.nonzero(nsplit > 1)[0]
-            merge_row_of = np.where(split_item, (np.cumsum(nsplit > 1) - 1)[req], -1)
+            merge_row_of = np.where(split_item, ((nsplit > 1).cumsum() - 1)[req], -1)
             n_partial = int(split_item.sum())
-            merge_first = np.cumsum(nsplit[merge_rows]) - nsplit[merge_rows]
+            merge_first = nsplit[merge_rows].cumsum() - nsplit[merge_rows]
         n_merge = len(merge_rows)
         meta = np.zeros(n_work * WORK_COLS + n_merge * MERGE_INFO_COLS, dtype=np.int32)
         work = meta[:n_work * WORK_COLS].reshape(n_work, WORK_COLS)
@@ -355,26 +381,14 @@ class DecodePlan:
     # --- running ----------------------------------------------------------------------------
     def _launch_constants(self) -> None:
         """Everything of the decode launch that run() does not learn from the inputs."""
-        p, cfg = self.problem, self.config
-        fp16_dots = p.kv_dtype in FP8_DTYPES and (cfg.fp8_dot_dtype == "fp16" or p.q_dtype == torch.float16)
+        p = self.problem
         self._grid = (self.n_work * p.num_kv_heads * self.row_blocks,)
-        merge_r, merge_s = _merge_tile(min(self.block_m, self.q_len * self.group), p.head_dim_vo)
         dummy = self.plse
         self._tables = (self.po, self.plse, self.info if self.fused_merge else dummy,
                         self.counters if self.fused_merge else dummy, self.work, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(p.window_left, 0), p.logits_soft_cap or 1.0, *self.rope)
-        self._consts = dict(
-            NUM_QO_HEADS=p.num_qo_heads, GROUP=self.group, QLEN=self.q_len, ROW_BLOCKS=self.row_blocks,
-            PAGE=p.page_size, HEAD_DIM=p.head_dim_qk, BLOCK_M=self.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=p.mask_mode == "causal" and self.q_len > 1, WINDOW=p.window_left >= 0,
-            SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
-            ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, K_ROWS=cfg.k_rows,
-            FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
-            HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
-            V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
-            FUSED_MERGE=self.fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
