@@ -9,12 +9,13 @@ merge kernel (merge.py) combines them. run() only launches.
 Fused merge (DecodeConfig.fused_merge_max_chunks): when no request has more chunks than that,
 the decode kernel merges in place of the merge kernel, one launch in all. Work column 7 holds
 each split item's merge row; the last program to arrive at a (merge row, KV head, row block)
-int32 counter merges those rows and zeroes the counter (decode_kernel.py). The counters, n_merge x kv_heads x row_blocks, follow the plan arrays in
-the same int32 copy (at the next 256-byte boundary), zeros from the host, so the plan's one
-stream-ordered copy zeroes them (no memset, no host sync). Without CUDA graphs that copy is a
-tensor the plan owns. With them it is the wrapper's int workspace: the counters' offset is the
-plan arrays' size, batch x graph-splits work rows + batch merge rows, fixed by the batch size as
-the grid a captured graph replays is, so every re-plan zeroes them at the same address.
+int32 counter merges those rows and zeroes the counter (decode_kernel.py). The counters, n_merge
+x kv_heads x row_blocks, follow the plan arrays in the same int32 copy (at the next 256-byte
+boundary), zeros from the host, so the plan's one stream-ordered copy zeroes them (no memset, no
+host sync). Without CUDA graphs that copy is a tensor the plan owns. With them it is the
+wrapper's int workspace: the counters' offset is the plan arrays' size, batch x graph-splits
+work rows + batch merge rows, fixed by the batch size as the grid a captured graph replays is,
+so every re-plan zeroes them at the same address.
 
 CUDA graphs: the grid is fixed by the batch size (batch x max_splits programs, idle ones
 exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, updated in place,
