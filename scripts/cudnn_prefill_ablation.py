@@ -83,11 +83,8 @@ def engine_plans(plan, inputs, kernel_cfgs: int = 0) -> dict:
     from flashdispatch.backends.cudnn import graphs
     from flashdispatch.backends.cudnn.handles import handle_for, handle_on_current_stream
 
-    opts, geo = plan.opts, plan._geometry(inputs)
-    g = cudnn.pygraph(io_data_type=graphs._data_type(opts.dtype), intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT, handle=handle_for(opts.device_index))
-    graphs._batch_graph(g, opts, geo, graphs._data_type(opts.dtype), cudnn.data_type.FLOAT, cudnn.data_type.INT32,
-                        cudnn)
+    opts = plan.opts
+    g = graphs.declare_graph(opts, plan._geometry(inputs), handle_for(opts.device_index))
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])

@@ -133,12 +133,11 @@ def _cache_dims(shape: tuple[int, ...], layout: str) -> list[int]:
     return list(shape)
 
 
-def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
-    """Build (validate, plan, compile) one SDPA graph; raises cudnnGraphNotSupportedError or
-    RuntimeError from cuDNN if it cannot."""
+def declare_graph(opts: GraphOptions, geo: Geometry, handle):
+    """The SDPA graph of ``opts`` on tensors of layout ``geo``, declared but not built (a cuDNN
+    pygraph: `build_graph` builds it with the heuristics' first plan)."""
     import cudnn
 
-    t0 = time.perf_counter()
     io = _data_type(opts.dtype)
     f32, i32 = cudnn.data_type.FLOAT, cudnn.data_type.INT32
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle,
@@ -147,6 +146,16 @@ def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
         _single_graph(g, opts, geo, io, f32, cudnn)
     else:
         _batch_graph(g, opts, geo, io, f32, i32, cudnn)
+    return g
+
+
+def build_graph(opts: GraphOptions, geo: Geometry, handle) -> BuiltGraph:
+    """Build (validate, plan, compile) one SDPA graph; raises cudnnGraphNotSupportedError or
+    RuntimeError from cuDNN if it cannot."""
+    import cudnn
+
+    t0 = time.perf_counter()
+    g = declare_graph(opts, geo, handle)
     g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     return BuiltGraph(g, int(g.get_workspace_size()), time.perf_counter() - t0)
 
