@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .backends.base import PagedKV
+from .device_read import read_index_tensors
 from .dispatch.problem import DTYPE_BY_NAME, LAYOUTS, POS_ENCODINGS
 
 ATTENTION_DTYPES = frozenset(DTYPE_BY_NAME.values())
@@ -169,26 +170,12 @@ def device_values_checked() -> bool:
     return os.environ.get(CHECK_INPUTS_ENV) == "1"
 
 
-_positions: dict[torch.device, torch.Tensor] = {}
-
-
-def _device_positions(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` (int32) on ``device``, from a grow-only table copied there once (and
-    synchronously, so any stream may read it)."""
-    table = _positions.get(device)
-    if table is None or table.numel() < n:
-        table = torch.arange(1 << max(n - 1, 0).bit_length(), dtype=torch.int32).to(device)
-        _positions[device] = table
-    return table[:n]
-
-
-def host_arrays(tensors: Sequence[torch.Tensor], indices: torch.Tensor | None = None,
-                indices_all_used: bool = True) -> tuple[list[np.ndarray], tuple[int, int] | None]:
+def host_arrays(tensors: Sequence[torch.Tensor],
+                indices: torch.Tensor | None = None) -> tuple[list[np.ndarray], tuple[int, int] | None]:
     """Host int64 copies of small 1-D int32 ``tensors`` and, with ``indices``, the (min, max) of
     ``indices[:tensors[0][-1]]`` (the first tensor is their indptr; None when that is empty, or
-    when FLASHDISPATCH_CHECK_INPUTS=0 turned the page-index check off), with one device->host
-    copy: the device tensors and the min/max, reduced on the device (the table itself never
-    travels), go in one transfer (see `read_in_one_copy` for ``indices_all_used``)."""
+    when FLASHDISPATCH_CHECK_INPUTS=0 turned the page-index check off), with one device read
+    (`read_in_one_copy`: the table itself never travels)."""
     if indices is not None and not page_indices_checked():
         indices = None
     on_host = [t.is_cpu for t in tensors]
@@ -204,33 +191,23 @@ def host_arrays(tensors: Sequence[torch.Tensor], indices: torch.Tensor | None = 
     if len(devices) > 1 or (indices is not None and indices.is_cpu):
         # spread over several devices: one copy each (correct, only slower)
         return host_arrays([t.cpu() for t in tensors], None if indices is None else indices.cpu())
-    return read_in_one_copy(tensors, on_host, indices, indices_all_used)
+    return read_in_one_copy(tensors, on_host, indices)
 
 
-def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool], indices: torch.Tensor | None,
-                     indices_all_used: bool = True) -> tuple[list[np.ndarray], tuple[int, int] | None]:
+def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
+                     indices: torch.Tensor | None) -> tuple[list[np.ndarray], tuple[int, int] | None]:
     """`host_arrays` for tensors on one device: those not ``on_host`` and the (min, max) of the
-    used ``indices`` go to the host in one copy of one device buffer (the tensors concatenated
-    into it, the min/max reduced into its last two entries). When the indptr is on the device
-    the number of used indices is not known yet: with ``indices_all_used`` the min/max is taken
-    over all of ``indices`` (one reduction) and, if indptr[-1] turns out smaller, taken again
-    over the used ones (a second copy); without it the unused entries are masked on the device
-    first (two more small kernels, one copy). Works on any device (the CPU tests run it with
-    ``on_host`` all False)."""
+    used ``indices`` (counted by indptr = ``tensors[0]``, on the host or the device) come back
+    from one kernel and one wait (`device_read.read_index_tensors`). Works on any device (the
+    CPU tests run it, the kernel in Triton's interpreter)."""
     parts = [t for t, host in zip(tensors, on_host) if not host]
-    window, guessed = None, False
-    if indices is not None and indices.numel() > 0:
-        indptr = tensors[0]
-        if on_host[0]:
-            window = indices[: max(int(indptr.numpy()[-1]), 0)]
-        elif indices_all_used:
-            window, guessed = indices, True
-        else:  # mask the entries past indptr[-1] (a count that is on the device)
-            valid = _device_positions(indices.numel(), indices.device) < indptr[-1:]
-            window = torch.where(valid, indices, indices[:1])
-        if window.numel() == 0:
-            window = None
-    flat = _one_copy(parts, window)
+    used_host = int(tensors[0].numpy()[-1]) if on_host[0] else None
+    if indices is not None and indices.numel() == 0:
+        indices = None
+    if parts or indices is not None:
+        flat, minmax = read_index_tensors(parts, indices, used_host)
+    else:
+        flat, minmax = None, None
     arrays, offset = [], 0
     for t, host in zip(tensors, on_host):
         if host:
@@ -238,32 +215,7 @@ def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool], i
         else:
             arrays.append(flat[offset:offset + t.numel()].astype(np.int64))
             offset += t.numel()
-    if window is None:
-        return arrays, None
-    used = int(arrays[0][-1])
-    if used <= 0:  # masked or guessed on the device: nothing was used after all
-        return arrays, None
-    if guessed and used != indices.numel():
-        if used > indices.numel():  # too few indices: the caller's check_page_indices says so
-            return arrays, None
-        low_high = _one_copy([], indices[:used])
-        return arrays, (int(low_high[0]), int(low_high[1]))
-    return arrays, (int(flat[offset]), int(flat[offset + 1]))
-
-
-def _one_copy(parts: Sequence[torch.Tensor], window: torch.Tensor | None) -> np.ndarray | None:
-    """The ``parts`` concatenated, then min(window), max(window) if given: one device buffer
-    filled by at most two kernels (cat, aminmax) and copied to the host once."""
-    if window is None:
-        if not parts:
-            return None
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()
-    n = sum(t.numel() for t in parts)
-    buf = torch.empty(n + 2, dtype=torch.int32, device=window.device)
-    if parts:
-        torch.cat(parts, out=buf[:n])
-    torch.aminmax(window, out=(buf[n], buf[n + 1]))
-    return buf.cpu().numpy()
+    return arrays, minmax
 
 
 def check_indptr(h: np.ndarray, name: str) -> np.ndarray:

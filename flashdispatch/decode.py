@@ -193,11 +193,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             checks.check_index_tensor(t, name)
         batch = checks.check_indptr_length(indptr, "indptr") - 1
         checks.check_lengths_count(last_page_len, "last_page_len", batch)
-        (indptr_h, last_h), minmax = checks.host_arrays([indptr, last_page_len], indices, self._indices_all_used)
+        (indptr_h, last_h), minmax = checks.host_arrays([indptr, last_page_len], indices)
         pages = checks.check_indptr(indptr_h, "indptr")
         kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size)
         used_pages = int(indptr_h[-1])
-        self._indices_all_used = used_pages == indices.numel()
         max_page_index = checks.check_page_indices(indices.numel(), used_pages, minmax)
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import checks
-from .backends.base import AttentionInputs, AttentionParams, MLAInputs, MLAParams, PagedKV, RaggedKV
+from .backends.base import PENDING, AttentionInputs, AttentionParams, MLAInputs, MLAParams, PagedKV, RaggedKV
 from .dispatch.problem import Device, Problem, Workload, device_of
 from .dispatch.reasons import Unsupported
 from .dispatch.registry import get_backend
@@ -211,33 +211,23 @@ def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv
                  kv_last_page_len, device, qo_lens_host: list[int], **kw) -> AttentionParams:
     """AttentionParams for a paged problem from checked host arrays (int64 numpy) and the index
     tensors. ``qo_indptr`` is a host array or an int32 tensor. The kv lengths, every host array
-    and, for a GPU ``device``, every small host tensor (qo_indptr, kv_indptr, kv_last_page_len)
-    go to ``device`` in one host->device transfer; the page indices and a tensor on another GPU
-    are moved on their own."""
-    if device.type == "cpu":
-        kv_lens = torch.from_numpy(kv_lens_h.astype(np.int32))
-        if isinstance(qo_indptr, np.ndarray):
-            qo_indptr = torch.from_numpy(qo_indptr.astype(np.int32))
-        kv_indices = on_device(kv_indices, device)
-    else:
-        qo_indptr, kv_lens, kv_indptr, kv_indices, kv_last_page_len = _to_gpu(
-            device, qo_indptr, kv_lens_h, kv_indptr, kv_indices, kv_last_page_len)
-    return AttentionParams(
-        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_lens=kv_lens, qo_lens_host=qo_lens_host,
-        kv_lens_host=kv_lens_h.tolist(), kv_indices=kv_indices, kv_last_page_len=kv_last_page_len, **kw)
+    and every small host tensor (qo_indptr, kv_indptr, kv_last_page_len) are left `PENDING`, to
+    go to ``device`` in one host->device transfer if the backend reads one of them
+    (`DeviceIndex`); the page indices and a tensor on another device are moved now."""
+    small = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len}
+    host = {name: a if isinstance(a, np.ndarray) else a.numpy() for name, a in small.items()
+            if isinstance(a, np.ndarray) or (a is not None and a.is_cpu and a.device != device)}
+    fields = {name: PENDING if name in host else on_device(t, device) for name, t in small.items()}
+    params = AttentionParams(kv_lens=PENDING, qo_lens_host=qo_lens_host, kv_lens_host=kv_lens_h.tolist(),
+                             kv_indices=on_device(kv_indices, device), **fields, **kw)
+    params.defer_upload(functools.partial(_upload_pending, device, {"kv_lens": kv_lens_h, **host}))
+    return params
 
 
-def _to_gpu(device, qo_indptr, kv_lens_h, kv_indptr, kv_indices, kv_last_page_len):
-    """`paged_params`' arrays on a GPU ``device``: the kv lengths and the small host arrays and
-    tensors in one upload, the rest (page indices, a tensor on another GPU) on their own."""
-    small = [qo_indptr, kv_indptr, kv_last_page_len]
-    up = [i for i in (0, 1, 2) if isinstance(small[i], np.ndarray) or small[i].is_cpu]
-    host = [small[i] if isinstance(small[i], np.ndarray) else small[i].numpy() for i in up]
-    kv_lens, *moved = _upload_int32(device, [kv_lens_h, *host])
-    for i, t in zip(up, moved):
-        small[i] = t
-    qo_indptr, kv_indptr, kv_last_page_len = (on_device(t, device) for t in small)
-    return qo_indptr, kv_lens, kv_indptr, on_device(kv_indices, device), kv_last_page_len
+def _upload_pending(device: torch.device, arrays: dict[str, np.ndarray], params: AttentionParams) -> None:
+    """Fill ``params``' `PENDING` fields named in ``arrays`` with one host->device copy."""
+    for name, t in zip(arrays, _upload_int32(device, list(arrays.values()))):
+        setattr(params, name, t)
 
 
 INT_WORKSPACE_BYTES = 8 << 20
@@ -353,7 +343,6 @@ class WrapperBase:
         self._scalar_key: tuple | None = None
         self._scalar_value = None
         self._problems: tuple[Problem | None, dict] = (None, {})
-        self._indices_all_used = True  # whether the last plan used all its page indices (host_arrays' guess)
 
     @property
     def device(self) -> torch.device:

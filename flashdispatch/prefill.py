@@ -174,8 +174,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         checks.check_indptr_length(qo_indptr, "qo_indptr", n)
         checks.check_lengths_count(paged_kv_last_page_len, "paged_kv_last_page_len", n - 1)
         (kv_indptr_h, qo_indptr_h, last_h), minmax = checks.host_arrays(
-            [paged_kv_indptr, qo_indptr, paged_kv_last_page_len], paged_kv_indices, self._indices_all_used)
-        self._indices_all_used = int(kv_indptr_h[-1]) == paged_kv_indices.numel()
+            [paged_kv_indptr, qo_indptr, paged_kv_last_page_len], paged_kv_indices)
         pages = checks.check_indptr(kv_indptr_h, "paged_kv_indptr")
         qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
         kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, "paged_kv_last_page_len")

@@ -62,7 +62,7 @@ def kv_cache(num_pages: int, dtype: torch.dtype, device: torch.device) -> torch.
 def decode_calls(batch, args, device, small_device, dtype):
     """(plan, run) of BatchDecodeWithPagedKVCacheWrapper, planned once."""
     (indptr, indices, last), num_pages = page_table(batch, args.kv_len, device, small_device)
-    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=device)  # FlashInfer's recommended size
     w = api().BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend=args.backend)
 
     def plan():
@@ -78,7 +78,7 @@ def prefill_calls(batch, args, device, small_device, dtype):
     """(plan, run) of BatchPrefillWithPagedKVCacheWrapper (causal, --qo-len new tokens per request)."""
     (indptr, indices, last), num_pages = page_table(batch, args.kv_len, device, small_device)
     qo_indptr = (torch.arange(batch + 1, dtype=torch.int32) * args.qo_len).to(small_device)
-    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=device)  # FlashInfer's recommended size
     w = api().BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=args.backend)
 
     def plan():
@@ -202,8 +202,8 @@ def main(argv=None) -> None:
     ap.add_argument("--busy-ms", type=float, default=0.0,
                     help="also time plan() issued while the GPU runs a kernel this long (a wait shows)")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
-                    help="also print a cProfile (TOP functions) of each op's plan (single ops: repeated call) "
-                         "at the last batch size")
+                    help="also print a cProfile (TOP functions) of each op's plan and run (single ops: repeated "
+                         "call) at the last batch size")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":  # fa2 is selectable on the CPU only under the Triton interpreter (never run here)
@@ -230,7 +230,10 @@ def main(argv=None) -> None:
             r = time_us(run, args.calls, args.reps, sync, clock)
             busy = f" {busy_plan_us(plan, args.reps, args.busy_ms):>10.1f}" if args.busy_ms else ""
             print(f"{name:<14} {batch:>5} {p:>9.1f} {r:>8.1f}{busy}")
-        profiled.append((f"{name} batch {batch}", run if name.startswith("single") else plan))
+        if name.startswith("single"):
+            profiled.append((f"{name} batch {batch}: repeated call", run))
+        else:
+            profiled += [(f"{name} batch {batch}: plan", plan), (f"{name} batch {batch}: run", run)]
     for title, fn in profiled if args.profile else ():
         profile(title, fn, args.calls, args.profile, sync)
 

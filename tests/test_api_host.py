@@ -35,11 +35,10 @@ def table(lens, page_size, garbage=()):
     ([5, 17, 0, 33], ()), ([5, 17, 0, 33], (-1, -7, 10 ** 6)), ([0, 0], ()), ([0, 0], (-3,)), ([], ()),
 ])
 @pytest.mark.parametrize("on_host", [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("all_used", [True, False])
-def test_one_copy_reader_matches_host_reader(lens, garbage, on_host, all_used):
+def test_one_copy_reader_matches_host_reader(lens, garbage, on_host):
     indptr, indices, last = table(lens, 8, garbage)
     want, want_minmax = checks.host_arrays([indptr, last], indices)
-    got, got_minmax = checks.read_in_one_copy([indptr, last], on_host, indices, all_used)
+    got, got_minmax = checks.read_in_one_copy([indptr, last], on_host, indices)
     assert all((g == w).all() and g.dtype == w.dtype for g, w in zip(got, want))
     assert got_minmax == want_minmax
     if int(indptr[-1]):
@@ -129,13 +128,12 @@ def test_host_overhead_script_runs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", ["all", "indptr_on_host", "small_on_host"])
 @pytest.mark.parametrize("garbage", [(), (-1, 10 ** 6)])
-@pytest.mark.parametrize("all_used", [True, False])
-def test_cuda_tables_read_in_one_copy(where, garbage, all_used):
+def test_cuda_tables_read_in_one_copy(where, garbage):
     indptr, indices, last = table([5, 17, 0, 33], 8, garbage=garbage)
     want, want_minmax = checks.host_arrays([indptr, last], indices)
     dev_indptr = indptr if where != "all" else indptr.cuda()
     dev_last = last if where == "small_on_host" else last.cuda()
-    got, got_minmax = checks.host_arrays([dev_indptr, dev_last], indices.cuda(), all_used)
+    got, got_minmax = checks.host_arrays([dev_indptr, dev_last], indices.cuda())
     assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
 
 
@@ -359,6 +357,25 @@ def test_paged_params_on_the_cpu_keeps_tensors_and_converts_host_arrays():
     assert params.kv_indptr is indptr and params.kv_indices is indices and params.kv_last_page_len is last
 
 
+def test_paged_params_uploads_host_arrays_once_when_first_read(monkeypatch):
+    """Host arrays stay PENDING until a backend reads one; the first read fills every one of
+    them with one copy, and a plan that never reads them (fa2 decode) makes no copy."""
+    import flashdispatch.planned as planned
+    from flashdispatch.backends.base import PENDING
+    copies = []
+    upload = planned._upload_int32
+    monkeypatch.setattr(planned, "_upload_int32", lambda dev, arrays: copies.append(len(arrays)) or upload(dev, arrays))
+    indptr, indices, last = table([5, 17, 0], 8)
+    kv_lens = np.array([5, 17, 0], dtype=np.int64)
+    qo_indptr = np.array([0, 1, 3, 4], dtype=np.int64)
+    params = planned.paged_params(qo_indptr, kv_lens, indptr, indices, last, torch.device("meta"), [1, 2, 1],
+                                  sm_scale=0.5)
+    assert params.__dict__["_kv_lens"] is PENDING and params.__dict__["_kv_indptr"] is PENDING and copies == []
+    assert params.kv_last_page_len.device.type == "meta" and copies == [4]  # kv_lens + the three host arrays
+    assert params.qo_indptr.shape == (4,) and params.kv_indptr.shape == (4,) and params.kv_lens.shape == (3,)
+    assert copies == [4] and params.kv_indices.device.type == "meta"
+
+
 def test_decode_variants_get_their_own_problem():
     indptr, indices, last = table([5, 17], 8)
     w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference")
@@ -372,3 +389,23 @@ def test_decode_variants_get_their_own_problem():
     assert (spec.q_len_per_req, spec.mask_mode, spec.return_lse) == (2, "causal", True)
     w.run(torch.randn(2, 4, 16), cache)
     assert w._planned.problem is plain
+
+
+@pytest.mark.parametrize("used", [0, 1, 2500, 4096, 5000])
+@pytest.mark.parametrize("used_on_device", [True, False])
+def test_device_read_reduces_only_the_used_indices_over_several_programs(monkeypatch, used, used_on_device):
+    """Index reads split over several programs (1024 indices each here) agree with numpy, count
+    only the first ``used`` indices, and report none when too few indices exist."""
+    from flashdispatch import device_read
+    monkeypatch.setattr(device_read, "_PER_PROGRAM", 1024)
+    g = torch.Generator().manual_seed(used)
+    indices = torch.randint(0, 10 ** 6, (4096,), generator=g, dtype=torch.int32)
+    indptr = torch.tensor([0, used // 2, used], dtype=torch.int32)
+    last = torch.randint(1, 17, (2,), generator=g, dtype=torch.int32)
+    tensors = [indptr, last] if used_on_device else [last]
+    flat, minmax = device_read.read_index_tensors(tensors, indices, None if used_on_device else used)
+    assert flat.tolist() == torch.cat(tensors).tolist()
+    if 0 < used <= indices.numel():
+        assert minmax == (int(indices[:used].min()), int(indices[:used].max()))
+    else:
+        assert minmax is None

@@ -50,12 +50,45 @@ class RaggedKV:
     v: torch.Tensor
 
 
+class DeviceIndex:
+    """A field of `AttentionParams` holding an int32 index tensor on the run device that may
+    be uploaded on first read: the API builds params before the backend is chosen, and most
+    plans never read some of these tensors (fa2 decode reads none), so `paged_params` marks
+    what it would upload `PENDING` with `AttentionParams.defer_upload`, whose one copy fills
+    them all. A backend reads them at plan time (a copy issued inside CUDA-graph capture fails)."""
+
+    _REQUIRED = object()
+
+    def __init__(self, default=_REQUIRED):
+        self.default = default
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:  # the dataclass field's default; AttributeError: a required field
+            if self.default is DeviceIndex._REQUIRED:
+                raise AttributeError(self.name)
+            return self.default
+        value = obj.__dict__[self.slot]
+        if value is PENDING:
+            obj.__dict__.pop("_upload")(obj)
+            value = obj.__dict__[self.slot]
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
+PENDING = object()  # a `DeviceIndex` value not uploaded yet
+
+
 @dataclass
 class AttentionParams:
     """Plan-time data of a batch attention problem (decode, paged or ragged prefill).
 
-    Index tensors are int32 on the run device; the ``*_host`` lists are the same lengths
-    on the host, read once at plan time.
+    Index tensors are int32 on the run device (`DeviceIndex`: uploaded when first read);
+    the ``*_host`` lists are the same lengths on the host, read once at plan time.
     qo_indptr:        [batch + 1] query row offsets.
     kv_indptr:        [batch + 1] page offsets (paged) or token offsets (ragged).
     kv_indices:       page ids (paged only).
@@ -70,14 +103,14 @@ class AttentionParams:
                       graph reads: a re-plan rewrites it in place at the same addresses.
     """
 
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_lens: torch.Tensor
+    qo_indptr: torch.Tensor = DeviceIndex()
+    kv_indptr: torch.Tensor = DeviceIndex()
+    kv_lens: torch.Tensor = DeviceIndex()
     qo_lens_host: list[int]
     kv_lens_host: list[int]
     sm_scale: float
     kv_indices: torch.Tensor | None = None
-    kv_last_page_len: torch.Tensor | None = None
+    kv_last_page_len: torch.Tensor | None = DeviceIndex(None)
     packed_mask: torch.Tensor | None = None
     mask_indptr: torch.Tensor | None = None
     rope_scale: float = 1.0
@@ -90,6 +123,10 @@ class AttentionParams:
     @property
     def batch_size(self) -> int:
         return len(self.kv_lens_host)
+
+    def defer_upload(self, upload) -> None:
+        """Let the `PENDING` index fields be filled by ``upload(self)`` when one is first read."""
+        self.__dict__["_upload"] = upload
 
 
 @dataclass

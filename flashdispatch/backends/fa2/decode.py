@@ -41,7 +41,7 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
 from .decode_kernel import WORK_COLS, decode_kernel
-from .launch import BoundKernel, bind
+from .launch import BoundKernel, bind, spec_key
 from .merge import MERGE_INFO_COLS, launch_decode_merge
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -355,9 +355,7 @@ class DecodePlan:
         if need > have:
             raise ValueError(f"float_workspace_buffer too small: {have} bytes, this decode plan needs {need} "
                              f"bytes ({n_partial} split-KV partials of {ql}x{heads}x{d} float32)")
-        host = torch.from_numpy(meta)
-        if run_device.type == "cuda":
-            host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
+        host = torch.from_numpy(meta)  # pageable: a copy returns once the driver has staged it
         if graph:
             # the wrapper's own int workspace: same addresses at every re-plan, never shared
             iws = params.int_workspace
@@ -391,6 +389,7 @@ class DecodePlan:
         self._plan_scalars = (max(p.window_left, 0), p.logits_soft_cap or 1.0, *self.rope)
         self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
+        self._specs: dict = {}  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
         write_lse, q_t, k_t, v_t = variant
@@ -424,11 +423,24 @@ class DecodePlan:
         po, plse, merge_info, counters, work, kv_indices, slopes = self._tables
         variant = (write_lse, q_in, k_in, v_in)
         launch = self._launchers.get(variant) or self._bind(variant)
-        launch(self._grid,
-               q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, kv_indices, slopes,
-               sinks, q_t, k_t, v_t,
-               qk_scale, v_scale, *self._plan_scalars, qs[0], qs[1], os_[0], os_[1],
-               *(lse.stride() if write_lse else (0, 0)), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+        ls = lse.stride() if write_lse else (0, 0)
+        args = (q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, kv_indices, slopes,
+                sinks, q_t, k_t, v_t, qk_scale, v_scale, *self._plan_scalars, qs[0], qs[1], os_[0], os_[1], *ls,
+                ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+        # Triton's specialisation of these arguments, kept per call kind: the plan's own tensors
+        # are fixed, the scalars' types too; what varies is keyed here (all pointers 16-byte
+        # aligned, as nearly always; otherwise spec_key works it out for each call)
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | args[4].data_ptr()
+                   | sinks.data_ptr() | q_t.data_ptr() | k_t.data_ptr() | v_t.data_ptr()) & 15 == 0
+        spec = None
+        if aligned:
+            call = (variant, qs, os_, ls, ks, vs, sinks.dtype, q_t.dtype, k_t.dtype, v_t.dtype)
+            spec = self._specs.get(call)
+            if spec is None:
+                if len(self._specs) >= 64:  # strides that change at every call: keep a few
+                    self._specs.clear()
+                spec = self._specs[call] = spec_key(args)
+        launch.launch_with_spec(spec, self._grid, args)
         if self.n_merge and not self.fused_merge:
             launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len)
 

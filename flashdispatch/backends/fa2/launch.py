@@ -160,14 +160,20 @@ class BoundKernel:
         """Launch on ``grid`` (a tuple of 1 to 3 ints) with the runtime arguments ``args``, on the
         GPU of the first argument (Triton launches on the current device: a tensor on another
         GPU would be read through a pointer that GPU does not own)."""
+        self.launch_with_spec(None, grid, args)
+
+    def launch_with_spec(self, spec: tuple | None, grid: tuple, args: tuple) -> None:
+        """`__call__` with ``spec`` = ``spec_key(args)`` already known (None: work it out): a
+        caller that launches the same arguments' kinds again keeps the key (a wrong key launches
+        a kernel specialised for other arguments: keep it only while everything it covers holds)."""
         index = _cuda_index(args[0]) if args else None
         if index is not None and index != _current_cuda_device():
             with torch.cuda.device(index):
-                self._launch(grid, args)
+                self._launch(grid, args, spec)
             return
-        self._launch(grid, args)
+        self._launch(grid, args, spec)
 
-    def _launch(self, grid: tuple, args: tuple) -> None:
+    def _launch(self, grid: tuple, args: tuple, key: tuple | None = None) -> None:
         if not (self._direct and DIRECT_LAUNCH):
             self.fn[grid](*args, **self._kwargs)
             return
@@ -178,7 +184,8 @@ class BoundKernel:
                 self.fn[grid](*args, **self._kwargs)
                 return
         current_device, current_stream = self._calls
-        key = spec_key(args)
+        if key is None:
+            key = spec_key(args)
         if key is None:
             self.fn[grid](*args, **self._kwargs)
             return

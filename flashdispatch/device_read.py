@@ -1,0 +1,111 @@
+"""plan()'s one read of device values: small index tensors (indptr, last_page_len, ...) and the
+(min, max) of the used page indices, gathered by one kernel into a pinned host buffer and read
+after one event wait. On the H200's host this took a batch-256 read from ~91 us (empty + cat +
+aminmax + a blocking copy) to ~38 us (docs/perf-notes.md, "API host overhead").
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .backends.fa2.launch import bind
+
+MAX_TENSORS = 3
+_BLOCK = 1024
+_PER_PROGRAM = 1 << 16  # page indices reduced by one program
+_I32_MAX, _I32_MIN = (1 << 31) - 1, -(1 << 31)
+
+
+@triton.jit
+def _copy(out_ptr, src_ptr, n, BLOCK: tl.constexpr):
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def index_summary_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, indices_ptr, n_indices, used_host, out_ptr,
+                         BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr, USED_ON_DEVICE: tl.constexpr):
+    """Program 0 copies a, b, c to ``out[:n_a + n_b + n_c]``; program p writes the (min, max) of
+    ``indices[p * PER_PROGRAM:][:PER_PROGRAM]`` within the used ones (the first ``a[-1]`` with
+    USED_ON_DEVICE, else ``used_host``; never past ``n_indices``) to ``out[n + p]`` and
+    ``out[n + programs + p]`` (int32 max / min when it holds none)."""
+    pid = tl.program_id(0)
+    n = n_a + n_b + n_c
+    if pid == 0:
+        _copy(out_ptr, a_ptr, n_a, BLOCK)
+        _copy(out_ptr + n_a, b_ptr, n_b, BLOCK)
+        _copy(out_ptr + n_a + n_b, c_ptr, n_c, BLOCK)
+    if USED_ON_DEVICE:
+        used = tl.load(a_ptr + n_a - 1)
+    else:
+        used = used_host
+    used = tl.minimum(used, n_indices)
+    low = tl.full([BLOCK], 2147483647, tl.int32)
+    high = tl.full([BLOCK], -2147483648, tl.int32)
+    for start in range(pid * PER_PROGRAM, pid * PER_PROGRAM + PER_PROGRAM, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        keep = offs < used
+        x = tl.load(indices_ptr + offs, mask=keep, other=0)
+        low = tl.where(keep, tl.minimum(low, x), low)
+        high = tl.where(keep, tl.maximum(high, x), high)
+    tl.store(out_ptr + n + pid, tl.min(low, 0))
+    tl.store(out_ptr + n + tl.num_programs(0) + pid, tl.max(high, 0))
+
+
+class _Staging(threading.local):
+    """Per thread: a pinned host buffer and an event per device (a plan() waits for its own read
+    before it returns, so the next plan() of the thread may reuse them)."""
+
+    def __init__(self):
+        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+
+    def get(self, device: torch.device, size: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        buf, event = self.buffers.get(device, (None, None))
+        if buf is None or buf.numel() < size:
+            cuda = device.type == "cuda"
+            buf = torch.empty(max(size, 1024) * 2, dtype=torch.int32, pin_memory=cuda)
+            event = torch.cuda.Event() if cuda else None
+            self.buffers[device] = (buf, event)
+        return buf, event
+
+
+_staging = _Staging()
+
+
+def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None,
+                       used_host: int | None) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """The 1-D int32 ``tensors`` (one device, at most `MAX_TENSORS`) concatenated on the host,
+    and the (min, max) of the used ``indices`` (the first ``used_host``, or ``tensors[0][-1]``
+    read on the device when ``used_host`` is None; None when no index is used or ``indices`` is
+    None). One kernel launch and one wait; on the CPU (tests) the kernel runs in Triton's
+    interpreter."""
+    if len(tensors) > MAX_TENSORS or (used_host is None and not tensors):
+        raise ValueError(f"read_index_tensors: 1 to {MAX_TENSORS} tensors (the first an indptr when "
+                         f"used_host is None), got {len(tensors)}")
+    device = (tensors[0] if tensors else indices).device
+    sizes = [t.numel() for t in tensors] + [0] * (MAX_TENSORS - len(tensors))
+    n = sum(sizes)
+    num_indices = 0 if indices is None else indices.numel()
+    programs = max(1, -(-num_indices // _PER_PROGRAM))
+    buf, event = _staging.get(device, n + 2 * programs)
+    first = tensors[0] if tensors else indices  # a device tensor first: the launch goes to its GPU
+    args = []
+    for i in range(MAX_TENSORS):
+        args += [tensors[i] if i < len(tensors) else first, sizes[i]]
+    launch = bind(index_summary_kernel, BLOCK=_BLOCK, PER_PROGRAM=_PER_PROGRAM, USED_ON_DEVICE=used_host is None,
+                  num_warps=4)
+    launch((programs,), *args, indices if num_indices else first, num_indices, used_host or 0, buf)
+    if event is not None:
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()
+    host = buf.numpy()
+    flat = host[:n].copy()
+    count = int(flat[sizes[0] - 1]) if used_host is None else used_host
+    if count <= 0 or count > num_indices:
+        return flat, None  # nothing used, or too few indices (the caller's check says so)
+    return flat, (int(host[n:n + programs].min()), int(host[n + programs:n + 2 * programs].max()))
