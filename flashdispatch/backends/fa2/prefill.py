@@ -8,10 +8,12 @@ into chunks, one work item per (tile, chunk); the chunks' fp32 partial states go
 workspace and fa2's merge kernel (merge.py) combines them per query row. With ``use_cuda_graph``
 the list lives at fixed offsets of the wrapper's int workspace and a fixed number of persistent
 programs stride over it, so a captured run() replays correctly after a re-plan of a same-shaped
-problem; split-KV is off in that mode. The kernel is in prefill_kernels.py.
+problem; split-KV is off in that mode. The kernel is in prefill_kernels.py; ``PrefillConfig.tma``
+(off by default) loads ragged K/V through TMA descriptors where that applies (prefill_tma.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -25,10 +27,11 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
-from .launch import BoundKernel, bind
+from .launch import bind
 from . import tuning
 from .merge import MERGE_INFO_COLS, launch_decode_merge
 from .prefill_kernels import WORK_COLS, fa2_prefill_kernel, mask_tile_classes_kernel, mask_tile_list_kernel
+from .prefill_tma import launch_with_scratch, tma_layout_ok, tma_unused_reason
 
 _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
@@ -58,7 +61,9 @@ _LIST_CHUNK = 256  # KV tiles the custom-mask list kernel reads per step
 class PrefillConfig:
     """Tile shape and launch parameters of the prefill kernel, and the split-KV policy knobs:
     ctas_per_sm (programs per SM the policy aims for), min_chunk_tokens (shortest KV chunk it
-    cuts), max_splits (most chunks of one query tile)."""
+    cuts), max_splits (most chunks of one query tile). tma: load K/V tiles through tensor
+    descriptors where that applies (ragged KV on sm90+, 16-bit, see prefill_tma.py); elsewhere
+    the knob is ignored and the pointer path is planned (``PrefillPlan.tma_reason`` says why)."""
 
     block_m: int
     block_n: int
@@ -67,6 +72,7 @@ class PrefillConfig:
     ctas_per_sm: int = 2
     min_chunk_tokens: int = 512
     max_splits: int = 32
+    tma: bool = False
 
     def validate(self) -> "PrefillConfig":
         for name in ("block_m", "block_n"):
@@ -78,7 +84,24 @@ class PrefillConfig:
         for name in ("ctas_per_sm", "min_chunk_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"fa2 prefill {name}={getattr(self, name)}: must be >= 1")
+        if not isinstance(self.tma, bool):
+            raise ValueError(f"fa2 prefill tma={self.tma!r}: must be a bool")
         return self
+
+
+_BOOL_FIELDS = frozenset({"tma"})
+_BOOL_TEXT = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _config_value(name: str, text: str):
+    """One key=value of FLASHDISPATCH_FA2_PREFILL_CONFIG: a bool field takes 1/0, true/false,
+    yes/no, on/off; the others an int."""
+    if name not in _BOOL_FIELDS:
+        return int(text)
+    value = _BOOL_TEXT.get(text.strip().lower())
+    if value is None:
+        raise ValueError(f"{name}={text!r}: expected 1/0, true/false, yes/no or on/off")
+    return value
 
 
 def default_config(problem: Problem, device: Device) -> PrefillConfig:
@@ -100,7 +123,7 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
 
 def config_from_env(base: PrefillConfig) -> PrefillConfig:
     """Apply FLASHDISPATCH_FA2_PREFILL_CONFIG: ``block_m=128,block_n=64,num_warps=8,num_stages=3``
-    (any subset of the fields, split knobs included) or the four numbers ``128,64,8,3``."""
+    (any subset of the fields, split knobs and ``tma=1`` included) or the four numbers ``128,64,8,3``."""
     text = os.environ.get(CONFIG_ENV, "").strip()
     if not text:
         return base
@@ -108,7 +131,7 @@ def config_from_env(base: PrefillConfig) -> PrefillConfig:
     try:
         if all("=" not in p for p in parts) and len(parts) == 4:
             return PrefillConfig(*(int(p) for p in parts)).validate()
-        changes = {k.strip(): int(v) for k, v in (p.split("=", 1) for p in parts)}
+        changes = {k.strip(): _config_value(k.strip(), v) for k, v in (p.split("=", 1) for p in parts)}
         return replace(base, **changes).validate()
     except (TypeError, ValueError) as e:
         raise ValueError(f"{CONFIG_ENV}={text!r}: {e}; expected e.g. "
@@ -253,7 +276,11 @@ class PrefillPlan:
             self.tile_bits = self._tile_bitmaps(list_len * config.block_m * config.block_n // 16, dev, params)
             self.refresh_tile_lists()
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
-        self._launchers: dict = {}  # (q dtype, SINKS, HAS_LSE, Q/K/V_SCALE_T) -> BoundKernel
+        # config.tma where it applies (else ignored, see prefill_tma.py); run() also checks each call's K/V views
+        self.tma_reason = ("tma=0" if not config.tma
+                           else tma_unused_reason(problem, device, config.num_stages, TRITON_INTERPRETED))
+        self.tma = self.tma_reason is None
+        self._launchers: dict = {}  # (q dtype, SINKS, HAS_LSE, Q/K/V_SCALE_T, TMA) -> BoundKernel
 
     def _chunking(self, tiles, device: Device, params: AttentionParams):
         """chunks_of(tile index) -> [(kv_lo, kv_hi)]: fixed_split_size chunks (KV tokens for ragged,
@@ -355,10 +382,11 @@ class PrefillPlan:
         work.copy_(flat)
         return work, count
 
-    def _bind(self, variant: tuple) -> BoundKernel:
-        """The prefill kernel with this plan's constexprs and the per-run ones in ``variant``."""
+    def _bind(self, variant: tuple):
+        """The prefill kernel with this plan's constexprs and the per-run ones in ``variant``: a
+        BoundKernel, wrapped to provide the descriptors' scratch when TMA is on."""
         p, cfg = self.problem, self.config
-        dtype, sinks, has_lse, q_t, k_t, v_t = variant
+        dtype, sinks, has_lse, q_t, k_t, v_t, tma = variant
         head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
         launch = self._launchers[variant] = bind(
             fa2_prefill_kernel,
@@ -370,8 +398,10 @@ class PrefillPlan:
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
             ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=sinks,
             HAS_LSE=has_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
-            PERSISTENT=p.use_cuda_graph, num_warps=cfg.num_warps,
+            PERSISTENT=p.use_cuda_graph, TMA=tma, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
+        if tma:
+            launch = self._launchers[variant] = functools.partial(launch_with_scratch, launch)
         return launch
 
     def run(self, inputs: AttentionInputs) -> None:
@@ -407,7 +437,9 @@ class PrefillPlan:
         v_f, v_ptr, v_t = kernel_scale(inputs.v_scale, "v_scale", prm.qo_indptr)
         log2e = 1.0 / math.log(2.0)
         custom = p.mask_mode == "custom"
-        variant = (q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t)
+        # TMA only where this call's K/V views meet the descriptor rules; else the pointer path, not an error
+        tma = self.tma and tma_layout_ok(k, v)
+        variant = (q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t, tma)
         launch = self._launchers.get(variant) or self._bind(variant)
         launch(
             self.grid, q, k, v, out, lse if lse is not None else out,

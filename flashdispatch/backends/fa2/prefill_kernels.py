@@ -15,13 +15,15 @@ from the mask bits (`mask_tile_classes_kernel`: no visible key / all visible / p
 lists the visible ones per item (`mask_tile_list_kernel`, at the tile-list offset); the
 attention kernel walks the whole tiles without masks, then the partial ones with the bitmaps the
 classifier wrote for them (`_tile_bits`), and never visits a tile without a visible key. Every feature is a tl.constexpr, so a feature
-that is off costs nothing on the hot path.
+that is off costs nothing on the hot path. TMA (ragged KV, sm90+): K and V tiles come through
+device-side tensor descriptors made per (request, KV head) instead of pointer loads (prefill_tma.py).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from .prefill_tma import kv_descriptor
 from .trig import sincos
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
@@ -108,15 +110,22 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                 HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
                 CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
-                SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr):
+                SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
+                TMA: tl.constexpr):
     """Online-softmax update over KV tiles: without a custom mask, the tiles starting in [lo, hi);
     with one, the KV tiles listed at ``tiles_ptr[lo:hi]`` (see mask_tile_list_kernel). MASKED
-    tiles apply every mask, the chunk bounds [kv_lo, kv_hi) included; the others none."""
+    tiles apply every mask, the chunk bounds [kv_lo, kv_hi) included; the others none. K and V are
+    base pointers or, TMA, the descriptors of the request's rows of this KV head (rows past kv_len
+    load as zeros, so no load mask)."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     offs_da = tl.arange(0, HEAD_QK_A)
     offs_dv = tl.arange(0, HEAD_VO)
-    k_base = K + kvh.to(tl.int64) * stride_kh
-    v_base = V + kvh.to(tl.int64) * stride_vh
+    if TMA:  # K and V are already the descriptors of this KV head's rows
+        k_base = K
+        v_base = V
+    else:
+        k_base = K + kvh.to(tl.int64) * stride_kh
+        v_base = V + kvh.to(tl.int64) * stride_vh
     # page ids (and list entries) are fetched one tile ahead, so the K/V addresses never wait on them
     if CUSTOM_MASK:
         STEP: tl.constexpr = 1
@@ -142,8 +151,11 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
             page_ids = _page_ids(kv_indices_ptr, kv_start, next_n, kv_len, PAGE_SIZE, BLOCK_N)
         k_rows = page * stride_kp + slot * stride_ks
-        k = _load_k_part(k_base, k_rows, kv_len, offs_n, offs_da, stride_kd, offs_n,
-                         rope_inv_scale, rope_log2_theta, DTYPE, MASKED, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
+        if TMA:
+            k = K.load([start_n, 0])
+        else:
+            k = _load_k_part(k_base, k_rows, kv_len, offs_n, offs_da, stride_kd, offs_n,
+                             rope_inv_scale, rope_log2_theta, DTYPE, MASKED, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
         qk = tl.dot(q_a, tl.trans(k), input_precision=DOT_PREC)
         if HEAD_QK_B > 0:
             offs_db = HEAD_QK_A + tl.arange(0, HEAD_QK_B)
@@ -183,12 +195,14 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v_rows = page * stride_vp + slot * stride_vs
-        v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd
-        if MASKED:
-            v = tl.load(v_ptrs, mask=(offs_n < kv_len)[:, None], other=0.0)
+        if TMA:
+            v = V.load([start_n, 0])
         else:
-            v = tl.load(v_ptrs)
+            v_ptrs = v_base + (page * stride_vp + slot * stride_vs)[:, None] + offs_dv[None, :] * stride_vd
+            if MASKED:
+                v = tl.load(v_ptrs, mask=(offs_n < kv_len)[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         acc = tl.dot(p.to(DTYPE), v.to(DTYPE), acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -222,8 +236,9 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                  CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                  HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr):
-    """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head."""
+                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
+    """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head. TMA (ragged KV
+    only, HEAD_QK_B == 0): K/V tiles through descriptors of the request's rows of this KV head."""
     head = pid % NUM_QO_HEADS
     item = pid // NUM_QO_HEADS
     row = work_ptr + item * _WORK_COLS
@@ -247,6 +262,13 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
         mask_off = (tl.load(row + 9) - kv_lo // BLOCK_N).to(tl.int64)
     kvh = head // GROUP
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
+    if TMA:
+        tl.static_assert(PAGE_SIZE == 0 and HEAD_QK_B == 0, "TMA loads are for ragged KV with one K part")
+        k_src = kv_descriptor(K, kv_start, kvh, kv_len, stride_kp, stride_kh, BLOCK_N, HEAD_QK_A)
+        v_src = kv_descriptor(V, kv_start, kvh, kv_len, stride_vp, stride_vh, BLOCK_N, HEAD_VO)
+    else:
+        k_src = K
+        v_src = V
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     delta = kv_len - qo_len
@@ -301,40 +323,39 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
     if CUSTOM_MASK:  # the item's KV tiles with a visible key: [whole, partial, whole tiles.., partial tiles..]
         tiles = tiles_ptr + tl.load(row + 9)
         n_whole = tl.load(tiles)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, n_whole, K, V, kv_indices_ptr, mask_ptr,
-                                    tiles + 2, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m,
-                                    qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs,
-                                    stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
-                                    rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, False, BLOCK_N, PAGE_SIZE,
-                                    HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
-                                    ROPE, SPLIT)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, tl.load(tiles + 1), K, V, kv_indices_ptr, mask_ptr,
-                                    tiles + 2 + n_whole, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m,
-                                    qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs,
-                                    stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, n_whole, k_src, v_src, kv_indices_ptr, mask_ptr,
+                                    tiles + 2, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len,
+                                    stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh,
+                                    stride_vd, scale, alibi_log2, soft_cap, window_left, rope_inv_scale,
+                                    rope_log2_theta, DTYPE, DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B,
+                                    HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, tl.load(tiles + 1), k_src, v_src, kv_indices_ptr,
+                                    mask_ptr, tiles + 2 + n_whole, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
+                                    offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp,
+                                    stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
                                     rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE,
-                                    HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
-                                    ROPE, SPLIT)
+                                    HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE,
+                                    SPLIT, TMA)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, mask_ptr, tiles_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
-                                    DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
-                                    CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
+                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
+                                    DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
+                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, k_src, v_src, kv_indices_ptr, mask_ptr, tiles_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
-                                    DTYPE, DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
-                                    CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, K, V, kv_indices_ptr, mask_ptr, tiles_ptr,
+                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
+                                    DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
+                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, mask_ptr, tiles_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
-                                    DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
-                                    CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT)
+                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
+                                    DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
+                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
 
     seen = l_i > 0.0
     out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
@@ -373,10 +394,12 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                        CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                        SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                        HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                       V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr):
+                       V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
+                       TMA: tl.constexpr):
     """Grid: one program per (work item, head) or, PERSISTENT (CUDA-graph mode), a fixed
     number of programs striding over item * heads with the item count read from memory.
-    SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT)."""
+    SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT).
+    TMA: K/V tiles through device-side tensor descriptors (prefill_tma.py; ragged KV only)."""
     if PERSISTENT:
         total = tl.load(num_work_ptr) * NUM_QO_HEADS
         for pid in range(tl.program_id(0), total, tl.num_programs(0)):
@@ -387,7 +410,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                          stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                          BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
+                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA)
     else:
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
                      kv_indices_ptr, mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
@@ -396,7 +419,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT)
+                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA)
 
 
 @triton.jit

@@ -1,0 +1,107 @@
+"""Offline sm90 compile of the fa2 prefill kernel, pointer loads vs TMA (no GPU needed).
+
+Compiles ``fa2_prefill_kernel`` for GPUTarget("cuda", 90, 32) the way a launch on ragged bf16
+K/V specializes it (pointers and strides divisible by 16, the unit strides as constants), with
+TMA off and on, and prints per variant: shared memory, global scratch per program (the
+descriptors), the PTX's TMA loads (cp.async.bulk.tensor), cp.async copies, wgmma, and ptxas'
+registers and spills. Both variants should fit in shared memory, the TMA one should issue TMA
+loads and no cp.async for K/V, and neither should spill.
+
+    .venv/bin/python scripts/prefill_tma_compile.py                       # d128 128x128 w8 s3, three masks
+    .venv/bin/python scripts/prefill_tma_compile.py --head-dim 64 --tiles 128,64,4,3 --masks causal
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fd_tma_compile_")
+atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+FLOATS = {"qk_scale", "v_scale", "soft_cap", "rope_inv_scale", "rope_log2_theta"}
+UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_lh"}  # == 1: constexpr at launch
+ZERO_STRIDES = {"stride_ks", "stride_vs"}  # ragged KV: no page slot
+POINTER_TYPES = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
+                 **{n: "*fp32" for n in ("LSE", "PO", "PLSE", "sinks_ptr", "alibi_ptr", "q_scale_ptr",
+                                         "k_scale_ptr", "v_scale_ptr")}, "mask_ptr": "*i16"}
+MASKS = {"none": {}, "causal": dict(CAUSAL=True), "custom": dict(CUSTOM_MASK=True),
+         "window": dict(CAUSAL=True, WINDOW=True)}
+
+
+def compile_variant(head: int, tiles: list[int], mask: str, tma: bool):
+    """The CompiledKernel of one ragged bf16 variant (32/8 heads, lse on)."""
+    block_m, block_n, warps, stages = tiles
+    const = dict(NUM_QO_HEADS=32, GROUP=4, HEAD_QK_A=head, HEAD_QK_B=0, HEAD_VO=head, BLOCK_M=block_m,
+                 BLOCK_N=block_n, PAGE_SIZE=0, DTYPE=tl.bfloat16, DOT_PREC="tf32", CAUSAL=False,
+                 CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=False, SINKS=False,
+                 HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, SPLIT=False,
+                 PERSISTENT=False, TMA=tma)
+    const.update(MASKS[mask])
+    for name in UNIT_STRIDES:
+        const[name] = 1
+    sig, attrs = {}, {}
+    for i, name in enumerate(fa2_prefill_kernel.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = POINTER_TYPES.get(name, "*i32" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32")
+        if sig[name].startswith("*") or name.startswith("stride_") or name in ZERO_STRIDES:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fa2_prefill_kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+
+
+def ptxas_usage(ptx: str) -> str:
+    """'<registers> regs, <spill bytes> spill' from ptxas -v on the kernel's PTX (sm_90a)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        res = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=False)
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", res.stderr)
+    return f"{regs.group(1) if regs else '?'} regs, {spill.group(1) if spill else '?'} B spill"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tiles", type=lambda t: [int(v) for v in t.split(",")], default=[128, 128, 8, 3],
+                    help="block_m,block_n,num_warps,num_stages")
+    ap.add_argument("--masks", nargs="+", choices=sorted(MASKS), default=["none", "causal", "custom"])
+    ap.add_argument("--no-ptxas", action="store_true", help="skip the register count")
+    args = ap.parse_args()
+    print(f"triton {triton.__version__}, sm90, ragged bf16 d{args.head_dim}, tiles {args.tiles}")
+    print(f"{'mask':7} {'tma':5} {'shared B':>9} {'scratch B':>9} {'tma loads':>9} {'cp.async':>8} "
+          f"{'wgmma':>6}  ptxas")
+    for mask in args.masks:
+        for tma in (False, True):
+            k = compile_variant(args.head_dim, args.tiles, mask, tma)
+            ptx = k.asm["ptx"]
+            usage = "" if args.no_ptxas else ptxas_usage(ptx)
+            print(f"{mask:7} {str(tma):5} {k.metadata.shared:9} {k.metadata.global_scratch_size:9} "
+                  f"{ptx.count('cp.async.bulk.tensor'):9} {len(re.findall(r'cp[.]async[.]c[ag]', ptx)):8} "
+                  f"{len(re.findall(r'wgmma[.]mma_async', ptx)):6}  {usage}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
