@@ -235,3 +235,15 @@ def test_sm90_compile_emits_tma_loads():
     assert int(tma_loads) > 0 and int(cp_async) == 0 and int(scratch) > 0
     _, _, _, scratch, tma_loads, cp_async, _ = rows["False"]
     assert int(tma_loads) == 0 and int(cp_async) > 0 and int(scratch) == 0
+
+
+def test_default_config_asks_for_tma_at_d128_only():
+    """The H200 default (measured: the window row gained 7 %) turns TMA on for 16-bit d128; d64
+    and d256 (not measured; d256 is 2-stage) keep the pointer path."""
+    problem = ragged().problem.with_(q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16)
+    h200 = Device("cuda", 0, (9, 0), "H200", 132)
+    d128 = fa2_prefill.default_config(problem.with_(head_dim_qk=128, head_dim_vo=128), h200)
+    assert d128.tma and tma_unused_reason(problem.with_(head_dim_qk=128, head_dim_vo=128), h200,
+                                          d128.num_stages, False) is None
+    for d in (64, 256):
+        assert not fa2_prefill.default_config(problem.with_(head_dim_qk=d, head_dim_vo=d), h200).tma

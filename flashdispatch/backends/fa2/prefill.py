@@ -115,7 +115,10 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
     if problem.head_dim_qk <= 128:
         # 128-wide KV tiles run out of shared memory with RoPE's second K load or the mask bytes
         light = problem.features() <= {"causal", "sliding_window", "lse", "cuda_graph", "fp8_kv"}
-        return PrefillConfig(128, 128 if light else 64, 8, 3)
+        # TMA K/V loads where they apply (ragged, sm90+, see prefill_tma.py): H200 single 4096 rows,
+        # same run, pointer -> TMA TFLOP/s: window 1024 269 -> 289, causal 412 -> 414, non-causal
+        # 468 -> 469, 16384 513 -> 518, custom mask 295 -> 292 (noise)
+        return PrefillConfig(128, 128 if light else 64, 8, 3, tma=True)
     if problem.head_dim_qk <= 192:
         return PrefillConfig(128, 64, 8, 2)
     return PrefillConfig(64, 64, 4, 2)
