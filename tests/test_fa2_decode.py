@@ -378,3 +378,22 @@ def test_fused_merge_only_up_to_max_chunks(limit):
     plan = _check(case, fixed_split_size=1, config={"fused_merge_max_chunks": limit})
     assert plan.max_chunks == 3 and plan.fused_merge == (limit >= 3)
     assert plan.counters is None or not plan.counters.any()
+
+
+@pytest.mark.parametrize("feature", [
+    {}, dict(window_left=20), dict(q_len_per_req=3, mask_mode="causal"), dict(kv_layout="HND", kv_storage="tuple"),
+    dict(page_size=1), dict(pos_encoding_mode="ALIBI", sinks=True), dict(kv_lens=(0, 0)),
+], ids=lambda f: ",".join(sorted(f)) or "plain")
+def test_direct_table_reads_the_indptr_itself(feature):
+    """DecodeConfig.direct_table: an unsplit plan hands the kernel kv_indptr / last_page_len
+    (empty requests, windows, speculative rows, both layouts, page size 1) and builds no work array."""
+    feature = dict(feature)
+    case = _case(kv_lens=feature.pop("kv_lens", (0, 1, 37, 300)), seed=11, **feature)
+    plan = _check(case, config={"direct_table": True}, disable_split_kv=True)
+    assert plan.direct and plan.work is case.params.kv_indptr and plan.last is case.params.kv_last_page_len
+
+
+def test_direct_table_only_where_nothing_is_split():
+    case = _case(seed=12)
+    plan = _check(case, config={"direct_table": True}, fixed_split_size=1)
+    assert plan.n_merge > 0 and not plan.direct

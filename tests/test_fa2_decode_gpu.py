@@ -229,3 +229,16 @@ def test_one_plan_run_with_other_strides_and_misaligned_tensors():
         out = out_buf[1:].view(len(lens), heads, d) if name == "misaligned" else None
         got, lse = wrappers["fa2"].run(q, cache, out=out, return_lse=True)
         assert_close(got, lse, ref.double().cpu(), ref_lse.cpu(), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp8kv"])
+@pytest.mark.parametrize("feature", [{}, dict(window_left=100), dict(q_len_per_req=4, mask_mode="causal"),
+                                     dict(kv_layout="HND", page_size=1)], ids=lambda f: ",".join(sorted(f)) or "plain")
+def test_direct_table(dtypes, feature):
+    """DecodeConfig.direct_table (kernel reads kv_indptr / last_page_len, no work array) on the GPU."""
+    case = _case(LENGTHS["mixed"], q_dtype=dtypes[0], kv_dtype=dtypes[1], seed=21,
+                 k_scale=0.8 if dtypes[1] != dtypes[0] else None, **feature)
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case, config={"direct_table": True}, disable_split_kv=True)
+    assert plan.direct
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])

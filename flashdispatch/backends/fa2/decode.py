@@ -92,6 +92,10 @@ class DecodeConfig:
     alone, so many chunks favour the merge kernel (H200 sweeps, TB/s unfused -> fused: 32x4096 with
     2 chunks 3.70-3.75 -> 3.82-3.92, 16x8192 with 4 3.74-3.85 -> 3.82-3.92, 1x32768 with 64
     2.58-2.60 -> 2.47-2.50).
+    direct_table: a plan that splits no request (and is not a CUDA-graph grid) gives the kernel
+    the API's kv_indptr and last_page_len instead of a work array: one program per (request, KV
+    head, row block) reads its pages and length from them, so plan() builds and uploads nothing
+    (off by default until measured on a GPU).
     """
 
     block_n: int = 32
@@ -108,13 +112,14 @@ class DecodeConfig:
     page_prefetch: bool = False
     fp8_v_convert: str = "operand"
     fused_merge_max_chunks: int = 16
+    direct_table: bool = False
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
         if self.fp8_v_convert not in ("operand", "staged"):
             raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
-        for name in ("k_rows", "heads_fastest", "page_prefetch"):
+        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.fused_merge_max_chunks, int) or isinstance(self.fused_merge_max_chunks, bool) \
@@ -209,7 +214,8 @@ def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cf
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool) -> dict:
+def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool,
+                      direct: bool) -> dict:
     """The decode kernel's constexprs and launch options of a plan (cached: plan() is host-time
     bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
     q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
@@ -224,7 +230,7 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
         FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
         HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
-        FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s,
+        FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -255,8 +261,6 @@ class DecodePlan:
         p, cfg, ql = self.problem, self.config, self.q_len
         lens = np.array(params.kv_lens_host, dtype=np.int64)
         batch = len(lens)
-        pages = -(-lens // p.page_size)
-        page_base = pages.cumsum() - pages
         lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros(batch, np.int64)
         eff = lens - lo
         units = self.units = p.num_kv_heads * self.row_blocks
@@ -268,6 +272,13 @@ class DecodePlan:
             chunk = _chunk_tokens(eff, p, params, cfg, units, sm_count)
 
         if chunk is None and splits <= 1:  # one work item per request, nothing to merge
+            self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
+            if cfg.direct_table and not p.use_cuda_graph:
+                self._place_direct(params)
+                return
+        pages = -(-lens // p.page_size)
+        page_base = pages.cumsum() - pages
+        if chunk is None and splits <= 1:
             meta = np.zeros((batch, WORK_COLS), dtype=np.int32)
             meta[:, 0] = np.arange(batch)
             meta[:, 1] = page_base
@@ -276,7 +287,6 @@ class DecodePlan:
             meta[:, 4] = lens
             meta[:, 5] = -1
             meta[:, 6] = 1
-            self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
             self._place(meta.ravel(), batch, 0, params, run_device)
             return
 
@@ -336,6 +346,17 @@ class DecodePlan:
         target = sm_count * self.config.ctas_per_sm
         return max(1, min(self.config.max_splits, target // max(batch * units, 1)))
 
+    def _place_direct(self, params: AttentionParams) -> None:
+        """`DecodeConfig.direct_table`: the kernel reads kv_indptr / last_page_len (on the run
+        device: a host one is uploaded here, with the API's other host arrays) for its request."""
+        self.direct = True
+        self.fused_merge = False
+        self.work, self.last = params.kv_indptr, params.kv_last_page_len
+        self.info = self.counters = None
+        self.plse = self.po = self.work  # never written: no request is split
+        self.workspace_bytes = 0
+        self._launch_constants()
+
     def _place(self, meta: np.ndarray, n_work: int, n_partial: int, params: AttentionParams,
                run_device: torch.device) -> None:
         """Copy the plan arrays (and the fused merge's zeroed counters after them) to the device
@@ -343,6 +364,7 @@ class DecodePlan:
         p, ql = self.problem, self.q_len
         heads, d = p.num_qo_heads, p.head_dim_vo
         graph = p.use_cuda_graph
+        self.direct, self.last = False, None
         self.fused_merge = self.n_merge > 0 and self.max_chunks <= self.config.fused_merge_max_chunks
         n_meta = meta.size
         if self.fused_merge:
@@ -384,10 +406,12 @@ class DecodePlan:
         self._grid = (self.n_work * p.num_kv_heads * self.row_blocks,)
         dummy = self.plse
         self._tables = (self.po, self.plse, self.info if self.fused_merge else dummy,
-                        self.counters if self.fused_merge else dummy, self.work, self.kv_indices,
+                        self.counters if self.fused_merge else dummy, self.work,
+                        self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(p.window_left, 0), p.logits_soft_cap or 1.0, *self.rope)
-        self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge)
+        self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
+                                         self.direct)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
         self._specs: dict = {}  # a run's call kind -> spec_key of its arguments (see run())
 
@@ -420,11 +444,12 @@ class DecodePlan:
                 raise ValueError("the plan has sinks: run() needs inputs.sinks")
             sinks = dummy
         write_lse = lse is not None
-        po, plse, merge_info, counters, work, kv_indices, slopes = self._tables
+        po, plse, merge_info, counters, work, last, kv_indices, slopes = self._tables
         variant = (write_lse, q_in, k_in, v_in)
         launch = self._launchers.get(variant) or self._bind(variant)
         ls = lse.stride() if write_lse else (0, 0)
-        args = (q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, kv_indices, slopes,
+        args = (q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, last, kv_indices,
+                slopes,
                 sinks, q_t, k_t, v_t, qk_scale, v_scale, *self._plan_scalars, qs[0], qs[1], os_[0], os_[1], *ls,
                 ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
         # Triton's specialisation of these arguments, kept per call kind: the plan's own tensors

@@ -141,7 +141,7 @@ def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, merge_info_ptr, counter_p
 @triton.jit
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
-    work_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -152,6 +152,7 @@ def decode_kernel(
     Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
     FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     # 1-D grid of work items x (kv head, row block) units. HEADS_FASTEST: the programs resident
     # together read every head of the same pages; else one head of many requests at a time.
@@ -164,15 +165,27 @@ def decode_kernel(
         unit = tl.program_id(0) // n_items
         item = tl.program_id(0) % n_items
     wrow = work_ptr + item * 8  # WORK_COLS
-    req = tl.load(wrow)
-    if req < 0:
-        return
-    page_base = tl.load(wrow + 1)
-    tok_start = tl.load(wrow + 2)
-    tok_end = tl.load(wrow + 3)
-    kv_len = tl.load(wrow + 4)
-    slot = tl.load(wrow + 5)
-    is_first = tl.load(wrow + 6)
+    if DIRECT:  # work_ptr is kv_indptr: item = request, its whole KV, written directly
+        req = item
+        page_base = tl.load(work_ptr + item)
+        pages = tl.load(work_ptr + item + 1) - page_base
+        kv_len = tl.where(pages > 0, (pages - 1) * PAGE + tl.load(last_ptr + item), 0)
+        tok_start = 0
+        if WINDOW:
+            tok_start = tl.maximum(kv_len - QLEN - window_left, 0)
+        tok_end = kv_len
+        slot = -1
+        is_first = 1
+    else:
+        req = tl.load(wrow)
+        if req < 0:
+            return
+        page_base = tl.load(wrow + 1)
+        tok_start = tl.load(wrow + 2)
+        tok_end = tl.load(wrow + 3)
+        kv_len = tl.load(wrow + 4)
+        slot = tl.load(wrow + 5)
+        is_first = tl.load(wrow + 6)
     hk = unit // ROW_BLOCKS
     rb = unit % ROW_BLOCKS
 
