@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from .backends.base import PagedKV
-from .device_read import read_index_tensors
 from .dispatch.problem import DTYPE_BY_NAME, LAYOUTS, POS_ENCODINGS
 
 ATTENTION_DTYPES = frozenset(DTYPE_BY_NAME.values())
@@ -200,6 +199,7 @@ def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
     used ``indices`` (counted by indptr = ``tensors[0]``, on the host or the device) come back
     from one kernel and one wait (`device_read.read_index_tensors`). Works on any device (the
     CPU tests run it, the kernel in Triton's interpreter)."""
+    from .device_read import read_index_tensors  # Triton: only where device values are read
     parts = [t for t, host in zip(tensors, on_host) if not host]
     used_host = int(tensors[0].numpy()[-1]) if on_host[0] else None
     if indices is not None and indices.numel() == 0:

@@ -27,7 +27,7 @@ def _copy(out_ptr, src_ptr, n, BLOCK: tl.constexpr):
         tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_a", "n_b", "n_c", "n_indices", "used_host"])  # one compile for any sizes
 def index_summary_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, indices_ptr, n_indices, used_host, out_ptr,
                          BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr, USED_ON_DEVICE: tl.constexpr):
     """Program 0 copies a, b, c to ``out[:n_a + n_b + n_c]``; program p writes the (min, max) of
@@ -88,6 +88,8 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     if len(tensors) > MAX_TENSORS or (used_host is None and not tensors):
         raise ValueError(f"read_index_tensors: 1 to {MAX_TENSORS} tensors (the first an indptr when "
                          f"used_host is None), got {len(tensors)}")
+    tensors = [t.contiguous() for t in tensors]  # the kernel reads flat memory (free when contiguous)
+    indices = None if indices is None else indices.contiguous()
     device = (tensors[0] if tensors else indices).device
     sizes = [t.numel() for t in tensors] + [0] * (MAX_TENSORS - len(tensors))
     n = sum(sizes)

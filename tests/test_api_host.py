@@ -409,3 +409,57 @@ def test_device_read_reduces_only_the_used_indices_over_several_programs(monkeyp
         assert minmax == (int(indices[:used].min()), int(indices[:used].max()))
     else:
         assert minmax is None
+
+
+def test_strided_index_tensors_read_like_the_host():
+    """Index tensors that are strided views (a column of a table, every other page) read the
+    same through the device path as on the host."""
+    table_ = torch.tensor([[0, 5], [2, 1], [5, 7], [9, 3]], dtype=torch.int32)
+    indptr, last = table_[:, 0], table_[1:, 1]
+    indices = torch.arange(40, dtype=torch.int32).flip(0)[::4]
+    want, want_minmax = checks.host_arrays([indptr.contiguous(), last.contiguous()], indices.contiguous())
+    for on_host in [(False, False), (True, False), (False, True)]:
+        got, got_minmax = checks.read_in_one_copy([indptr, last], on_host, indices)
+        assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax, on_host
+
+
+def _upload_kv_lens(params):
+    params.kv_lens = torch.tensor([3], dtype=torch.int32)
+
+
+def _failing_upload(params):
+    raise RuntimeError("no memory")
+
+
+def test_pending_params_fields_survive_a_failed_upload_copies_and_pickles():
+    import copy
+    import pickle
+    from flashdispatch.backends.base import PENDING, AttentionParams
+
+    def make(fn):
+        p = AttentionParams(qo_indptr=torch.zeros(2), kv_indptr=torch.zeros(2), kv_lens=PENDING, qo_lens_host=[1],
+                            kv_lens_host=[3], sm_scale=1.0)
+        p.defer_upload(fn)
+        return p
+
+    bad = make(_failing_upload)
+    for _ in range(2):  # the real error each time, not a missing uploader
+        with pytest.raises(RuntimeError, match="no memory"):
+            bad.kv_lens
+    for clone in (copy.deepcopy(make(_upload_kv_lens)), pickle.loads(pickle.dumps(make(_upload_kv_lens)))):
+        assert clone.kv_lens.tolist() == [3]
+
+
+def test_import_and_reference_decode_without_triton():
+    """flashdispatch imports and runs the reference backend where Triton is not installed
+    (the device read is the only Triton user on the API path, imported where it runs)."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, flashdispatch as fi\n"
+            "w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend='reference')\n"
+            "i32 = lambda x: torch.tensor(x, dtype=torch.int32)\n"
+            "w.plan(i32([0, 2]), i32([1, 0]), i32([3]), 4, 2, 16, 4)\n"
+            "out = w.run(torch.randn(1, 4, 16, dtype=torch.float16), torch.randn(2, 2, 4, 2, 16, dtype=torch.float16))\n"
+            "assert out.shape == (1, 4, 16) and not out.isnan().any()\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr

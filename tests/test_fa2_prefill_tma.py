@@ -238,8 +238,8 @@ def test_sm90_compile_emits_tma_loads():
 
 
 def test_default_config_asks_for_tma_at_d128_only():
-    """The H200 default (measured: the window row gained 7 %) turns TMA on for 16-bit d128; d64
-    and d256 (not measured; d256 is 2-stage) keep the pointer path."""
+    """The H200 default (measured: the window row gained 7 %) turns TMA on for 16-bit d128 on sm90;
+    d64 and d256 (not measured; d256 is 2-stage) and other GPUs keep the pointer path."""
     problem = ragged().problem.with_(q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16)
     h200 = Device("cuda", 0, (9, 0), "H200", 132)
     d128 = fa2_prefill.default_config(problem.with_(head_dim_qk=128, head_dim_vo=128), h200)
@@ -247,3 +247,5 @@ def test_default_config_asks_for_tma_at_d128_only():
                                           d128.num_stages, False) is None
     for d in (64, 256):
         assert not fa2_prefill.default_config(problem.with_(head_dim_qk=d, head_dim_vo=d), h200).tma
+    sm100 = Device("cuda", 0, (10, 0), "B200", 148)  # not measured there: pointers unless asked
+    assert not fa2_prefill.default_config(problem.with_(head_dim_qk=128, head_dim_vo=128), sm100).tma

@@ -195,3 +195,16 @@ def test_single_prefill_with_env(monkeypatch, mask):
     ref_kw = dict(kw, backend="reference")
     ref_out, ref_lse = fd.single_prefill_with_kv_cache(q, k, v, **ref_kw)
     assert_close(out, lse, ref_out.float(), ref_lse, DEFAULT_TOLERANCE[BF16])
+
+
+def test_default_config_takes_tma_at_d128_on_sm90():
+    """No config given: a 16-bit d128 ragged plan on sm90 loads K/V through descriptors."""
+    case = make_ragged_case(num_qo_heads=8, num_kv_heads=2, head_dim_qk=128, q_dtype=BF16, device="cuda",
+                            **MIXED, **FEATURES["causal"])
+    if case.device.cc[0] != 9:
+        pytest.skip(f"the TMA default is for sm90, this GPU is sm{case.device.cc[0]}{case.device.cc[1]}")
+    plan = plan_prefill(case.problem, case.device, case.params)
+    plan.run(case.inputs)
+    torch.cuda.synchronize()
+    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
+    assert plan.tma and [variant[-1] for variant in plan._launchers] == [True], plan.tma_reason

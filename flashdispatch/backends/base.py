@@ -72,7 +72,8 @@ class DeviceIndex:
             return self.default
         value = obj.__dict__[self.slot]
         if value is PENDING:
-            obj.__dict__.pop("_upload")(obj)
+            obj.__dict__["_upload"](obj)  # kept until it succeeds: a failed upload raises again
+            del obj.__dict__["_upload"]
             value = obj.__dict__[self.slot]
         return value
 
@@ -80,7 +81,17 @@ class DeviceIndex:
         obj.__dict__[self.slot] = value
 
 
-PENDING = object()  # a `DeviceIndex` value not uploaded yet
+class _Pending:
+    """The one value of a `DeviceIndex` field not uploaded yet (copies and pickles stay it)."""
+
+    def __repr__(self) -> str:
+        return "PENDING"
+
+    def __reduce__(self) -> str:
+        return "PENDING"
+
+
+PENDING = _Pending()
 
 
 @dataclass

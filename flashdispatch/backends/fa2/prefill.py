@@ -9,7 +9,8 @@ workspace and fa2's merge kernel (merge.py) combines them per query row. With ``
 the list lives at fixed offsets of the wrapper's int workspace and a fixed number of persistent
 programs stride over it, so a captured run() replays correctly after a re-plan of a same-shaped
 problem; split-KV is off in that mode. The kernel is in prefill_kernels.py; ``PrefillConfig.tma``
-(off by default) loads ragged K/V through TMA descriptors where that applies (prefill_tma.py).
+(on by default for 16-bit d65-128 on sm90) loads ragged K/V through TMA descriptors where that applies
+(prefill_tma.py).
 """
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
         light = problem.features() <= {"causal", "sliding_window", "lse", "cuda_graph", "fp8_kv"}
         # TMA K/V loads where they apply (ragged, sm90+, see prefill_tma.py): H200 single 4096 rows,
         # same run, pointer -> TMA TFLOP/s: window 1024 269 -> 289, causal 412 -> 414, non-causal
-        # 468 -> 469, 16384 513 -> 518, custom mask 295 -> 292 (noise)
-        return PrefillConfig(128, 128 if light else 64, 8, 3, tma=True)
+        # 468 -> 469, 16384 513 -> 518, custom mask 295 -> 292 (noise); sm90 only (measured there)
+        return PrefillConfig(128, 128 if light else 64, 8, 3, tma=device.cc is not None and device.cc[0] == 9)
     if problem.head_dim_qk <= 192:
         return PrefillConfig(128, 64, 8, 2)
     return PrefillConfig(64, 64, 4, 2)
