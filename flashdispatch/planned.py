@@ -183,8 +183,11 @@ def run_mla(planned: PlannedAttention, q_nope, q_pe, ckv_cache, kpe_cache, *, ou
 
 
 def on_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """``t`` on ``device`` (itself when already there; a host tensor is copied without a sync)."""
-    return t if t is None or t.device == device else t.to(device, non_blocking=True)
+    """``t`` on ``device`` and contiguous, as the kernels read index tensors and masks (itself when
+    it already is; a host tensor is copied without a sync)."""
+    if t is None:
+        return None
+    return (t if t.device == device else t.to(device, non_blocking=True)).contiguous()
 
 
 def device_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:

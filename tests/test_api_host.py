@@ -463,3 +463,21 @@ def test_import_and_reference_decode_without_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("backend", ["fa2", "reference"])
+def test_strided_page_tables_plan_like_contiguous_ones(backend):
+    """A plan from strided index views (every other page id, a column of a table) runs exactly
+    like one from their contiguous copies: the kernels read index tensors as flat memory."""
+    indptr, indices, last = table([5, 17, 0, 33], 8)
+    spread = torch.full((2 * indices.numel(),), -7, dtype=torch.int32)
+    spread[::2] = indices
+    columns = torch.stack([torch.cat([last, last[:1]]), indptr], 1)  # [batch + 1, 2]
+    cache = torch.randn(int(indices.max()) + 1, 2, 8, 2, 64, dtype=torch.float16)
+    q = torch.randn(4, 4, 64, dtype=torch.float16)
+    outs = []
+    for args in ((indptr, indices, last), (columns[:, 1], spread[::2], columns[:-1, 0])):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend=backend)
+        decode_plan(w, *args, q_data_type=torch.float16, head_dim=64)
+        outs.append(w.run(q, cache))
+    assert torch.equal(outs[0], outs[1])
