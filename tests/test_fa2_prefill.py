@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -424,7 +425,7 @@ def test_split_chunking_rules():
     assert fixed_chunks(7, 7, 400, 100) == [(0, 400)]
     # causal tiles see keys up to their last row, window tiles from their first row's window start
     tiles = tile_ranges([40, 12], [300, 5], 16, True, 50)
-    assert [t[4:] for t in tiles] == [(210, 276), (226, 292), (242, 300), (0, 5)]
+    assert tiles[:, 4:].tolist() == [[210, 276], [226, 292], [242, 300], [0, 5]]
     cfg = PrefillConfig(128, 128, 8, 3)
     # one request of 128 new tokens over 32k (H200: 132 SMs, 32 heads): 8 chunks per tile
     assert policy_splits([32768], 32, cfg, 132) == [8]
@@ -433,3 +434,19 @@ def test_split_chunking_rules():
     assert policy_splits([32768] * 300, 32, cfg, 132) is None
     assert policy_splits([600], 32, cfg, 132) is None
     assert policy_splits([32768], 32, cfg, 0) is None
+
+
+@pytest.mark.parametrize("causal,window", [(True, -1), (False, -1), (True, 40), (False, 7)])
+def test_unsplit_work_list_matches_the_per_tile_list(causal, window):
+    """The vectorised unsplit work list (plan()'s common case) equals the per-tile builder's with
+    one whole-KV chunk per tile: same rows in the same (stable, heaviest-first) order."""
+    from flashdispatch.backends.fa2.prefill import build_work_list
+    g = np.random.default_rng(window + 2 + 2 * causal)
+    qo = g.integers(0, 300, 40)
+    kv = qo + g.integers(0, 500, 40)
+    tiles = tile_ranges(qo.tolist(), kv.tolist(), 32, causal, window)
+    starts = np.cumsum([0, *qo.tolist()]).tolist()
+    fast = build_work_list(tiles, None, 32, starts)
+    slow = build_work_list(tiles, lambda t: [(0, int(tiles[t, 3]))], 32, starts)
+    assert np.array_equal(fast.items, slow.items) and fast.items.dtype == slow.items.dtype
+    assert fast.merge.shape == slow.merge.shape == (0, 4) and fast.partial_rows == slow.partial_rows == 0

@@ -150,18 +150,21 @@ def prefill_extra_checks(problem: Problem, device: Device) -> list[Reason]:
     return []
 
 
-def tile_ranges(qo_lens: list[int], kv_lens: list[int], block_m: int, causal: bool,
-                window_left: int) -> list[tuple[int, int, int, int, int, int]]:
-    """(request, first row, qo_len, kv_len, first visible key, end of visible keys) per BLOCK_M
-    query rows: the keys any row of the tile can see under causal and window bounds."""
-    tiles = []
-    for req, (q, k) in enumerate(zip(qo_lens, kv_lens)):
-        for m0 in range(0, q, block_m):
-            p_min, p_max = m0 + k - q, min(m0 + block_m, q) - 1 + k - q
-            hi = max(min(k, p_max + 1), 0) if causal else k
-            lo = min(max(0, p_min - window_left), hi) if window_left >= 0 else 0
-            tiles.append((req, m0, q, k, lo, hi))
-    return tiles
+def tile_ranges(qo_lens, kv_lens, block_m: int, causal: bool, window_left: int) -> np.ndarray:
+    """int64 [tiles, 6]: (request, first row, qo_len, kv_len, first visible key, end of visible
+    keys) per BLOCK_M query rows, requests in order: the keys any row of the tile can see under
+    causal and window bounds (numpy throughout: plan() is host-time bound)."""
+    q, k = np.asarray(qo_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
+    n = -(-q // block_m)
+    req = np.arange(len(q)).repeat(n)
+    m0 = (np.arange(len(req)) - (n.cumsum() - n).repeat(n)) * block_m
+    q, k = q[req], k[req]
+    if causal:
+        hi = np.maximum(np.minimum(k, np.minimum(m0 + block_m, q) + k - q), 0)
+    else:
+        hi = k
+    lo = np.minimum(np.maximum(0, m0 + k - q - window_left), hi) if window_left >= 0 else np.zeros_like(k)
+    return np.stack([req, m0, q, k, lo, hi], 1)
 
 
 def policy_splits(works: list[int], heads: int, cfg: PrefillConfig, sm_count: int) -> list[int] | None:
@@ -207,12 +210,21 @@ class WorkList:
     partial_rows: int
 
 
-def build_work_list(tiles, chunks_of, block_m: int, qo_starts: list[int]) -> WorkList:
-    """One item per (tile, chunk); ``chunks_of(tile index)`` gives the tile's chunks [(kv_lo, kv_hi)].
-    A tile with one chunk is written to out/lse directly; query row i of a split tile owns the
-    partial rows base + i * chunks + c."""
+def build_work_list(tiles: np.ndarray, chunks_of, block_m: int, qo_starts: list[int]) -> WorkList:
+    """One item per (tile, chunk); ``chunks_of(tile index)`` gives the tile's chunks [(kv_lo, kv_hi)]
+    (None: every tile is one chunk, its whole KV). A tile with one chunk is written to out/lse
+    directly; query row i of a split tile owns the partial rows base + i * chunks + c. Items are
+    ordered by visible keys, most first (stable)."""
+    if chunks_of is None:
+        items = np.zeros((len(tiles), WORK_COLS), dtype=np.int32)
+        t = tiles[np.argsort(tiles[:, 4] - tiles[:, 5], kind="stable")]
+        items[:, :4] = t[:, :4]  # request, first row, qo_len, kv_len
+        items[:, 5] = t[:, 3]  # kv_hi: the whole KV (kv_lo 0)
+        items[:, 6] = -1  # written directly
+        items[:, 8] = 1  # one chunk
+        return WorkList(items, np.zeros((0, MERGE_INFO_COLS), np.int32), 0)
     items, merge, part_rows = [], [], 0
-    for t, (req, m0, q, k, lo, hi) in enumerate(tiles):
+    for t, (req, m0, q, k, lo, hi) in enumerate(tiles.tolist()):
         chunks = chunks_of(t)
         if len(chunks) <= 1:
             items.append((hi - lo, req, m0, q, k, 0, k, -1, 0, 1, 0))
@@ -286,28 +298,25 @@ class PrefillPlan:
         self.tma = self.tma_reason is None
         self._launchers: dict = {}  # (q dtype, SINKS, HAS_LSE, Q/K/V_SCALE_T, TMA) -> BoundKernel
 
-    def _chunking(self, tiles, device: Device, params: AttentionParams):
+    def _chunking(self, tiles: np.ndarray, device: Device, params: AttentionParams):
         """chunks_of(tile index) -> [(kv_lo, kv_hi)]: fixed_split_size chunks (KV tokens for ragged,
-        pages for paged KV), the occupancy policy's chunks (needs the SM count and a float
-        workspace), or the whole KV; never split with disable_split_kv or in CUDA-graph mode."""
+        pages for paged KV), or the occupancy policy's chunks (needs the SM count and a float
+        workspace); None: every tile takes its whole KV (always with disable_split_kv or in
+        CUDA-graph mode)."""
         p, cfg = self.problem, self.config
-
-        def whole(t):
-            return [(0, tiles[t][3])]
-
         ws = params.workspace
         if params.disable_split_kv or p.use_cuda_graph:
-            return whole
+            return None
         if params.fixed_split_size is not None:
             size = params.fixed_split_size * (p.page_size if self.paged else 1)
-            return lambda t: fixed_chunks(tiles[t][4], tiles[t][5], tiles[t][3], size)
+            return lambda t: fixed_chunks(int(tiles[t, 4]), int(tiles[t, 5]), int(tiles[t, 3]), size)
         if ws is None or ws.numel() == 0:
-            return whole
-        splits = policy_splits([hi - lo for *_, lo, hi in tiles], p.num_qo_heads, cfg, device.sm_count)
+            return None
+        splits = policy_splits((tiles[:, 5] - tiles[:, 4]).tolist(), p.num_qo_heads, cfg, device.sm_count)
         if splits is None:
-            return whole
-        return lambda t: (balanced_chunks(tiles[t][4], tiles[t][5], splits[t], cfg.block_n)
-                          if splits[t] > 1 else whole(t))
+            return None
+        return lambda t: (balanced_chunks(int(tiles[t, 4]), int(tiles[t, 5]), splits[t], cfg.block_n)
+                          if splits[t] > 1 else [(0, int(tiles[t, 3]))])
 
     def _carve_partials(self, workspace: torch.Tensor | None) -> int:
         """Views of the float workspace for the partial lse [rows, heads] and outputs
