@@ -107,6 +107,8 @@ def test_layout_rules():
     assert not tma_layout_ok(torch.zeros(10, 2, 128, dtype=F16)[..., ::2])  # inner stride 2
     assert not tma_layout_ok(k, torch.zeros(10 * 2 * 64 + 1, dtype=F16)[1:].view(10, 2, 64))  # base + 2 bytes
     assert not tma_layout_ok(torch.zeros(10, 2, 8, dtype=F16)[:, :, :4])  # 8-byte rows
+    assert not tma_layout_ok(torch.zeros(1, 2, 64, dtype=F16).expand(10, 2, 64))  # token stride 0
+    assert tma_layout_ok(torch.zeros(10, 1, 64, dtype=F16).expand(10, 2, 64))  # head stride 0: one base
 
 
 # --- the kernel's descriptor loads under the interpreter ------------------------------------

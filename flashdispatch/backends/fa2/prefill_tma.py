@@ -60,11 +60,12 @@ def tma_unused_reason(problem: Problem, device: Device, num_stages: int, interpr
 
 def tma_layout_ok(*views: torch.Tensor) -> bool:
     """Whether ragged K/V views ``[tokens, kv_heads, dim]`` meet the descriptor rules: base 16-byte
-    aligned, unit inner stride, token and head strides (and the head dim) multiples of 16 bytes."""
+    aligned, unit inner stride, token and head strides (and the head dim) multiples of 16 bytes,
+    a positive token stride (an expanded view repeats one token: pointers)."""
     for x in views:
         size = x.element_size()
         if (x.data_ptr() % 16 or x.stride(2) != 1 or x.stride(0) * size % 16 or x.stride(1) * size % 16
-                or x.shape[2] * size % 16):
+                or x.shape[2] * size % 16 or x.stride(0) <= 0 or x.stride(1) < 0):
             return False
     return True
 
