@@ -152,6 +152,7 @@ def run_attention(planned: PlannedAttention, q: torch.Tensor, kv: PagedKV | Ragg
         if not p.sinks:
             raise Unsupported("sinks were passed to run(), but the problem was planned without sinks")
         checks.check_tensor(sinks, "sinks", dtypes=(torch.float32,), device=dev, shape=(p.num_qo_heads,))
+        sinks = sinks.contiguous()  # the kernels read [num_qo_heads] flat
     elif p.sinks:
         raise ValueError("the problem was planned with sinks, but run() got sinks=None")
     out, lse = _outputs(planned, out, lse, return_lse)

@@ -481,3 +481,19 @@ def test_strided_page_tables_plan_like_contiguous_ones(backend):
         decode_plan(w, *args, q_data_type=torch.float16, head_dim=64)
         outs.append(w.run(q, cache))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_strided_sinks_read_like_contiguous_ones():
+    """A strided sinks view (a column of a [heads, n] table) gives the contiguous copy's result:
+    the fa2 kernels read sinks as flat memory."""
+    torch.manual_seed(3)
+    hq, hkv, d, page = 4, 2, 64, 8
+    tables = torch.tensor([[2, 0, 4], [1, 3, 3]], dtype=torch.int32)
+    cache = torch.randn(5, 2, hkv, page, d, dtype=torch.float16)
+    q = torch.randn(2, hq, d, dtype=torch.float16)
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    table_ = torch.randn(hq, 3)
+    outs = [fi.trtllm_batch_decode_with_kv_cache(q, cache, WS, tables, lens, 24, bmm1_scale=d ** -0.5,
+                                                 sinks=s, backend="fa2")
+            for s in (table_[:, 1].contiguous(), table_[:, 1])]
+    assert torch.equal(outs[0], outs[1])
