@@ -442,6 +442,17 @@ def assert_close(out, lse, ref_out, ref_lse, tol: float) -> None:
         assert diff <= bound, f"lse max abs err {diff:.3g} > {bound:.3g}"
 
 
+def reference_plan_result(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out as float32, lse) of the reference backend's plan for the case's own problem (its
+    o_dtype), on fresh buffers: what the fa2 prefill GPU tests compare a kernel with."""
+    from flashdispatch.backends.reference.attention import plan_attention
+    inp = case.inputs
+    ref = dataclasses.replace(inp, out=torch.empty_like(inp.out),
+                              lse=torch.empty(inp.out.shape[:2], device=inp.out.device))
+    plan_attention(case.problem, case.params).run(ref)
+    return ref.out.float(), ref.lse
+
+
 def reference_backend_result(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """(out float32, lse) of the reference backend on the same problem, params and inputs (fresh
     buffers): what the GPU tests compare a kernel with."""

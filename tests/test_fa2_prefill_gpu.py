@@ -11,9 +11,8 @@ import torch
 
 from flashdispatch.backends.base import DEFAULT_TOLERANCE, AttentionParams
 from flashdispatch.backends.fa2.prefill import PREFILL_CAPS, plan_prefill
-from flashdispatch.backends.reference.attention import plan_attention
 from flashdispatch.dispatch.caps import check_caps
-from oracle import assert_close, make_paged_case, make_ragged_case
+from oracle import assert_close, make_paged_case, make_ragged_case, reference_plan_result
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -21,20 +20,11 @@ pytestmark = [pytest.mark.gpu,
 BF16, F16 = torch.bfloat16, torch.float16
 
 
-def reference(case):
-    """(out, lse) of the reference backend on fresh buffers (float32 math)."""
-    inp = case.inputs
-    ref = dataclasses.replace(inp, out=torch.empty_like(inp.out),
-                              lse=torch.empty(inp.out.shape[:2], device=inp.out.device))
-    plan_attention(case.problem, case.params).run(ref)
-    return ref.out.float(), ref.lse
-
-
 def check(case, tol=None):
     assert not check_caps(PREFILL_CAPS, case.problem, case.device)
     plan_prefill(case.problem, case.device, case.params).run(case.inputs)
     torch.cuda.synchronize()
-    ref_out, ref_lse = reference(case)
+    ref_out, ref_lse = reference_plan_result(case)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse,
                  tol or DEFAULT_TOLERANCE[case.problem.kv_dtype])
 
@@ -143,7 +133,7 @@ def test_cuda_graph_replay_after_replan():
         graph.replay()
         torch.cuda.synchronize()
         nq = sum(qo)
-        ref_out, ref_lse = reference(case)
+        ref_out, ref_lse = reference_plan_result(case)
         assert_close(bufs["out"][:nq], bufs["lse"][:nq], ref_out, ref_lse, DEFAULT_TOLERANCE[BF16])
 
 
@@ -179,7 +169,7 @@ def test_split_policy_shapes(shape, kind):
     case = make_paged_case(page_size=16, **kw) if kind == "paged" else make_ragged_case(**kw)
     plan = run_split(case)
     assert plan.n_merge > 0
-    ref_out, ref_lse = reference(case)
+    ref_out, ref_lse = reference_plan_result(case)
     tol = DEFAULT_TOLERANCE[BF16]
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
     split_out, split_lse = case.inputs.out.clone(), case.inputs.lse.clone()
@@ -197,7 +187,7 @@ def test_split_features(feature):
                            device="cuda", qo_lens=[16, 3, 130, 0], kv_lens=[3000, 1999, 4096, 7],
                            **FEATURES[feature], **extra)
     assert run_split(case, fixed=37).n_merge > 0
-    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[BF16])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[BF16])
 
 
 @pytest.mark.parametrize("feature", ["causal", "window", "rope", "custom"])
@@ -206,7 +196,7 @@ def test_split_ragged_dims(feature, dims):
     case = make_ragged_case(qo_lens=[5, 70], kv_lens=[2500, 3333], head_dim_qk=dims[0], head_dim_vo=dims[1],
                             num_qo_heads=4, num_kv_heads=2, q_dtype=F16, device="cuda", **FEATURES[feature])
     assert run_split(case, fixed=100).n_merge > 0
-    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[F16])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[F16])
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -215,7 +205,7 @@ def test_split_fp8_kv(fp8):
                            head_dim_qk=128, q_dtype=BF16, kv_dtype=fp8, mask_mode="causal", sinks=True,
                            k_scale=torch.tensor(0.8, device="cuda"), v_scale=1.2, device="cuda")
     assert run_split(case).n_merge > 0
-    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[fp8])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[fp8])
 
 
 def test_split_batch_invariance():
@@ -250,6 +240,6 @@ def test_autotune_runs_the_winner_and_keeps_it():
     plan.run(case.inputs)
     torch.cuda.synchronize()
     assert not plan.failures and len(plan.timings) == len(tuning.candidates(case.problem, plan.configs[0]))
-    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[BF16])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[BF16])
     assert plan_prefill(case.problem, case.device, case.params, autotune=True).config == plan.plan.config
     tuning.clear()

@@ -5,7 +5,6 @@ the scratch allocator, and single_prefill_with_kv_cache with ``FLASHDISPATCH_FA2
 Run with ``pytest -m gpu tests/test_fa2_prefill_tma_gpu.py``."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -15,23 +14,13 @@ from triton.runtime import _allocation
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
 from flashdispatch.backends.fa2 import prefill as fa2_prefill
 from flashdispatch.backends.fa2.prefill import CONFIG_ENV, default_config, plan_prefill
-from flashdispatch.backends.reference.attention import plan_attention
-from oracle import assert_close, make_ragged_case
+from oracle import assert_close, make_ragged_case, reference_plan_result
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                  reason="needs a CUDA GPU of sm90 or newer")]
 
 BF16, F16 = torch.bfloat16, torch.float16
-
-
-def reference(case):
-    """(out, lse) of the reference backend on fresh buffers (float32 math)."""
-    inp = case.inputs
-    ref = dataclasses.replace(inp, out=torch.empty_like(inp.out),
-                              lse=torch.empty(inp.out.shape[:2], device=inp.out.device))
-    plan_attention(case.problem, case.params).run(ref)
-    return ref.out.float(), ref.lse
 
 
 def tma_config(case, **changes):
@@ -45,7 +34,7 @@ def check(case, config=None, expect_tma=True):
     plan = plan_prefill(case.problem, case.device, case.params, config or tma_config(case))
     plan.run(case.inputs)
     torch.cuda.synchronize()
-    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
     assert plan.tma and [variant[-1] for variant in plan._launchers] == [expect_tma], plan.tma_reason
     return plan
 
@@ -127,7 +116,7 @@ def test_cuda_graph_replay():
     case.inputs.lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[BF16])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[BF16])
     assert [variant[-1] for variant in plan._launchers] == [True]
 
 
@@ -206,5 +195,5 @@ def test_default_config_takes_tma_at_d128_on_sm90():
     plan = plan_prefill(case.problem, case.device, case.params)
     plan.run(case.inputs)
     torch.cuda.synchronize()
-    assert_close(case.inputs.out, case.inputs.lse, *reference(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
     assert plan.tma and [variant[-1] for variant in plan._launchers] == [True], plan.tma_reason
