@@ -75,7 +75,6 @@ class _Staging(threading.local):
 
 
 _staging = _Staging()
-_launchers: dict = {}  # (USED_ON_DEVICE, PER_PROGRAM) -> BoundKernel
 
 
 def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None,
@@ -100,10 +99,8 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     args = []
     for i in range(MAX_TENSORS):
         args += [tensors[i] if i < len(tensors) else first, sizes[i]]
-    launch = _launchers.get((used_host is None, _PER_PROGRAM))
-    if launch is None:
-        launch = _launchers[used_host is None, _PER_PROGRAM] = bind(
-            index_summary_kernel, BLOCK=_BLOCK, PER_PROGRAM=_PER_PROGRAM, USED_ON_DEVICE=used_host is None, num_warps=4)
+    launch = bind(index_summary_kernel, BLOCK=_BLOCK, PER_PROGRAM=_PER_PROGRAM, USED_ON_DEVICE=used_host is None,
+                  num_warps=4)
     launch((programs,), *args, indices if num_indices else first, num_indices, used_host or 0, buf)
     if event is not None:
         if device.index == torch.cuda.current_device():

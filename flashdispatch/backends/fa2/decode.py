@@ -271,14 +271,15 @@ class DecodePlan:
         else:
             chunk = _chunk_tokens(eff, p, params, cfg, units, sm_count)
 
-        if chunk is None and splits <= 1:  # one work item per request, nothing to merge
+        unsplit = chunk is None and splits <= 1  # one work item per request, nothing to merge
+        if unsplit:
             self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
             if cfg.direct_table and not p.use_cuda_graph:
                 self._place_direct(params)
                 return
         pages = -(-lens // p.page_size)
         page_base = pages.cumsum() - pages
-        if chunk is None and splits <= 1:
+        if unsplit:
             meta = np.zeros((batch, WORK_COLS), dtype=np.int32)
             meta[:, 0] = np.arange(batch)
             meta[:, 1] = page_base
