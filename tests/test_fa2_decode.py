@@ -370,6 +370,16 @@ def test_fused_merge_without_splits_and_config_check():
             DecodeConfig(fused_merge_max_chunks=bad)
 
 
+def test_max_registers_config():
+    """max_registers: 0 or a ptxas cap in [24, 255], passed as Triton's maxnreg; the interpreter
+    (no ptxas) runs the same plan without it."""
+    from flashdispatch.backends.fa2.decode import DecodeConfig
+    for bad in (-1, 8, 256, True, 64.0):
+        with pytest.raises(ValueError, match="max_registers"):
+            DecodeConfig(max_registers=bad)
+    _check(_case(seed=33), config={"max_registers": 64})
+
+
 @pytest.mark.parametrize("limit", [2, 3])
 def test_fused_merge_only_up_to_max_chunks(limit):
     """Requests of at most ``limit`` chunks: fused, no counters left set; one more chunk: the merge
@@ -384,13 +394,30 @@ def test_fused_merge_only_up_to_max_chunks(limit):
     {}, dict(window_left=20), dict(q_len_per_req=3, mask_mode="causal"), dict(kv_layout="HND", kv_storage="tuple"),
     dict(page_size=1), dict(pos_encoding_mode="ALIBI", sinks=True), dict(kv_lens=(0, 0)),
 ], ids=lambda f: ",".join(sorted(f)) or "plain")
-def test_direct_table_reads_the_indptr_itself(feature):
-    """DecodeConfig.direct_table: an unsplit plan hands the kernel kv_indptr / last_page_len
-    (empty requests, windows, speculative rows, both layouts, page size 1) and builds no work array."""
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "work_array"])
+def test_unsplit_plan_direct_table_or_work_array(feature, direct):
+    """An unsplit plan with DecodeConfig.direct_table (default for 16-bit GQA KV) hands the kernel
+    kv_indptr / last_page_len and builds no work array; without it, a work array (empty requests,
+    windows, speculative rows, both layouts, page size 1)."""
     feature = dict(feature)
     case = _case(kv_lens=feature.pop("kv_lens", (0, 1, 37, 300)), seed=11, **feature)
-    plan = _check(case, config={"direct_table": True}, disable_split_kv=True)
-    assert plan.direct and plan.work is case.params.kv_indptr and plan.last is case.params.kv_last_page_len
+    plan = _check(case, config={"direct_table": direct}, disable_split_kv=True)
+    assert plan.direct == direct
+    if direct:
+        assert plan.work is case.params.kv_indptr and plan.last is case.params.kv_last_page_len
+
+
+def test_default_direct_table_and_register_cap():
+    """The measured defaults: the direct table for 16-bit GQA KV (not fp8 KV, not MHA), and the
+    64-register cap only on the d128 GQA config, dropped where a split plan takes split_block_n."""
+    from flashdispatch.backends.fa2.decode import _with_split_block, default_config
+    from flashdispatch.dispatch.problem import Problem
+
+    def cfg(kv=F16, heads=(32, 8), d=128):
+        return default_config(Problem("decode", F16, kv, F16, heads[0], heads[1], d, d, page_size=16))
+    assert cfg().direct_table and cfg().max_registers == 64 and _with_split_block(cfg()).max_registers == 0
+    assert not cfg(kv=torch.float8_e4m3fn).direct_table and not cfg(heads=(32, 32)).direct_table
+    assert cfg(d=64).direct_table and cfg(d=64).max_registers == 0 and cfg(d=256).max_registers == 0
 
 
 def test_direct_table_only_where_nothing_is_split():

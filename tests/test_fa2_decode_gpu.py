@@ -234,11 +234,27 @@ def test_one_plan_run_with_other_strides_and_misaligned_tensors():
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp8kv"])
 @pytest.mark.parametrize("feature", [{}, dict(window_left=100), dict(q_len_per_req=4, mask_mode="causal"),
                                      dict(kv_layout="HND", page_size=1)], ids=lambda f: ",".join(sorted(f)) or "plain")
-def test_direct_table(dtypes, feature):
-    """DecodeConfig.direct_table (kernel reads kv_indptr / last_page_len, no work array) on the GPU."""
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "work_array"])
+def test_unsplit_direct_table_or_work_array(dtypes, feature, direct):
+    """Unsplit plans with DecodeConfig.direct_table (kernel reads kv_indptr / last_page_len, the
+    default) and with a work array, on the GPU."""
     case = _case(LENGTHS["mixed"], q_dtype=dtypes[0], kv_dtype=dtypes[1], seed=21,
                  k_scale=0.8 if dtypes[1] != dtypes[0] else None, **feature)
     ref_out, ref_lse = reference_backend_result(case)
-    plan = run_fa2_decode(case, config={"direct_table": True}, disable_split_kv=True)
-    assert plan.direct
+    plan = run_fa2_decode(case, config={"direct_table": direct}, disable_split_kv=True)
+    assert plan.direct == direct
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])
+
+
+def test_max_registers_reaches_ptxas():
+    """DecodeConfig.max_registers caps the compiled kernel's registers (Triton's maxnreg) without
+    changing the result: the direct-table variant that ptxas gives 79 on sm90 fits in 64."""
+    from flashdispatch.backends.fa2.decode_kernel import decode_kernel
+    case = _case(LENGTHS["mixed"], q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, seed=23)
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case, config={"direct_table": True, "max_registers": 64}, disable_split_kv=True)
+    assert plan.direct and plan.block_m == 16
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    kernels = decode_kernel.device_caches[torch.cuda.current_device()][0].values()
+    capped = [k for k in kernels if getattr(k.metadata, "maxnreg", None) == 64]
+    assert capped and all(k.n_regs <= 64 for k in capped), [(k.n_regs, k.n_spills) for k in capped]

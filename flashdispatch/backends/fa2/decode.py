@@ -70,6 +70,12 @@ class DecodeConfig:
     """Kernel and split-policy knobs.
 
     block_n: tokens per inner step; num_warps / num_stages: Triton launch options;
+    max_registers: per-thread register cap handed to ptxas (Triton's ``maxnreg``) for programs of
+    one 16-row block at ``block_n``; 0: ptxas chooses. It sets how many programs fit on an SM,
+    which bounds the KV reads in flight (sm90 d128, 4 warps, block_n 32: ptxas gave group 4's
+    direct-table variant and group 16's 79-80 registers, 6 programs per SM, where 64 fits 8; see
+    docs/perf-notes.md). Larger row blocks (a cap of 64 does not compile at 64 rows) and plans
+    that switch to ``split_block_n`` run uncapped.
     max_block_m: most query rows per program (more rows use several row blocks);
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
     worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
@@ -95,7 +101,9 @@ class DecodeConfig:
     direct_table: a plan that splits no request (and is not a CUDA-graph grid) gives the kernel
     the API's kv_indptr and last_page_len instead of a work array: one program per (request, KV
     head, row block) reads its pages and length from them, so plan() builds and uploads nothing
-    (off by default until measured on a GPU).
+    (H200 bf16 GQA d128 with max_registers 64, TB/s work array -> direct: 256x1024 4.15 -> 4.15,
+    128x2048 4.15 -> 4.15, 256x4096 4.39 -> 4.38; batch-256 plan() ~60-100 us less host time;
+    default_config turns it off for fp8 KV and MHA, where it measured slower).
     """
 
     block_n: int = 32
@@ -112,7 +120,8 @@ class DecodeConfig:
     page_prefetch: bool = False
     fp8_v_convert: str = "operand"
     fused_merge_max_chunks: int = 16
-    direct_table: bool = False
+    direct_table: bool = True
+    max_registers: int = 0
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
@@ -126,23 +135,31 @@ class DecodeConfig:
                 or self.fused_merge_max_chunks < 0:
             raise ValueError(f"fa2 decode config fused_merge_max_chunks must be an int >= 0, "
                              f"got {self.fused_merge_max_chunks!r}")
+        if not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool) \
+                or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
+            raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "
+                             f"[24, 255], got {self.max_registers!r}")
 
 
 def default_config(problem: Problem) -> DecodeConfig:
     """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
     d = problem.head_dim_qk
+    # direct_table off where the H200 sweep (session 6, TB/s work array / direct) showed a loss:
+    # fp8 256x4096 3.69 / 3.66 (256x1024 3.21 / 3.20), MHA 64x4096 4.39 / 4.20 (twice)
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
-                                page_prefetch=True, fp8_v_convert="staged")
-        return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
+                                page_prefetch=True, fp8_v_convert="staged", direct_table=False)
+        return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3, direct_table=False)
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128)
     if problem.num_qo_heads == problem.num_kv_heads and d <= 128:
-        return DecodeConfig(block_n=64, num_stages=3)
+        return DecodeConfig(block_n=64, num_stages=3, direct_table=False)
     if d <= 64:
         return DecodeConfig(block_n=64)
-    return DecodeConfig(block_n=32, split_block_n=64 if d <= 128 else None)
+    if d <= 128:
+        return DecodeConfig(block_n=32, split_block_n=64, max_registers=64)
+    return DecodeConfig(block_n=32)
 
 
 def _apply(cfg: DecodeConfig, source: dict) -> DecodeConfig:
@@ -187,7 +204,7 @@ def _merge_tile(rows: int, head_dim: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=64)
 def _with_split_block(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` with block_n = split_block_n (cached: plan() is host-time bound)."""
-    return dataclasses.replace(cfg, block_n=cfg.split_block_n)
+    return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
 
 
 def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
@@ -231,7 +248,9 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
         HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
         FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers and block_m <= 16 and not TRITON_INTERPRETED
+           else {}))
 
 
 class DecodePlan:
