@@ -158,39 +158,45 @@ def test_causal_equals_tril_custom_mask(kind):
     torch.testing.assert_close(lse_c, lse_m, atol=1e-3, rtol=1e-3)
 
 
-def test_custom_mask_tile_lists():
-    """Empty KV tiles are left out of an item's list, whole ones are walked without mask reads,
+def _tile_runs(plan, row):
+    """(whole runs, partial runs, visible tiles) of the work row ``row``: runs as (first, end) KV tiles."""
+    n_whole, n_partial, visible, _ = plan.tiles[row[9]:row[9] + 4].tolist()
+    flat = plan.tiles[row[9] + 4:row[9] + 4 + 2 * (n_whole + n_partial)].tolist()
+    pairs = list(zip(flat[::2], flat[1::2]))
+    return pairs[:n_whole], pairs[n_whole:], visible
+
+
+def test_custom_mask_tile_runs():
+    """Empty KV tiles are left out of an item's runs, whole ones are walked without mask reads,
     partial ones (a few bits, the KV end) with them; the result matches the oracle either way."""
     mask = torch.zeros(64, 75, dtype=torch.bool)  # CPU tiles: 32 query rows x 16 keys
-    mask[:32, :16] = True  # rows 0-31: KV tile 0 whole,
+    mask[:32, :32] = True  # rows 0-31: KV tiles 0-1 whole (one run),
     mask[:32, 40:44] = True  # tile 2 partial,
+    mask[:32, 50:52] = True  # tile 3 partial (the same run)
     mask[32:, 64:] = True  # rows 32-63: tile 4 only, cut by the KV end at 75
     mask[40, 3] = True  # and one bit of tile 0
     case = make_ragged_case(qo_lens=[64], kv_lens=[75], mask_mode="custom", custom_masks=[mask],
                             head_dim_qk=64)
     plan = plan_prefill(case.problem, case.device, case.params)
-    lists = {}  # first query row -> (whole KV tiles, partial KV tiles)
-    for row in plan.work.view(-1, 10).tolist():
-        whole, partial = plan.tiles[row[9]:row[9] + 2].tolist()
-        listed = plan.tiles[row[9] + 2:row[9] + 2 + whole + partial].tolist()
-        lists[row[1]] = (listed[:whole], listed[whole:])
-    assert lists == {0: ([0], [2]), 32: ([], [0, 4])}
+    runs = {row[1]: _tile_runs(plan, row) for row in plan.work.view(-1, 10).tolist()}
+    assert runs == {0: ([(0, 2)], [(2, 4)], 4), 32: ([], [(0, 1), (4, 5)], 2)}
     plan.run(case.inputs)
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 
 
-def test_custom_mask_tile_lists_longer_than_a_chunk(monkeypatch):
-    """The list kernel reads the classes in chunks (16 here): lists of 25 KV tiles cross chunks."""
+def test_custom_mask_tile_runs_longer_than_a_chunk(monkeypatch):
+    """The runs kernel reads the classes in chunks (16 here): 25 KV tiles, runs across chunks."""
     monkeypatch.setattr(fa2_prefill, "_LIST_CHUNK", 16)
     gen = torch.Generator().manual_seed(3)
     mask = torch.rand(40, 400, generator=gen) < 0.3
-    mask[:, 32:96] = True  # whole tiles in the first chunk,
-    mask[:, 320:384] = True  # and in the second
-    mask[:, 200:240] = False  # empty ones in between
+    mask[:, 224:288] = True  # whole tiles 14-17: a run across the chunk boundary at 16
+    mask[:, 48:64] = True  # and tile 3
+    mask[:, 96:128] = False  # empty tiles 6-7
     case = make_ragged_case(qo_lens=[40], kv_lens=[400], mask_mode="custom", custom_masks=[mask], head_dim_qk=64)
     plan = plan_prefill(case.problem, case.device, case.params)
-    whole, partial = plan.tiles[:2].tolist()
-    assert whole >= 4 and partial > 0 and whole + partial < 25
+    whole, partial, visible = _tile_runs(plan, next(r for r in plan.work.view(-1, 10).tolist() if r[1] == 0))
+    assert whole == [(3, 4), (14, 18)] and visible == 23
+    assert partial == [(0, 3), (4, 6), (8, 14), (18, 25)]
     plan.run(case.inputs)
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 

@@ -31,7 +31,7 @@ from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
 from .launch import bind
 from . import tuning
 from .merge import MERGE_INFO_COLS, launch_decode_merge
-from .prefill_kernels import WORK_COLS, fa2_prefill_kernel, mask_tile_classes_kernel, mask_tile_list_kernel
+from .prefill_kernels import RUNS_HEAD, WORK_COLS, fa2_prefill_kernel, mask_tile_classes_kernel, mask_tile_runs_kernel
 from .prefill_tma import launch_with_scratch, tma_layout_ok, tma_unused_reason
 
 _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -55,7 +55,7 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 # CUDA-graph mode: item count at byte 0 of the int workspace, the items from byte _GRAPH_ITEMS_AT.
 _GRAPH_ITEMS_AT = 256
 _ALIGN = 256  # byte alignment of the partial-output region of the float workspace
-_LIST_CHUNK = 256  # KV tiles the custom-mask list kernel reads per step
+_LIST_CHUNK = 256  # KV tiles the custom-mask runs kernel reads per step
 
 
 @dataclass(frozen=True)
@@ -242,13 +242,14 @@ def build_work_list(tiles: np.ndarray, chunks_of, block_m: int, qo_starts: list[
 
 
 def add_tile_lists(items: np.ndarray, block_n: int) -> tuple[int, int]:
-    """Give every work item room for its custom-mask tile list (two counts and one entry per KV
-    tile meeting its chunk [kv_lo, kv_hi)): writes the offsets into column 9 and returns
-    (list length in int32, most KV tiles of one item)."""
+    """Give every work item room for its custom-mask tile runs (a head and at most one run of two
+    int32 per KV tile meeting its chunk [kv_lo, kv_hi)): writes the offsets into column 9 and
+    returns (list length in int32, most KV tiles of one item). The sizes are even, and half an
+    item's offset is the first of its bitmap slots (one per KV tile)."""
     if len(items) == 0:
-        return 2, 1
+        return RUNS_HEAD, 1
     n_tiles = -(-items[:, 5] // block_n) - items[:, 4] // block_n
-    sizes = n_tiles.astype(np.int64) + 2
+    sizes = 2 * n_tiles.astype(np.int64) + RUNS_HEAD
     items[:, 9] = np.cumsum(sizes) - sizes
     return int(sizes.sum()), max(int(n_tiles.max()), 1)
 
@@ -289,7 +290,7 @@ class PrefillPlan:
         self._mask_classes = self.tile_bits = None
         if custom and self.num_items:
             self._mask_classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=dev)
-            self.tile_bits = self._tile_bitmaps(list_len * config.block_m * config.block_n // 16, dev, params)
+            self.tile_bits = self._tile_bitmaps(list_len // 2 * config.block_m * config.block_n // 16, dev, params)
             self.refresh_tile_lists()
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
         # config.tma where it applies (else ignored, see prefill_tma.py); run() also checks each call's K/V views
@@ -340,7 +341,7 @@ class PrefillPlan:
         return need
 
     def _tile_bitmaps(self, words: int, dev: torch.device, params: AttentionParams) -> torch.Tensor:
-        """int16 room for the partial tiles' bitmaps, one slot per tile-list entry: its own
+        """int16 room for the partial tiles' bitmaps, one slot per two tile-list int32: its own
         buffer, or in CUDA-graph mode the start of the float workspace (fixed across re-plans,
         unused otherwise there: no split-KV partials)."""
         if not self.problem.use_cuda_graph:
@@ -354,7 +355,7 @@ class PrefillPlan:
 
     def refresh_tile_lists(self) -> None:
         """Custom mask: classify each (item, KV tile) from the bits of ``params.packed_mask``,
-        writing the partial tiles' bitmaps, compact each item's visible tiles into its list, then
+        writing the partial tiles' bitmaps, write each item's runs of whole and partial tiles, then
         reorder the work rows by their visible tiles, most first (the host saw every item as the
         whole KV range, so a causal-like mask would run its heaviest programs last).
         Stream-ordered, no host sync; at plan() and for each new mask of a kept plan."""
@@ -366,11 +367,10 @@ class PrefillPlan:
                         WINDOW=self.problem.window_left >= 0)
         classify((self.num_items * max_tiles,), self.work, prm.packed_mask, prm.mask_indptr, classes, self.tile_bits,
                  max_tiles, self.problem.window_left)
-        compact = bind(mask_tile_list_kernel, BLOCK_N=cfg.block_n, CHUNK=_LIST_CHUNK)
-        compact((self.num_items,), self.work, classes, self.tiles, max_tiles)
+        runs = bind(mask_tile_runs_kernel, BLOCK_N=cfg.block_n, CHUNK=_LIST_CHUNK)
+        runs((self.num_items,), self.work, classes, self.tiles, max_tiles)
         rows = self.work.view(self.num_items, WORK_COLS)
-        starts = rows[:, 9].long()
-        visible = self.tiles[starts] + self.tiles[starts + 1]  # whole + partial tiles
+        visible = self.tiles[rows[:, 9].long() + 2]  # the item's visible KV tiles (head word 2)
         rows.copy_(rows[torch.argsort(visible, descending=True, stable=True)])
 
     def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device,

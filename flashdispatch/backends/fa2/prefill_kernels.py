@@ -12,10 +12,12 @@ chunk 0 carries the sink. The KV range of a tile is three loops: masked tiles le
 visible band (sliding window, chunk start), the unmasked band, masked tiles on the right (causal
 diagonal, chunk end, KV end). With a custom mask, plan() first classifies every (item, KV tile)
 from the mask bits (`mask_tile_classes_kernel`: no visible key / all visible / partial) and
-lists the visible ones per item (`mask_tile_list_kernel`, at the tile-list offset); the
-attention kernel walks the whole tiles without masks, then the partial ones with the bitmaps the
-classifier wrote for them (`_tile_bits`), and never visits a tile without a visible key. Every feature is a tl.constexpr, so a feature
-that is off costs nothing on the hot path. TMA (ragged KV, sm90+): K and V tiles come through
+writes each item's runs of consecutive whole and partial tiles (`mask_tile_runs_kernel`, at the
+tile-list offset); the attention kernel walks each whole run as a plain tile range without masks,
+then each partial run with the bitmaps the classifier wrote (`_tile_bits`), and never visits a
+tile without a visible key. A causal-like mask gives one or two runs per item, so the tile loops
+pipeline as the causal ones do. Every feature is a tl.constexpr, so a feature that is off costs
+nothing on the hot path. TMA (ragged KV, sm90+): K and V tiles come through
 device-side tensor descriptors made per (request, KV head) instead of pointer loads (prefill_tma.py).
 """
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .trig import sincos
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 WORK_COLS = 10  # int32 per work item, see the module docstring
 _WORK_COLS = tl.constexpr(WORK_COLS)
+RUNS_HEAD = 4  # int32 before an item's custom-mask tile runs, see mask_tile_runs_kernel
+_RUNS_HEAD = tl.constexpr(RUNS_HEAD)
 
 
 @triton.jit
@@ -92,17 +96,28 @@ def _tile_bits(bits_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _custom_keep(mask_ptr, mask_off, offs_m, offs_n, qo_len, kv_len, keep):
-    """``keep`` and the packed custom-mask bits (row-major [qo_len, kv_len], little bit order)."""
-    bit = offs_m.to(tl.int64)[:, None] * kv_len + offs_n[None, :]
-    in_bounds = (offs_m < qo_len)[:, None] & keep
-    byte = tl.load(mask_ptr + mask_off + (bit >> 3), mask=in_bounds, other=0)
-    return keep & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
+def _custom_keep(mask_ptr, mask_off, offs_m, start_n, qo_len, kv_len, keep, BLOCK_N: tl.constexpr):
+    """``keep`` [BLOCK_M, BLOCK_N] and the packed custom-mask bits of keys start_n.. of rows
+    offs_m (row-major [qo_len, kv_len], little bit order). Each 16-key word is three byte loads
+    shifted into place (a row's bits need not start on a byte), not one byte gather per pair:
+    the gather read every byte eight times, uncoalesced (87 us of a 4096^2 mask on the H200)."""
+    WORDS: tl.constexpr = BLOCK_N // 16
+    first_bit = offs_m.to(tl.int64) * kv_len + start_n  # [BLOCK_M]
+    n_bytes = (qo_len.to(tl.int64) * kv_len + 7) // 8
+    byte = (first_bit // 8)[:, None] + 2 * tl.arange(0, WORDS)[None, :]  # [BLOCK_M, WORDS]
+    row_ok = (offs_m < qo_len)[:, None]
+    b0 = tl.load(mask_ptr + mask_off + byte, mask=row_ok & (byte < n_bytes), other=0).to(tl.int32)
+    b1 = tl.load(mask_ptr + mask_off + byte + 1, mask=row_ok & (byte + 1 < n_bytes), other=0).to(tl.int32)
+    b2 = tl.load(mask_ptr + mask_off + byte + 2, mask=row_ok & (byte + 2 < n_bytes), other=0).to(tl.int32)
+    shift = (first_bit % 8).to(tl.int32)[:, None]
+    words = ((b0 | (b1 << 8) | (b2 << 16)) >> shift) & 0xFFFF
+    bits = (words[:, :, None] >> tl.arange(0, 16)[None, None, :]) & 1
+    return keep & (tl.reshape(bits, [offs_m.shape[0], BLOCK_N]) != 0)
 
 
 @triton.jit
 def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
-                K, V, kv_indices_ptr, mask_ptr, tiles_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
+                K, V, kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
                 offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd,
                 stride_vp, stride_vs, stride_vh, stride_vd,
                 qk_scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
@@ -112,9 +127,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                 CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
                 TMA: tl.constexpr):
-    """Online-softmax update over KV tiles: without a custom mask, the tiles starting in [lo, hi);
-    with one, the KV tiles listed at ``tiles_ptr[lo:hi]`` (see mask_tile_list_kernel). MASKED
-    tiles apply every mask, the chunk bounds [kv_lo, kv_hi) included; the others none. K and V are
+    """Online-softmax update over the KV tiles starting in [lo, hi). MASKED tiles apply every
+    mask (a custom mask's from its tile bitmaps), the chunk bounds [kv_lo, kv_hi) included; the
+    others none. K and V are
     base pointers or, TMA, the descriptors of the request's rows of this KV head (rows past kv_len
     load as zeros, so no load mask)."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
@@ -126,22 +141,10 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
     else:
         k_base = K + kvh.to(tl.int64) * stride_kh
         v_base = V + kvh.to(tl.int64) * stride_vh
-    # page ids (and list entries) are fetched one tile ahead, so the K/V addresses never wait on them
-    if CUSTOM_MASK:
-        STEP: tl.constexpr = 1
-        next_tile = tl.load(tiles_ptr + lo, mask=lo < hi, other=0)
-        page_ids = _page_ids(kv_indices_ptr, kv_start, next_tile * BLOCK_N, kv_len, PAGE_SIZE, BLOCK_N)
-    else:
-        STEP: tl.constexpr = BLOCK_N
-        page_ids = _page_ids(kv_indices_ptr, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
-    for it in range(lo, hi, STEP):
-        if CUSTOM_MASK:
-            start_n = next_tile * BLOCK_N
-            next_tile = tl.load(tiles_ptr + it + 1, mask=it + 1 < hi, other=0)
-            next_n = next_tile * BLOCK_N
-        else:
-            start_n = it
-            next_n = it + BLOCK_N
+    # page ids are fetched one tile ahead, so the K/V addresses never wait on them
+    page_ids = _page_ids(kv_indices_ptr, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        next_n = start_n + BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if PAGE_SIZE == 0:
             page = (kv_start + offs_n).to(tl.int64)
@@ -258,8 +261,8 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
     q_start = tl.load(qo_indptr_ptr + req)
     kv_start = tl.load(kv_indptr_ptr + req)
     mask_off = 0
-    if CUSTOM_MASK:  # bitmap slot of KV tile 0: tile t's is the item's list offset + t - its first tile
-        mask_off = (tl.load(row + 9) - kv_lo // BLOCK_N).to(tl.int64)
+    if CUSTOM_MASK:  # bitmap slot of KV tile 0: tile t's is half the item's list offset + t - its first tile
+        mask_off = (tl.load(row + 9) // 2 - kv_lo // BLOCK_N).to(tl.int64)
     kvh = head // GROUP
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     if TMA:
@@ -320,37 +323,43 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
         l_i = tl.where(carry, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_VO], tl.float32)
 
-    if CUSTOM_MASK:  # the item's KV tiles with a visible key: [whole, partial, whole tiles.., partial tiles..]
-        tiles = tiles_ptr + tl.load(row + 9)
-        n_whole = tl.load(tiles)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, n_whole, k_src, v_src, kv_indices_ptr, mask_ptr,
-                                    tiles + 2, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len,
-                                    stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh,
-                                    stride_vd, scale, alibi_log2, soft_cap, window_left, rope_inv_scale,
-                                    rope_log2_theta, DTYPE, DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B,
-                                    HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, 0, tl.load(tiles + 1), k_src, v_src, kv_indices_ptr,
-                                    mask_ptr, tiles + 2 + n_whole, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
-                                    offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp,
-                                    stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
-                                    rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE,
-                                    HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE,
-                                    SPLIT, TMA)
+    if CUSTOM_MASK:  # runs of whole KV tiles without masks, then runs of partial ones (mask_tile_runs_kernel)
+        runs = tiles_ptr + tl.load(row + 9)
+        n_whole = tl.load(runs)
+        n_runs = n_whole + tl.load(runs + 1)
+        for r in range(0, n_whole):
+            acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, tl.load(runs + _RUNS_HEAD + 2 * r) * BLOCK_N,
+                                        tl.load(runs + _RUNS_HEAD + 2 * r + 1) * BLOCK_N, k_src, v_src,
+                                        kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
+                                        offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp,
+                                        stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
+                                        rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, False, BLOCK_N, PAGE_SIZE,
+                                        HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
+                                        ROPE, SPLIT, TMA)
+        for r in range(n_whole, n_runs):
+            acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, tl.load(runs + _RUNS_HEAD + 2 * r) * BLOCK_N,
+                                        tl.load(runs + _RUNS_HEAD + 2 * r + 1) * BLOCK_N, k_src, v_src,
+                                        kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
+                                        offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp,
+                                        stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
+                                        rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE,
+                                        HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
+                                        ROPE, SPLIT, TMA)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, mask_ptr, tiles_ptr,
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
                                     DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
                                     CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, k_src, v_src, kv_indices_ptr, mask_ptr, tiles_ptr,
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, k_src, v_src, kv_indices_ptr, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
                                     DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
                                     CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, mask_ptr, tiles_ptr,
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
@@ -443,37 +452,37 @@ def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, b
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_chunk = (offs_n >= kv_lo) & (offs_n < kv_hi)
     in_bounds = (offs_m < qo_len)[:, None] & in_chunk[None, :]
-    keep = _custom_keep(mask_ptr, tl.load(mask_indptr_ptr + req).to(tl.int64), offs_m, offs_n, qo_len, kv_len,
-                        in_bounds)
+    keep = _custom_keep(mask_ptr, tl.load(mask_indptr_ptr + req).to(tl.int64), offs_m, start_n, qo_len, kv_len,
+                        in_bounds, BLOCK_N)
     if WINDOW:
         keep = keep & (offs_n[None, :] >= (offs_m + kv_len - qo_len)[:, None] - window_left)
     visible = tl.sum(keep.to(tl.int32))
     whole = (visible == tl.sum(in_bounds.to(tl.int32))) & (start_n >= kv_lo) & (start_n + BLOCK_N <= kv_hi)
     cls = tl.where(visible == 0, 0, tl.where(whole, 1, 2))
     tl.store(classes_ptr + item.to(tl.int64) * max_tiles + t, cls.to(tl.int8), mask=start_n < kv_hi)
-    # a partial tile's pairs as a bitmap (see _tile_bits) at slot list offset + t
+    # a partial tile's pairs as a bitmap (see _tile_bits) at slot (list offset) / 2 + t
     WORDS: tl.constexpr = BLOCK_N // 16
     words = tl.sum(tl.reshape(keep.to(tl.int32), [BLOCK_M, WORDS, 16]) << tl.arange(0, 16)[None, None, :], 2)
-    slot = (tl.load(row + 9) + t).to(tl.int64)
+    slot = (tl.load(row + 9) // 2 + t).to(tl.int64)
     offs = slot * (BLOCK_M * WORDS) + tl.arange(0, BLOCK_M)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
     partial = (tl.zeros([BLOCK_M, WORDS], tl.int32) + ((cls == 2) & (start_n < kv_hi)).to(tl.int32)) != 0
     tl.store(bits_ptr + offs, words.to(tl.int16), mask=partial)
 
 
 @triton.jit
-def mask_tile_list_kernel(work_ptr, classes_ptr, tiles_ptr, max_tiles, BLOCK_N: tl.constexpr,
-                          CHUNK: tl.constexpr):
+def mask_tile_runs_kernel(work_ptr, classes_ptr, runs_ptr, max_tiles, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """Grid (items,): item ``i``'s visible KV tiles (``classes[i, :]`` from
-    mask_tile_classes_kernel) as a list at its tile-list offset: the counts of whole and partial
-    tiles, then the whole tiles' indices, then the partial ones', each in KV order. The attention
-    kernel walks the whole tiles without masks and the partial ones with them (two loops with
-    no branch inside, so both pipeline). The classes are read CHUNK at a time, twice: first to
-    count the whole tiles (where the partial ones start), then to place every tile."""
+    mask_tile_classes_kernel) as runs of consecutive tiles of one class, at its tile-list offset:
+    a head of `RUNS_HEAD` int32 (whole runs, partial runs, visible tiles, 0), then (first tile,
+    end tile) of each whole run, then of each partial run, in KV order. An item of n KV tiles has
+    at most n runs. The attention kernel walks whole runs without masks and partial ones with
+    them (plain tile ranges, which pipeline). The classes are read CHUNK at a time, twice: first
+    to count the whole runs (where the partial ones start), then to place every run."""
     item = tl.program_id(0)
     row = work_ptr + item * _WORK_COLS
     kv_lo = tl.load(row + 4)
     kv_hi = tl.load(row + 5)
-    base = tiles_ptr + tl.load(row + 9)
+    base = runs_ptr + tl.load(row + 9)
     first = kv_lo // BLOCK_N
     n_tiles = tl.cdiv(kv_hi, BLOCK_N) - first
     classes = classes_ptr + item.to(tl.int64) * max_tiles
@@ -481,17 +490,25 @@ def mask_tile_list_kernel(work_ptr, classes_ptr, tiles_ptr, max_tiles, BLOCK_N: 
     for c0 in range(0, n_tiles, CHUNK):
         t = c0 + tl.arange(0, CHUNK)
         cls = tl.load(classes + t, mask=t < n_tiles, other=0).to(tl.int32)
-        n_whole += tl.sum((cls == 1).to(tl.int32))
-    seen_whole = 0
-    seen_partial = 0
+        prev = tl.load(classes + t - 1, mask=(t > 0) & (t < n_tiles), other=0).to(tl.int32)
+        n_whole += tl.sum(((cls == 1) & (prev != 1)).to(tl.int32))
+    seen = tl.zeros([4], tl.int32)  # whole run starts, whole run ends, partial starts, partial ends
+    kind = tl.arange(0, 4)
+    visible = 0
     for c0 in range(0, n_tiles, CHUNK):
         t = c0 + tl.arange(0, CHUNK)
         cls = tl.load(classes + t, mask=t < n_tiles, other=0).to(tl.int32)
-        whole = (cls == 1).to(tl.int32)
-        partial = (cls == 2).to(tl.int32)
-        tl.store(base + 2 + seen_whole + tl.cumsum(whole, 0) - 1, first + t, mask=whole != 0)
-        tl.store(base + 2 + n_whole + seen_partial + tl.cumsum(partial, 0) - 1, first + t, mask=partial != 0)
-        seen_whole += tl.sum(whole)
-        seen_partial += tl.sum(partial)
-    tl.store(base, n_whole)
-    tl.store(base + 1, seen_partial)
+        prev = tl.load(classes + t - 1, mask=(t > 0) & (t < n_tiles), other=0).to(tl.int32)
+        nxt = tl.load(classes + t + 1, mask=t + 1 < n_tiles, other=0).to(tl.int32)
+        want = tl.where(kind < 2, 1, 2)  # the class of each kind
+        on = cls[:, None] == want[None, :]
+        edge = tl.where((kind % 2 == 0)[None, :], prev[:, None], nxt[:, None]) != want[None, :]
+        hit = (on & edge).to(tl.int32)  # [CHUNK, 4]: tile t starts / ends a run of that kind
+        index = seen[None, :] + tl.cumsum(hit, 0) - 1
+        at = _RUNS_HEAD + 2 * (index + tl.where(kind < 2, 0, n_whole)[None, :]) + (kind % 2)[None, :]
+        value = first + t[:, None] + (kind % 2)[None, :]  # a run's end is exclusive
+        tl.store(base + at, value, mask=hit != 0)
+        seen += tl.sum(hit, 0)
+        visible += tl.sum((cls != 0).to(tl.int32))
+    n_partial = tl.sum(tl.where(kind == 2, seen, 0))
+    tl.store(base + kind, tl.where(kind == 0, n_whole, tl.where(kind == 1, n_partial, tl.where(kind == 2, visible, 0))))
