@@ -96,23 +96,37 @@ def _tile_bits(bits_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _custom_keep(mask_ptr, mask_off, offs_m, start_n, qo_len, kv_len, keep, BLOCK_N: tl.constexpr):
-    """``keep`` [BLOCK_M, BLOCK_N] and the packed custom-mask bits of keys start_n.. of rows
-    offs_m (row-major [qo_len, kv_len], little bit order). Each 16-key word is three byte loads
-    shifted into place (a row's bits need not start on a byte), not one byte gather per pair:
-    the gather read every byte eight times, uncoalesced (87 us of a 4096^2 mask on the H200)."""
-    WORDS: tl.constexpr = BLOCK_N // 16
-    first_bit = offs_m.to(tl.int64) * kv_len + start_n  # [BLOCK_M]
+def _mask_words(mask_ptr, mask_off, offs_m, start_n, qo_len, kv_len, WORDS: tl.constexpr):
+    """[BLOCK_M, WORDS] int32: bit b of word w = the packed custom-mask bit (row-major
+    [qo_len, kv_len], little bit order) of row offs_m, key start_n + 16 w + b (rows past qo_len:
+    0). Each word is three byte loads shifted into place (a row's bits need not start on a byte);
+    a byte gather per (row, key) pair read every byte eight times, uncoalesced (87 us of a
+    4096^2 mask on the H200)."""
+    first_bit = offs_m.to(tl.int64) * kv_len + start_n
     n_bytes = (qo_len.to(tl.int64) * kv_len + 7) // 8
-    byte = (first_bit // 8)[:, None] + 2 * tl.arange(0, WORDS)[None, :]  # [BLOCK_M, WORDS]
+    byte = (first_bit // 8)[:, None] + 2 * tl.arange(0, WORDS)[None, :]
     row_ok = (offs_m < qo_len)[:, None]
     b0 = tl.load(mask_ptr + mask_off + byte, mask=row_ok & (byte < n_bytes), other=0).to(tl.int32)
     b1 = tl.load(mask_ptr + mask_off + byte + 1, mask=row_ok & (byte + 1 < n_bytes), other=0).to(tl.int32)
     b2 = tl.load(mask_ptr + mask_off + byte + 2, mask=row_ok & (byte + 2 < n_bytes), other=0).to(tl.int32)
-    shift = (first_bit % 8).to(tl.int32)[:, None]
-    words = ((b0 | (b1 << 8) | (b2 << 16)) >> shift) & 0xFFFF
-    bits = (words[:, :, None] >> tl.arange(0, 16)[None, None, :]) & 1
-    return keep & (tl.reshape(bits, [offs_m.shape[0], BLOCK_N]) != 0)
+    return ((b0 | (b1 << 8) | (b2 << 16)) >> (first_bit % 8).to(tl.int32)[:, None]) & 0xFFFF
+
+
+@triton.jit
+def _bit_range(lo, hi):
+    """16-bit words with bits [lo, hi) set, lo and hi clamped to [0, 16] (empty when hi <= lo)."""
+    lo = tl.minimum(tl.maximum(lo, 0), 16)
+    hi = tl.minimum(tl.maximum(hi, 0), 16)
+    return tl.where(hi > lo, ((1 << hi) - 1) ^ ((1 << lo) - 1), 0)
+
+
+@triton.jit
+def _popcount16(x):
+    """Set bits of each 16-bit value of ``x`` (int32)."""
+    x = x - ((x >> 1) & 0x5555)
+    x = (x & 0x3333) + ((x >> 2) & 0x3333)
+    x = (x + (x >> 4)) & 0x0F0F
+    return (x + (x >> 8)) & 0x1F
 
 
 @triton.jit
@@ -449,20 +463,22 @@ def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, b
     kv_hi = tl.load(row + 5)
     start_n = (kv_lo // BLOCK_N + t) * BLOCK_N
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    in_chunk = (offs_n >= kv_lo) & (offs_n < kv_hi)
-    in_bounds = (offs_m < qo_len)[:, None] & in_chunk[None, :]
-    keep = _custom_keep(mask_ptr, tl.load(mask_indptr_ptr + req).to(tl.int64), offs_m, start_n, qo_len, kv_len,
-                        in_bounds, BLOCK_N)
+    # everything in 16-key words: the in-bounds pairs (rows < qo_len, keys in [kv_lo, kv_hi)),
+    # and the window's lower key bound per row, as bit ranges
+    WORDS: tl.constexpr = BLOCK_N // 16
+    key0 = start_n + 16 * tl.arange(0, WORDS)[None, :]  # [1, WORDS]
+    row_ok = (offs_m < qo_len)[:, None]
+    in_bounds = tl.where(row_ok, _bit_range(kv_lo - key0, kv_hi - key0), 0)  # [BLOCK_M, WORDS]
+    words = _mask_words(mask_ptr, tl.load(mask_indptr_ptr + req).to(tl.int64), offs_m, start_n, qo_len, kv_len,
+                        WORDS) & in_bounds
     if WINDOW:
-        keep = keep & (offs_n[None, :] >= (offs_m + kv_len - qo_len)[:, None] - window_left)
-    visible = tl.sum(keep.to(tl.int32))
-    whole = (visible == tl.sum(in_bounds.to(tl.int32))) & (start_n >= kv_lo) & (start_n + BLOCK_N <= kv_hi)
+        first_key = (offs_m + kv_len - qo_len - window_left)[:, None]
+        words = words & _bit_range(first_key - key0, 16 + tl.zeros_like(key0))
+    visible = tl.sum(_popcount16(words))
+    whole = (visible == tl.sum(_popcount16(in_bounds))) & (start_n >= kv_lo) & (start_n + BLOCK_N <= kv_hi)
     cls = tl.where(visible == 0, 0, tl.where(whole, 1, 2))
     tl.store(classes_ptr + item.to(tl.int64) * max_tiles + t, cls.to(tl.int8), mask=start_n < kv_hi)
     # a partial tile's pairs as a bitmap (see _tile_bits) at slot (list offset) / 2 + t
-    WORDS: tl.constexpr = BLOCK_N // 16
-    words = tl.sum(tl.reshape(keep.to(tl.int32), [BLOCK_M, WORDS, 16]) << tl.arange(0, 16)[None, None, :], 2)
     slot = (tl.load(row + 9) // 2 + t).to(tl.int64)
     offs = slot * (BLOCK_M * WORDS) + tl.arange(0, BLOCK_M)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
     partial = (tl.zeros([BLOCK_M, WORDS], tl.int32) + ((cls == 2) & (start_n < kv_hi)).to(tl.int32)) != 0
