@@ -2,6 +2,7 @@
 
     python scripts/sweep_prefill.py --shapes 4096:w1024,16x2048/2048 \
         --configs "128,64,8,3;128,128,8,2;64,64,4,3"
+    python scripts/sweep_prefill.py --shapes 16x2048/2048 --page-size 128 --configs ""   # fewer, longer pages
 
 Each config is FLASHDISPATCH_FA2_PREFILL_CONFIG's syntax (four numbers block_m,block_n,warps,stages
 or key=value pairs, ';' between configs; '' = the defaults). Each cell goes through the public API
@@ -27,12 +28,13 @@ def main() -> None:
     ap.add_argument("--shapes", required=True, help="bench prefill shapes, e.g. 4096:w1024,16x2048/2048")
     ap.add_argument("--configs", required=True, help="';'-separated configs ('' = defaults)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--page-size", type=int, default=16, help="page size of the paged (batch) rows")
     args = ap.parse_args()
     configs = [c.strip() for c in args.configs.split(";")]
     device = torch.device("cuda")
     flush = L2Flusher(device)
     column = our_column(fd, "fa2")
-    for shape in parse_prefill_shapes(args.shapes):
+    for shape in parse_prefill_shapes(args.shapes, page_size=args.page_size):
         data = make_prefill_data(shape, "cuda")
         cells, ref = [], None
         for cfg in configs:
