@@ -408,16 +408,39 @@ def test_unsplit_plan_direct_table_or_work_array(feature, direct):
 
 
 def test_default_direct_table_and_register_cap():
-    """The measured defaults: the direct table for 16-bit GQA KV (not fp8 KV, not MHA), and the
-    64-register cap only on the d128 GQA config, dropped where a split plan takes split_block_n."""
-    from flashdispatch.backends.fa2.decode import _with_split_block, default_config
+    """The measured defaults: the direct table for 16-bit GQA KV up to d128 (not fp8 KV, MHA or
+    d256), and the 64-register cap on the d128 GQA config only, dropped where a split plan takes
+    split_block_n or a config overrides block_n."""
+    from flashdispatch.backends.fa2.decode import _apply, _with_split_block, default_config
     from flashdispatch.dispatch.problem import Problem
 
-    def cfg(kv=F16, heads=(32, 8), d=128):
-        return default_config(Problem("decode", F16, kv, F16, heads[0], heads[1], d, d, page_size=16))
+    def cfg(kv=F16, heads=(32, 8), d=128, page=16):
+        return default_config(Problem("decode", F16, kv, F16, heads[0], heads[1], d, d, page_size=page))
     assert cfg().direct_table and cfg().max_registers == 64 and _with_split_block(cfg()).max_registers == 0
-    assert not cfg(kv=torch.float8_e4m3fn).direct_table and not cfg(heads=(32, 32)).direct_table
-    assert cfg(d=64).direct_table and cfg(d=64).max_registers == 0 and cfg(d=256).max_registers == 0
+    assert _apply(cfg(), {"block_n": 64}).max_registers == 0
+    assert _apply(cfg(), {"block_n": 64, "max_registers": 72}).max_registers == 72
+    assert cfg(d=64).direct_table and cfg(page=1).direct_table and cfg(d=64).max_registers == 0
+    for other in (cfg(kv=torch.float8_e4m3fn), cfg(heads=(32, 32)), cfg(heads=(32, 32), page=1),
+                  cfg(heads=(32, 32), d=256), cfg(d=256)):
+        assert not other.direct_table and other.max_registers == 0
+
+
+@pytest.mark.parametrize("variant, capped", [
+    ({}, True), (dict(q_len_per_req=2), False), (dict(pos_encoding_mode="ROPE_LLAMA"), False),
+    (dict(pos_encoding_mode="ALIBI"), False), (dict(logits_soft_cap=30.0), False), (dict(fused=True), False),
+    (dict(num_qo_heads=64, num_kv_heads=2), False),  # group 32: a 32-row block
+], ids=["plain", "qlen2", "rope", "alibi", "softcap", "fused", "rows32"])
+def test_register_cap_only_on_the_measured_variant(variant, capped):
+    """max_registers reaches ptxas only for one query row in a 16-row block without RoPE, ALiBi,
+    soft cap or fused merge (the others spill under 64 registers or do not compile)."""
+    from flashdispatch.backends.fa2.decode import DecodeConfig, _register_cap
+    from flashdispatch.dispatch.problem import Problem
+    variant = dict(variant)
+    fused = variant.pop("fused", False)
+    heads = (variant.pop("num_qo_heads", 32), variant.pop("num_kv_heads", 8))
+    p = Problem("decode", F16, F16, F16, heads[0], heads[1], 128, 128, page_size=16, **variant)
+    block_m = max(16, 1 << (p.q_len_per_req * heads[0] // heads[1] - 1).bit_length())
+    assert _register_cap(p, DecodeConfig(max_registers=64), block_m, fused) == (64 if capped else 0)
 
 
 def test_direct_table_only_where_nothing_is_split():

@@ -248,13 +248,13 @@ def test_unsplit_direct_table_or_work_array(dtypes, feature, direct):
 
 def test_max_registers_reaches_ptxas():
     """DecodeConfig.max_registers caps the compiled kernel's registers (Triton's maxnreg) without
-    changing the result: the direct-table variant that ptxas gives 79 on sm90 fits in 64."""
+    changing the result (72: a cap no other test uses, so the kernels checked are this plan's)."""
     from flashdispatch.backends.fa2.decode_kernel import decode_kernel
     case = _case(LENGTHS["mixed"], q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, seed=23)
     ref_out, ref_lse = reference_backend_result(case)
-    plan = run_fa2_decode(case, config={"direct_table": True, "max_registers": 64}, disable_split_kv=True)
+    plan = run_fa2_decode(case, config={"direct_table": True, "max_registers": 72}, disable_split_kv=True)
     assert plan.direct and plan.block_m == 16
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])
     kernels = decode_kernel.device_caches[torch.cuda.current_device()][0].values()
-    capped = [k for k in kernels if getattr(k.metadata, "maxnreg", None) == 64]
-    assert capped and all(k.n_regs <= 64 for k in capped), [(k.n_regs, k.n_spills) for k in capped]
+    capped = [k for k in kernels if getattr(k.metadata, "maxnreg", None) == 72]
+    assert capped and all(k.n_regs <= 72 for k in capped), [(k.n_regs, k.n_spills) for k in capped]

@@ -192,12 +192,31 @@ def test_custom_mask_tile_runs_longer_than_a_chunk(monkeypatch):
     mask[:, 224:288] = True  # whole tiles 14-17: a run across the chunk boundary at 16
     mask[:, 48:64] = True  # and tile 3
     mask[:, 96:128] = False  # empty tiles 6-7
+    mask[:, 368:384] = True  # whole tile 23: the partial run 18-22 stays in the second chunk
     case = make_ragged_case(qo_lens=[40], kv_lens=[400], mask_mode="custom", custom_masks=[mask], head_dim_qk=64)
     plan = plan_prefill(case.problem, case.device, case.params)
     whole, partial, visible = _tile_runs(plan, next(r for r in plan.work.view(-1, 10).tolist() if r[1] == 0))
-    assert whole == [(3, 4), (14, 18)] and visible == 23
-    assert partial == [(0, 3), (4, 6), (8, 14), (18, 25)]
+    assert whole == [(3, 4), (14, 18), (23, 24)] and visible == 23
+    assert partial == [(0, 3), (4, 6), (8, 14), (18, 23), (24, 25)]
     plan.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
+    mask[:, 224:288] = torch.rand(40, 64, generator=gen) < 0.3  # tiles 14-17 partial: a partial run across 16
+    case = make_ragged_case(qo_lens=[40], kv_lens=[400], mask_mode="custom", custom_masks=[mask], head_dim_qk=64)
+    plan = plan_prefill(case.problem, case.device, case.params)
+    whole, partial, visible = _tile_runs(plan, next(r for r in plan.work.view(-1, 10).tolist() if r[1] == 0))
+    assert whole == [(3, 4), (23, 24)] and partial == [(0, 3), (4, 6), (8, 23), (24, 25)] and visible == 23
+    plan.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
+
+
+@pytest.mark.parametrize("window_left", [5, 2**31 - 1])
+def test_custom_mask_with_window(window_left):
+    """A window on top of a custom mask; 2^31 - 1 keeps every key (the classifier's key bounds
+    must not wrap around int32)."""
+    mask = torch.rand(64, 70, generator=torch.Generator().manual_seed(5)) < 0.8
+    case = make_ragged_case(qo_lens=[64], kv_lens=[70], mask_mode="custom", custom_masks=[mask], head_dim_qk=32,
+                            window_left=window_left)
+    plan_prefill(case.problem, case.device, case.params).run(case.inputs)
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 
 

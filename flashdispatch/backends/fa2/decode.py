@@ -70,12 +70,13 @@ class DecodeConfig:
     """Kernel and split-policy knobs.
 
     block_n: tokens per inner step; num_warps / num_stages: Triton launch options;
-    max_registers: per-thread register cap handed to ptxas (Triton's ``maxnreg``) for programs of
-    one 16-row block at ``block_n``; 0: ptxas chooses. It sets how many programs fit on an SM,
-    which bounds the KV reads in flight (sm90 d128, 4 warps, block_n 32: ptxas gave group 4's
-    direct-table variant and group 16's 79-80 registers, 6 programs per SM, where 64 fits 8; see
-    docs/perf-notes.md). Larger row blocks (a cap of 64 does not compile at 64 rows) and plans
-    that switch to ``split_block_n`` run uncapped.
+    max_registers: per-thread register cap handed to ptxas (Triton's ``maxnreg``); 0: ptxas
+    chooses. It sets how many programs fit on an SM, which bounds the KV reads in flight (sm90
+    d128, 4 warps, block_n 32: ptxas gave group 4's direct-table variant and group 16's 79-80
+    registers, 6 programs per SM, where 64 fits 8; see docs/perf-notes.md). Only the variant it
+    was measured on takes it (`_register_cap`: one query row per request, one 16-row block, no
+    RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to ``split_block_n``
+    or override block_n, run uncapped (under 64 they spill, or do not compile at 64 rows).
     max_block_m: most query rows per program (more rows use several row blocks);
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
     worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
@@ -102,8 +103,9 @@ class DecodeConfig:
     the API's kv_indptr and last_page_len instead of a work array: one program per (request, KV
     head, row block) reads its pages and length from them, so plan() builds and uploads nothing
     (H200 bf16 GQA d128 with max_registers 64, TB/s work array -> direct: 256x1024 4.15 -> 4.15,
-    128x2048 4.15 -> 4.15, 256x4096 4.39 -> 4.38; batch-256 plan() ~60-100 us less host time;
-    default_config turns it off for fp8 KV and MHA, where it measured slower).
+    128x2048 4.15 -> 4.15, 256x4096 4.39 -> 4.38; batch-256 plan() ~60-100 us less host time).
+    default_config turns it on for 16-bit GQA KV up to d128, where it was measured; fp8 KV and
+    MHA measured slower with it, d256 is not measured.
     """
 
     block_n: int = 32
@@ -120,7 +122,7 @@ class DecodeConfig:
     page_prefetch: bool = False
     fp8_v_convert: str = "operand"
     fused_merge_max_chunks: int = 16
-    direct_table: bool = True
+    direct_table: bool = False
     max_registers: int = 0
 
     def __post_init__(self):
@@ -144,21 +146,23 @@ class DecodeConfig:
 def default_config(problem: Problem) -> DecodeConfig:
     """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
     d = problem.head_dim_qk
-    # direct_table off where the H200 sweep (session 6, TB/s work array / direct) showed a loss:
-    # fp8 256x4096 3.69 / 3.66 (256x1024 3.21 / 3.20), MHA 64x4096 4.39 / 4.20 (twice)
+    # direct_table where the H200 sweep (session 6, TB/s work array / direct) found parity:
+    # 16-bit GQA (group 4 and 16, page 16 and 1, d64 and d128); fp8 256x4096 3.69 / 3.66, MHA
+    # 64x4096 4.39 / 4.20 (twice) measured slower, d256 not measured
+    gqa = problem.num_qo_heads != problem.num_kv_heads
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
-                                page_prefetch=True, fp8_v_convert="staged", direct_table=False)
-        return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3, direct_table=False)
+                                page_prefetch=True, fp8_v_convert="staged")
+        return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     if problem.page_size == 1 and d <= 128:
-        return DecodeConfig(block_n=128)
-    if problem.num_qo_heads == problem.num_kv_heads and d <= 128:
-        return DecodeConfig(block_n=64, num_stages=3, direct_table=False)
+        return DecodeConfig(block_n=128, direct_table=gqa)
+    if not gqa and d <= 128:
+        return DecodeConfig(block_n=64, num_stages=3)
     if d <= 64:
-        return DecodeConfig(block_n=64)
+        return DecodeConfig(block_n=64, direct_table=True)
     if d <= 128:
-        return DecodeConfig(block_n=32, split_block_n=64, max_registers=64)
+        return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True)
     return DecodeConfig(block_n=32)
 
 
@@ -167,8 +171,8 @@ def _apply(cfg: DecodeConfig, source: dict) -> DecodeConfig:
     if unknown:
         raise ValueError(f"unknown fa2 decode config keys {sorted(unknown)}; "
                          f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
-    if "block_n" in source and "split_block_n" not in source:
-        source = {**source, "split_block_n": None}
+    if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
+        source = {"split_block_n": None, "max_registers": 0, **source}
     return dataclasses.replace(cfg, **source)
 
 
@@ -230,6 +234,16 @@ def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cf
     return _balanced_chunks(eff, n, cfg.block_n) if n.max() > 1 else None
 
 
+def _register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool) -> int:
+    """``cfg.max_registers`` for the variant it was measured on (one query row per request in
+    one 16-row block, no RoPE/ALiBi/soft cap, no fused merge), else 0: the offline sm90 compiles
+    of the others spill under a cap of 64 (RoPE 76-112 bytes, the fused merge of group 8/16 up
+    to 256) or, at 64 rows, do not compile."""
+    plain = (p.q_len_per_req == 1 and block_m <= 16 and not fused_merge and p.pos_encoding_mode == "NONE"
+             and p.logits_soft_cap <= 0)
+    return cfg.max_registers if plain else 0
+
+
 @functools.lru_cache(maxsize=256)
 def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool,
                       direct: bool) -> dict:
@@ -238,6 +252,7 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
     q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
     fp16_dots = p.kv_dtype in FP8_DTYPES and (cfg.fp8_dot_dtype == "fp16" or p.q_dtype == torch.float16)
     merge_r, merge_s = _merge_tile(min(block_m, q_len * group), p.head_dim_vo)
+    cap = _register_cap(p, cfg, block_m, fused_merge)
     return dict(
         NUM_QO_HEADS=p.num_qo_heads, GROUP=group, QLEN=q_len, ROW_BLOCKS=row_blocks,
         PAGE=p.page_size, HEAD_DIM=p.head_dim_qk, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
@@ -249,8 +264,7 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
         FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.max_registers} if cfg.max_registers and block_m <= 16 and not TRITON_INTERPRETED
-           else {}))
+        **({"maxnreg": cap} if cap and not TRITON_INTERPRETED else {}))
 
 
 class DecodePlan:

@@ -471,9 +471,10 @@ def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, b
     in_bounds = tl.where(row_ok, _bit_range(kv_lo - key0, kv_hi - key0), 0)  # [BLOCK_M, WORDS]
     words = _mask_words(mask_ptr, tl.load(mask_indptr_ptr + req).to(tl.int64), offs_m, start_n, qo_len, kv_len,
                         WORDS) & in_bounds
-    if WINDOW:
-        first_key = (offs_m + kv_len - qo_len - window_left)[:, None]
-        words = words & _bit_range(first_key - key0, 16 + tl.zeros_like(key0))
+    if WINDOW:  # int64: pos - window_left - key0 leaves int32 for a window_left near 2^31
+        first_key = (offs_m + kv_len - qo_len).to(tl.int64)[:, None] - window_left
+        lo = tl.maximum(first_key - key0, -1).to(tl.int32)  # >= -1 clamps like any value <= 0
+        words = words & _bit_range(lo, 16 + tl.zeros_like(key0))
     visible = tl.sum(_popcount16(words))
     whole = (visible == tl.sum(_popcount16(in_bounds))) & (start_n >= kv_lo) & (start_n + BLOCK_N <= kv_hi)
     cls = tl.where(visible == 0, 0, tl.where(whole, 1, 2))
