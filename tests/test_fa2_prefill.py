@@ -220,6 +220,18 @@ def test_custom_mask_with_window(window_left):
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 
 
+def test_custom_mask_128_wide_tiles(monkeypatch):
+    """128-key tiles, whose partial-tile loop is not pipelined (shared memory on sm90): same result."""
+    monkeypatch.setenv(CONFIG_ENV, "block_m=32,block_n=128")
+    mask = torch.rand(70, 300, generator=torch.Generator().manual_seed(6)) < 0.5
+    mask[:, 128:256] = True  # one whole tile per query tile
+    case = make_ragged_case(qo_lens=[70], kv_lens=[300], mask_mode="custom", custom_masks=[mask], head_dim_qk=32)
+    plan = plan_prefill(case.problem, case.device, case.params)
+    assert plan.config.block_n == 128
+    plan.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
+
+
 def test_custom_mask_items_run_heaviest_first():
     """The host sees every masked item as the whole KV; once the lists are built the work rows
     are reordered by visible KV tiles, most first: with a causal-pattern mask the last query

@@ -157,7 +157,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
         v_base = V + kvh.to(tl.int64) * stride_vh
     # page ids are fetched one tile ahead, so the K/V addresses never wait on them
     page_ids = _page_ids(kv_indices_ptr, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    # a custom mask's partial tiles at BLOCK_N 128 are not pipelined: their bitmap buffers would
+    # not fit in shared memory beside the K/V stages (sm90, 128x128, 3 stages: 233472 > 232448 B)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if CUSTOM_MASK and MASKED and BLOCK_N >= 128 else None):
         next_n = start_n + BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if PAGE_SIZE == 0:
