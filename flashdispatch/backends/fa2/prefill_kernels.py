@@ -143,9 +143,8 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                 TMA: tl.constexpr):
     """Online-softmax update over the KV tiles starting in [lo, hi). MASKED tiles apply every
     mask (a custom mask's from its tile bitmaps), the chunk bounds [kv_lo, kv_hi) included; the
-    others none. K and V are
-    base pointers or, TMA, the descriptors of the request's rows of this KV head (rows past kv_len
-    load as zeros, so no load mask)."""
+    others none. K and V are base pointers or, TMA, the descriptors of the request's rows of this
+    KV head (rows past kv_len load as zeros, so no load mask)."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     offs_da = tl.arange(0, HEAD_QK_A)
     offs_dv = tl.arange(0, HEAD_VO)
