@@ -342,24 +342,16 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
         runs = tiles_ptr + tl.load(row + 9)
         n_whole = tl.load(runs)
         n_runs = n_whole + tl.load(runs + 1)
-        for r in range(0, n_whole):
-            acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, tl.load(runs + _RUNS_HEAD + 2 * r) * BLOCK_N,
-                                        tl.load(runs + _RUNS_HEAD + 2 * r + 1) * BLOCK_N, k_src, v_src,
-                                        kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
-                                        offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp,
-                                        stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
-                                        rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, False, BLOCK_N, PAGE_SIZE,
-                                        HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
-                                        ROPE, SPLIT, TMA)
-        for r in range(n_whole, n_runs):
-            acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, tl.load(runs + _RUNS_HEAD + 2 * r) * BLOCK_N,
-                                        tl.load(runs + _RUNS_HEAD + 2 * r + 1) * BLOCK_N, k_src, v_src,
-                                        kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
-                                        offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp,
-                                        stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap, window_left,
-                                        rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC, True, BLOCK_N, PAGE_SIZE,
-                                        HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI,
-                                        ROPE, SPLIT, TMA)
+        for partial in tl.static_range(2):  # the whole runs without masks, then the partial ones with them
+            for r in range(n_whole if partial else 0, n_runs if partial else n_whole):
+                acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, tl.load(runs + _RUNS_HEAD + 2 * r) * BLOCK_N,
+                                            tl.load(runs + _RUNS_HEAD + 2 * r + 1) * BLOCK_N, k_src, v_src,
+                                            kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
+                                            offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd,
+                                            stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap,
+                                            window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
+                                            partial == 1, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
+                                            CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, mask_ptr,
