@@ -327,6 +327,19 @@ def test_packbits_matches_numpy():
     assert new.tolist() == [0, 1, 1, 4, 8]
 
 
+@pytest.mark.parametrize("indptr", [[0, 16, 16, 40, 64], [3, 19, 43], [5, 5]], ids=["aligned", "offset_start", "empty"])
+def test_segment_packbits_whole_byte_segments(indptr):
+    """Segments of whole bytes take one packbits (also from an unaligned first offset): the same
+    bytes and offsets as numpy's per-segment packing, in both bit orders."""
+    x = torch.rand(70, generator=torch.Generator().manual_seed(4)) > 0.5
+    ip = torch.tensor(indptr, dtype=torch.int64)
+    for order in ("big", "little"):
+        y, new = flashinfer.segment_packbits(x, ip, bitorder=order)
+        parts = [np.packbits(x[indptr[i]:indptr[i + 1]].numpy(), bitorder=order) for i in range(len(indptr) - 1)]
+        assert np.array_equal(y.numpy(), np.concatenate(parts)) and y.dtype == torch.uint8
+        assert new.dtype == torch.int32 and new.tolist() == [(v - indptr[0]) // 8 for v in indptr]
+
+
 def test_append_paged_kv_cache_round_trip():
     torch.manual_seed(11)
     page, hkv, d = 4, 2, 8
