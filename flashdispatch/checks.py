@@ -127,10 +127,15 @@ def check_run_scale(value, name: str, device: torch.device):
     raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(value).__name__}")
 
 
+_MAX_INDEX_ENTRIES = (1 << 31) - 1  # the kernels address index tensors with int32 offsets
+
+
 def check_index_tensor(t, name: str) -> torch.Tensor:
-    """A 1-D int32 index tensor (indptr, page indices, lengths)."""
+    """A 1-D int32 index tensor (indptr, page indices, lengths) of fewer than 2^31 entries."""
     if not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1):
         check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
+    if t.numel() > _MAX_INDEX_ENTRIES:
+        raise ValueError(f"{name} has {t.numel()} entries; at most 2^31 - 1 are supported (int32 offsets)")
     return t
 
 

@@ -45,6 +45,8 @@ Q = torch.randn(2, 4, 32).half()
     (dict(window_left=-2), ValueError, "window_left=-2"),
     (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap=-1.0"),
     (dict(sm_scale=float("nan")), ValueError, "sm_scale=nan"),
+    (dict(indices=torch.zeros(1, dtype=torch.int32).expand(1 << 31)), ValueError,  # no memory: stride 0
+     "indices has 2147483648 entries; at most 2"),
 ])
 def test_decode_plan_rejects(kw, err, match):
     with pytest.raises(err, match=match):
