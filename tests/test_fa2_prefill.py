@@ -232,6 +232,23 @@ def test_custom_mask_128_wide_tiles(monkeypatch):
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F32])
 
 
+def test_heaviest_first_kernel_ranks_like_a_stable_sort():
+    """150 rows over three programs, many ties: the rows land where a stable descending sort of
+    their visible-tile counts puts them."""
+    from flashdispatch.backends.fa2.prefill_kernels import heaviest_first_kernel
+    gen = torch.Generator().manual_seed(8)
+    n = 150
+    work = torch.randint(0, 1000, (n, 10), dtype=torch.int32, generator=gen)
+    work[:, 9] = torch.arange(n, dtype=torch.int32) * 4  # each row's runs head
+    runs = torch.zeros(4 * n, dtype=torch.int32)
+    visible = torch.randint(0, 6, (n,), dtype=torch.int32, generator=gen)
+    runs[work[:, 9].long() + 2] = visible
+    out = torch.full_like(work, -1)
+    heaviest_first_kernel[(3,)](work, runs, out, n, BLOCK=64)
+    order = np.argsort(-visible.numpy(), kind="stable")
+    assert torch.equal(out, work[torch.from_numpy(order)])
+
+
 def test_custom_mask_items_run_heaviest_first():
     """The host sees every masked item as the whole KV; once the lists are built the work rows
     are reordered by visible KV tiles, most first: with a causal-pattern mask the last query

@@ -31,7 +31,8 @@ from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
 from .launch import bind
 from . import tuning
 from .merge import MERGE_INFO_COLS, launch_decode_merge
-from .prefill_kernels import RUNS_HEAD, WORK_COLS, fa2_prefill_kernel, mask_tile_classes_kernel, mask_tile_runs_kernel
+from .prefill_kernels import (RUNS_HEAD, WORK_COLS, fa2_prefill_kernel, heaviest_first_kernel, mask_tile_classes_kernel,
+                              mask_tile_runs_kernel)
 from .prefill_tma import launch_with_scratch, tma_layout_ok, tma_unused_reason
 
 _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -56,6 +57,7 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 _GRAPH_ITEMS_AT = 256
 _ALIGN = 256  # byte alignment of the partial-output region of the float workspace
 _LIST_CHUNK = 256  # KV tiles the custom-mask runs kernel reads per step
+_ORDER_BLOCK = 64  # work rows one program of heaviest_first_kernel ranks
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,7 @@ class PrefillPlan:
         self._mask_classes = self.tile_bits = None
         if custom and self.num_items:
             self._mask_classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=dev)
+            self._ordered = torch.empty_like(self.work)
             self.tile_bits = self._tile_bitmaps(list_len // 2 * config.block_m * config.block_n // 16, dev, params)
             self.refresh_tile_lists()
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
@@ -369,9 +372,9 @@ class PrefillPlan:
                  max_tiles, self.problem.window_left)
         runs = bind(mask_tile_runs_kernel, BLOCK_N=cfg.block_n, CHUNK=_LIST_CHUNK)
         runs((self.num_items,), self.work, classes, self.tiles, max_tiles)
-        rows = self.work.view(self.num_items, WORK_COLS)
-        visible = self.tiles[rows[:, 9].long() + 2]  # the item's visible KV tiles (head word 2)
-        rows.copy_(rows[torch.argsort(visible, descending=True, stable=True)])
+        order = bind(heaviest_first_kernel, BLOCK=_ORDER_BLOCK)
+        order((-(-self.num_items // _ORDER_BLOCK),), self.work, self.tiles, self._ordered, self.num_items)
+        self.work.copy_(self._ordered)
 
     def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device,
                          list_len: int):

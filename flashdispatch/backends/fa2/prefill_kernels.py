@@ -522,3 +522,25 @@ def mask_tile_runs_kernel(work_ptr, classes_ptr, runs_ptr, max_tiles, BLOCK_N: t
         visible += tl.sum((cls != 0).to(tl.int32))
     n_partial = tl.sum(tl.where(kind == 2, seen, 0))
     tl.store(base + kind, tl.where(kind == 0, n_whole, tl.where(kind == 1, n_partial, tl.where(kind == 2, visible, 0))))
+
+
+@triton.jit
+def heaviest_first_kernel(work_ptr, runs_ptr, out_ptr, n_items, BLOCK: tl.constexpr):
+    """Grid cdiv(n_items, BLOCK): work row i goes to ``out`` row rank(i), the rows ordered by
+    their visible KV tiles (head word 2 of each item's runs, mask_tile_runs_kernel), most first,
+    ties in row order. Each program ranks BLOCK rows against all of them (n_items^2 compares:
+    a few thousand rows take microseconds, against the torch sort's launches)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n_items
+    v_i = tl.load(runs_ptr + tl.load(work_ptr + i * _WORK_COLS + 9, mask=ok, other=0) + 2, mask=ok, other=0)
+    rank = tl.zeros([BLOCK], tl.int32)
+    for j0 in range(0, n_items, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ok_j = j < n_items
+        v_j = tl.load(runs_ptr + tl.load(work_ptr + j * _WORK_COLS + 9, mask=ok_j, other=0) + 2, mask=ok_j, other=0)
+        ahead = (v_j[None, :] > v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((ahead & ok_j[None, :]).to(tl.int32), 1)
+    cols = tl.arange(0, 16)
+    keep = ok[:, None] & (cols < _WORK_COLS)[None, :]
+    rows = tl.load(work_ptr + i[:, None] * _WORK_COLS + cols[None, :], mask=keep)
+    tl.store(out_ptr + rank[:, None] * _WORK_COLS + cols[None, :], rows, mask=keep)
