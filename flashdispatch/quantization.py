@@ -12,9 +12,10 @@ _BITORDERS = ("big", "little")
 
 
 def _weights(bitorder: str, device) -> torch.Tensor:
+    """uint8 [8]: the value of bit j of a byte (``bitorder`` checked)."""
     if bitorder not in _BITORDERS:
         raise ValueError(f"bitorder={bitorder!r} not in {list(_BITORDERS)}")
-    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=device)
+    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
     return w if bitorder == "little" else w.flip(0)
 
 
@@ -35,11 +36,11 @@ def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
     """
     check_tensor(x, "x")
     w = _weights(bitorder, x.device)
-    flat = (x.reshape(-1) != 0).to(torch.int32)
+    flat = (x.reshape(-1) != 0).view(torch.uint8)  # one byte per element, 0 or 1
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8) * w).sum(-1).to(torch.uint8)
+    return (flat.view(-1, 8) * w).sum(-1, dtype=torch.uint8)  # at most 255: exact in uint8
 
 
 def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big") -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,25 +63,28 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     """
     check_tensor(x, "x")
     check_tensor(indptr, "indptr", ndim=1, dtypes=(torch.int32, torch.int64))
-    w = _weights(bitorder, x.device)
+    _weights(bitorder, "cpu")
     ip = indptr.to(device=x.device, dtype=torch.int64)
+    if ip.numel() == 0:
+        raise ValueError("indptr must have at least one entry (num_segments + 1)")
     seg_len = ip[1:] - ip[:-1]
-    if bool((seg_len < 0).any()) or (ip.numel() and int(ip[-1]) > x.numel()):
-        raise ValueError("indptr must be non-decreasing and end within x")
-    if ip.numel() > 1 and bool((seg_len % 8 == 0).all()):
-        # every segment is whole bytes (the usual qo_len x kv_len): one packbits over all of them,
-        # instead of the general gather below (~1.5 GB of int64 temporaries for a 33M-bit mask)
-        return packbits(x.reshape(-1)[int(ip[0]):int(ip[-1])], bitorder), ((ip - ip[0]) // 8).to(torch.int32)
-    seg_bytes = (seg_len + 7) // 8
     new_indptr = torch.zeros_like(ip)
-    new_indptr[1:] = torch.cumsum(seg_bytes, 0)
-    total = int(new_indptr[-1]) if new_indptr.numel() else 0
-    seg_of_byte = torch.repeat_interleave(torch.arange(seg_len.numel(), device=x.device), seg_bytes)
+    new_indptr[1:] = torch.cumsum((seg_len + 7) // 8, 0)
+    # one read of the device values: the checks and the output size
+    first, descending, last, total = torch.stack([ip[0], (seg_len < 0).any().long(), ip[-1], new_indptr[-1]]).tolist()
+    if first < 0 or descending or last > x.numel():
+        raise ValueError(f"indptr must start at >= 0, be non-decreasing and end within x ({x.numel()} elements); "
+                         f"got indptr[0]={first}, indptr[-1]={last}")
+    if x.is_cuda:  # one Triton kernel, no index tensors (bitpack.py)
+        from .bitpack import pack_segments
+        return pack_segments(x, ip, new_indptr, total, bitorder), new_indptr.to(torch.int32)
+    if bool((seg_len % 8 == 0).all()):  # every segment is whole bytes: one packbits over all of them
+        return packbits(x.reshape(-1)[first:last], bitorder), new_indptr.to(torch.int32)
+    seg_of_byte = torch.repeat_interleave(torch.arange(seg_len.numel(), device=x.device), (seg_len + 7) // 8)
     byte_in_seg = torch.arange(total, device=x.device) - new_indptr[seg_of_byte]
     bit = byte_in_seg[:, None] * 8 + torch.arange(8, device=x.device)
     valid = bit < seg_len[seg_of_byte][:, None]
     src = (ip[seg_of_byte][:, None] + bit).clamp(max=max(x.numel() - 1, 0))
-    flat = (x.reshape(-1) != 0).to(torch.int32)
-    bits = torch.where(valid, flat[src] if flat.numel() else torch.zeros_like(src, dtype=torch.int32), 0)
-    y = (bits * w).sum(-1).to(torch.uint8)
-    return y, new_indptr.to(torch.int32)
+    flat = (x.reshape(-1) != 0).view(torch.uint8)
+    bits = torch.where(valid, flat[src] if flat.numel() else torch.zeros_like(src, dtype=torch.uint8), 0)
+    return (bits * _weights(bitorder, x.device)).sum(-1, dtype=torch.uint8), new_indptr.to(torch.int32)
