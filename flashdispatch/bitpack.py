@@ -1,5 +1,5 @@
-"""Custom-mask bit packing on the GPU: `packbits` / `segment_packbits` of CUDA tensors in one
-Triton kernel (imported lazily by quantization.py, so ``import flashdispatch`` needs no Triton).
+"""Custom-mask bit packing on the GPU: `segment_packbits` of CUDA tensors in one Triton kernel
+(imported lazily by quantization.py, so ``import flashdispatch`` needs no Triton).
 
 The torch formulation it replaces built [bytes, 8] int64 index tensors: ~1.5 GB of temporaries
 for an 8 x 512/8192 mask (33.5M bits), 2.2-2.7 ms of a paged prefill plan() on the H200, and an
@@ -51,8 +51,10 @@ def pack_segments(x: torch.Tensor, bit_indptr: torch.Tensor, byte_indptr: torch.
     """uint8 [total_bytes]: each segment ``x[bit_indptr[s]:bit_indptr[s + 1]]`` packed into bytes
     ``byte_indptr[s]:byte_indptr[s + 1]`` (both int64 on x's device, already checked)."""
     flat = x.reshape(-1)
-    if flat.dtype == torch.bool:
+    if flat.dtype == torch.bool and flat.is_contiguous():
         flat = flat.view(torch.uint8)  # same bytes; a Triton pointer of 8-bit ints
+    else:  # strided or expanded views (the kernel reads dense memory) and every other dtype: 0/1 bytes
+        flat = (flat != 0).view(torch.uint8)
     out = torch.empty(total_bytes, dtype=torch.uint8, device=x.device)
     if total_bytes == 0:
         return out

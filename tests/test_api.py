@@ -346,6 +346,18 @@ def test_gpu_segment_pack_kernel_matches_numpy(dtype):
         assert np.array_equal(y.numpy(), np.concatenate(parts))
 
 
+def test_gpu_segment_pack_kernel_strided_and_expanded_input():
+    """Views the kernel cannot read as dense memory (every other element, a broadcast) are packed
+    from a dense copy: the right bits, no read past the storage."""
+    from flashdispatch.bitpack import pack_segments
+    ip, new = torch.tensor([0, 20, 32]), torch.tensor([0, 3, 5])
+    strided = torch.tensor([1, 0] * 32, dtype=torch.bool)[::2]  # all True
+    expanded = torch.ones(1, dtype=torch.bool).expand(32)
+    for x in (strided, expanded):
+        y = pack_segments(x, ip, new, 5, "little")
+        assert y.tolist() == [255, 255, 15, 255, 15]
+
+
 @pytest.mark.gpu
 def test_packbits_on_cuda_match_numpy():
     """segment_packbits on CUDA tensors (the Triton kernel) and packbits: 300 segments of random

@@ -233,18 +233,15 @@ def test_custom_mask_128_wide_tiles(monkeypatch):
 
 
 def test_heaviest_first_kernel_ranks_like_a_stable_sort():
-    """150 rows over three programs, many ties: the rows land where a stable descending sort of
-    their visible-tile counts puts them."""
+    """150 rows over five programs and several compare steps, many ties: the rows land where a
+    stable descending sort of their visible-tile counts puts them."""
     from flashdispatch.backends.fa2.prefill_kernels import heaviest_first_kernel
     gen = torch.Generator().manual_seed(8)
     n = 150
     work = torch.randint(0, 1000, (n, 10), dtype=torch.int32, generator=gen)
-    work[:, 9] = torch.arange(n, dtype=torch.int32) * 4  # each row's runs head
-    runs = torch.zeros(4 * n, dtype=torch.int32)
     visible = torch.randint(0, 6, (n,), dtype=torch.int32, generator=gen)
-    runs[work[:, 9].long() + 2] = visible
     out = torch.full_like(work, -1)
-    heaviest_first_kernel[(3,)](work, runs, out, n, BLOCK=64)
+    heaviest_first_kernel[(5,)](work, visible, out, n, BLOCK_I=32, BLOCK_J=64)
     order = np.argsort(-visible.numpy(), kind="stable")
     assert torch.equal(out, work[torch.from_numpy(order)])
 

@@ -57,7 +57,7 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 _GRAPH_ITEMS_AT = 256
 _ALIGN = 256  # byte alignment of the partial-output region of the float workspace
 _LIST_CHUNK = 256  # KV tiles the custom-mask runs kernel reads per step
-_ORDER_BLOCK = 64  # work rows one program of heaviest_first_kernel ranks
+_ORDER_ROWS, _ORDER_STEP = 32, 512  # heaviest_first_kernel: rows ranked per program, compared per step
 
 
 @dataclass(frozen=True)
@@ -293,6 +293,7 @@ class PrefillPlan:
         if custom and self.num_items:
             self._mask_classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=dev)
             self._ordered = torch.empty_like(self.work)
+            self._visible = torch.empty(self.num_items, dtype=torch.int32, device=dev)
             self.tile_bits = self._tile_bitmaps(list_len // 2 * config.block_m * config.block_n // 16, dev, params)
             self.refresh_tile_lists()
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
@@ -371,9 +372,9 @@ class PrefillPlan:
         classify((self.num_items * max_tiles,), self.work, prm.packed_mask, prm.mask_indptr, classes, self.tile_bits,
                  max_tiles, self.problem.window_left)
         runs = bind(mask_tile_runs_kernel, BLOCK_N=cfg.block_n, CHUNK=_LIST_CHUNK)
-        runs((self.num_items,), self.work, classes, self.tiles, max_tiles)
-        order = bind(heaviest_first_kernel, BLOCK=_ORDER_BLOCK)
-        order((-(-self.num_items // _ORDER_BLOCK),), self.work, self.tiles, self._ordered, self.num_items)
+        runs((self.num_items,), self.work, classes, self.tiles, self._visible, max_tiles)
+        order = bind(heaviest_first_kernel, BLOCK_I=_ORDER_ROWS, BLOCK_J=_ORDER_STEP)
+        order((-(-self.num_items // _ORDER_ROWS),), self.work, self._visible, self._ordered, self.num_items)
         self.work.copy_(self._ordered)
 
     def _graph_work_list(self, workspace: torch.Tensor | None, flat: torch.Tensor, dev: torch.device,

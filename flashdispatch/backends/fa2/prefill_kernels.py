@@ -480,12 +480,13 @@ def mask_tile_classes_kernel(work_ptr, mask_ptr, mask_indptr_ptr, classes_ptr, b
 
 
 @triton.jit
-def mask_tile_runs_kernel(work_ptr, classes_ptr, runs_ptr, max_tiles, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+def mask_tile_runs_kernel(work_ptr, classes_ptr, runs_ptr, visible_ptr, max_tiles, BLOCK_N: tl.constexpr,
+                          CHUNK: tl.constexpr):
     """Grid (items,): item ``i``'s visible KV tiles (``classes[i, :]`` from
     mask_tile_classes_kernel) as runs of consecutive tiles of one class, at its tile-list offset:
     a head of `RUNS_HEAD` int32 (whole runs, partial runs, visible tiles, 0), then (first tile,
-    end tile) of each whole run, then of each partial run, in KV order. An item of n KV tiles has
-    at most n runs. The attention kernel walks whole runs without masks and partial ones with
+    end tile) of each whole run, then of each partial run, in KV order; the visible tiles also at
+    ``visible[i]`` (for heaviest_first_kernel). An item of n KV tiles has at most n runs. The attention kernel walks whole runs without masks and partial ones with
     them (plain tile ranges, which pipeline). The classes are read CHUNK at a time, twice: first
     to count the whole runs (where the partial ones start), then to place every run."""
     item = tl.program_id(0)
@@ -522,24 +523,25 @@ def mask_tile_runs_kernel(work_ptr, classes_ptr, runs_ptr, max_tiles, BLOCK_N: t
         visible += tl.sum((cls != 0).to(tl.int32))
     n_partial = tl.sum(tl.where(kind == 2, seen, 0))
     tl.store(base + kind, tl.where(kind == 0, n_whole, tl.where(kind == 1, n_partial, tl.where(kind == 2, visible, 0))))
+    tl.store(visible_ptr + item, visible)
 
 
 @triton.jit
-def heaviest_first_kernel(work_ptr, runs_ptr, out_ptr, n_items, BLOCK: tl.constexpr):
-    """Grid cdiv(n_items, BLOCK): work row i goes to ``out`` row rank(i), the rows ordered by
-    their visible KV tiles (head word 2 of each item's runs, mask_tile_runs_kernel), most first,
-    ties in row order. Each program ranks BLOCK rows against all of them (n_items^2 compares:
-    a few thousand rows take microseconds, against the torch sort's launches)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def heaviest_first_kernel(work_ptr, visible_ptr, out_ptr, n_items, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Grid cdiv(n_items, BLOCK_I): work row i goes to ``out`` row rank(i), the rows ordered by
+    their visible KV tiles (``visible``, from mask_tile_runs_kernel), most first, ties in row
+    order. Each program ranks BLOCK_I rows against all rows, BLOCK_J at a time (n_items^2
+    compares on independent loads: thousands of rows in a few steps, in place of a torch sort's
+    several launches)."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = i < n_items
-    v_i = tl.load(runs_ptr + tl.load(work_ptr + i * _WORK_COLS + 9, mask=ok, other=0) + 2, mask=ok, other=0)
-    rank = tl.zeros([BLOCK], tl.int32)
-    for j0 in range(0, n_items, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        ok_j = j < n_items
-        v_j = tl.load(runs_ptr + tl.load(work_ptr + j * _WORK_COLS + 9, mask=ok_j, other=0) + 2, mask=ok_j, other=0)
+    v_i = tl.load(visible_ptr + i, mask=ok, other=0)
+    rank = tl.zeros([BLOCK_I], tl.int32)
+    for j0 in range(0, n_items, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        v_j = tl.load(visible_ptr + j, mask=j < n_items, other=-1)  # -1: never ahead of a count >= 0
         ahead = (v_j[None, :] > v_i[:, None]) | ((v_j[None, :] == v_i[:, None]) & (j[None, :] < i[:, None]))
-        rank += tl.sum((ahead & ok_j[None, :]).to(tl.int32), 1)
+        rank += tl.sum(ahead.to(tl.int32), 1)
     cols = tl.arange(0, 16)
     keep = ok[:, None] & (cols < _WORK_COLS)[None, :]
     rows = tl.load(work_ptr + i[:, None] * _WORK_COLS + cols[None, :], mask=keep)
