@@ -17,7 +17,6 @@ import atexit
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -32,6 +31,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel  # noqa: E402
+from sm90_ptxas import ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOATS = {"qk_scale", "v_scale", "soft_cap", "rope_inv_scale", "rope_log2_theta"}
@@ -67,21 +67,6 @@ def compile_variant(head: int, tiles: list[int], mask: str, tma: bool):
                           target=TARGET, options=dict(num_warps=warps, num_stages=stages))
 
 
-def ptxas_usage(ptx: str) -> str:
-    """'<registers> regs, <spill bytes> spill' from ptxas -v on the kernel's PTX (sm_90a)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    try:
-        res = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=False)
-    finally:
-        os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", res.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", res.stderr)
-    return f"{regs.group(1) if regs else '?'} regs, {spill.group(1) if spill else '?'} B spill"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dim", type=int, default=128)
@@ -97,7 +82,8 @@ def main() -> None:
         for tma in (False, True):
             k = compile_variant(args.head_dim, args.tiles, mask, tma)
             ptx = k.asm["ptx"]
-            usage = "" if args.no_ptxas else ptxas_usage(ptx)
+            regs, spill = (None, None) if args.no_ptxas else ptxas_usage(ptx)
+            usage = "" if args.no_ptxas else f"{regs or '?'} regs, {'?' if spill is None else spill} B spill"
             print(f"{mask:7} {str(tma):5} {k.metadata.shared:9} {k.metadata.global_scratch_size:9} "
                   f"{ptx.count('cp.async.bulk.tensor'):9} {len(re.findall(r'cp[.]async[.]c[ag]', ptx)):8} "
                   f"{len(re.findall(r'wgmma[.]mma_async', ptx)):6}  {usage}", flush=True)

@@ -6,6 +6,9 @@ Caps declare, split and unsplit plans, and the CUDA-graph re-plan contract.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -447,3 +450,16 @@ def test_direct_table_only_where_nothing_is_split():
     case = _case(seed=12)
     plan = _check(case, config={"direct_table": True}, fixed_split_size=1)
     assert plan.n_merge > 0 and not plan.direct
+
+
+def test_sm90_register_cap_keeps_8_programs_per_sm():
+    """Offline sm90 compile (scripts/decode_registers.py, no GPU): with the default cap both the
+    work-array and the direct-table variants of bf16 32/8 d128 fit 8 programs per SM (uncapped,
+    the direct table took 79 registers: 6 per SM)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "decode_registers.py"
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {line[:24].strip(): line[24:].split() for line in res.stdout.splitlines()[2:]}
+    for name in ("work array, cap 64", "direct table, cap 64"):
+        regs, spill, _, per_sm = rows[name]
+        assert int(regs) <= 64 and int(spill) == 0 and int(per_sm) == 8, (name, rows)

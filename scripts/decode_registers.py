@@ -1,0 +1,111 @@
+"""Offline sm90 compile of the fa2 decode kernel: registers, spills, shared memory and programs
+per SM of the variants a plan would launch (no GPU needed).
+
+Compiles ``decode_kernel`` for GPUTarget("cuda", 90, 32) with the constexprs ``_kernel_constants``
+gives the problem's default config plus run()'s (float scales; lse with --lse), pointers and
+strides divisible by 16 as a launch of contiguous tensors specializes them, once per (work
+array | direct table) x (register cap as configured | none), and runs ptxas -v on the PTX.
+This is how session 6 explained a slower direct table: 79 registers against the work array's
+64, 6 programs per SM instead of 8 (128x2048 read 3.38 TB/s against 4.24).
+
+    .venv/bin/python scripts/decode_registers.py                          # bf16, 32/8 heads, d128
+    .venv/bin/python scripts/decode_registers.py --heads 64,4 --kv e4m3 --q-len 4
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fd_decode_regs_")
+atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from flashdispatch.backends.fa2 import decode as fdec  # noqa: E402
+from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
+from flashdispatch.dispatch.problem import Problem  # noqa: E402
+from sm90_ptxas import ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
+
+TARGET = GPUTarget("cuda", 90, 32)
+KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
+                torch.float8_e5m2: "*fp8e5"}
+FLOATS = {"qk_scale", "v_scale", "soft_cap", "rope_rcp_scale", "rope_log2_theta"}
+SM_REGISTERS, SM_SHARED, SM_THREADS = 65536, 232448, 2048  # H100/H200 per SM
+
+
+def compile_variant(consts: dict, q_dtype, kv_dtype):
+    """The CompiledKernel of ``decode_kernel`` with these constexprs and launch options."""
+    options = {k: consts[k] for k in ("num_warps", "num_stages", "maxnreg") if k in consts}
+    const = {k: v for k, v in consts.items() if k not in options}
+    const["stride_lh"] = 1  # lse rows are contiguous: a launch makes the unit stride a constexpr
+    pointers = {"q_ptr": TRITON_TYPES[q_dtype], "out_ptr": TRITON_TYPES[q_dtype], "k_ptr": TRITON_TYPES[kv_dtype],
+                "v_ptr": TRITON_TYPES[kv_dtype]}
+    sig, attrs = {}, {}
+    for i, name in enumerate(decode_kernel.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = pointers.get(name, "*i32" if name in ("work_ptr", "last_ptr", "kv_indices_ptr", "merge_info_ptr",
+                                                          "counters_ptr")
+                                  else "*fp32" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32")
+        if sig[name].startswith("*") or name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=decode_kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=TARGET, options=options)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", default="32,8", help="QO_HEADS,KV_HEADS")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--kv", default="bf16", choices=sorted(KV))
+    ap.add_argument("--q-len", type=int, default=1, help="q_len_per_req (speculative rows)")
+    ap.add_argument("--config", default="{}", help="JSON DecodeConfig overrides, as FLASHDISPATCH_FA2_DECODE_CONFIG")
+    ap.add_argument("--lse", action="store_true", help="the run variant that writes lse")
+    args = ap.parse_args()
+    hq, hk = (int(h) for h in args.heads.split(","))
+    q_dtype = torch.bfloat16
+    p = Problem("decode", q_dtype, KV[args.kv], q_dtype, hq, hk, args.head_dim, args.head_dim,
+                page_size=args.page_size, q_len_per_req=args.q_len)
+    cfg = fdec.resolve_config(p, json.loads(args.config))
+    rows = args.q_len * (hq // hk)
+    block_m = max(16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
+    row_blocks = -(-rows // block_m)
+    print(f"triton {triton.__version__}, sm90; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
+          f"{args.page_size}, q_len {args.q_len}; config {cfg}")
+    print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")
+    for direct in (False, True):
+        for capped in ((True, False) if cfg.max_registers else (False,)):
+            variant_cfg = cfg if capped else fdec._apply(cfg, {"max_registers": 0})
+            consts = fdec._kernel_constants(p, variant_cfg, block_m, row_blocks, False, direct)
+            consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
+            # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
+            consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
+            if capped and "maxnreg" not in consts:  # _register_cap: not this variant
+                continue
+            k = compile_variant(consts, q_dtype, KV[args.kv])
+            regs, spill = ptxas_usage(k.asm["ptx"])
+            if regs is None:
+                raise RuntimeError(f"ptxas gave no register count for {direct=}, {capped=}")
+            spill = spill or 0
+            threads = 32 * consts["num_warps"]
+            per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), SM_SHARED // max(k.metadata.shared + 1024, 1),
+                         SM_THREADS // threads, 32)
+            name = ("direct table" if direct else "work array") + (f", cap {cfg.max_registers}" if capped else "")
+            print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
