@@ -139,6 +139,12 @@ def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, merge_info_ptr, counter_p
 
 
 @triton.jit
+def _div(x, d: tl.constexpr):
+    """x // d for x >= 0 (token indices): unsigned, so no sign fix-up (a shift for powers of two)."""
+    return (x.to(tl.uint32) // d).to(tl.int32)
+
+
+@triton.jit
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
@@ -258,10 +264,10 @@ def decode_kernel(
         tc = tl.minimum(t, tok_end - 1)  # clamped: loads stay in bounds, scores masked below
         if PAGE_PREFETCH:
             page = page_next.to(tl.int64)
-            page_next = tl.load(kv_indices_ptr + page_base + tl.minimum(t + BLOCK_N, tok_end - 1) // PAGE)
+            page_next = tl.load(kv_indices_ptr + page_base + _div(tl.minimum(t + BLOCK_N, tok_end - 1), PAGE))
         else:
-            page = tl.load(kv_indices_ptr + page_base + tc // PAGE).to(tl.int64)
-        in_page = tc % PAGE
+            page = tl.load(kv_indices_ptr + page_base + _div(tc, PAGE)).to(tl.int64)
+        in_page = tc - _div(tc, PAGE) * PAGE
         k_off = page * stride_kp + in_page * stride_ks
         v_off = page * stride_vp + in_page * stride_vs
         if ROPE:

@@ -46,7 +46,9 @@ def _page_ids(kv_indices_ptr, kv_start, start_n, kv_len, PAGE_SIZE: tl.constexpr
         page = tl.load(kv_indices_ptr + kv_start + start_n // PAGE_SIZE, mask=start_n < kv_len, other=0)
         return tl.zeros([BLOCK_N], tl.int32) + page
     else:
-        return tl.load(kv_indices_ptr + kv_start + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
+        # offs_n >= 0: unsigned division, no sign fix-up (a shift for power-of-two pages)
+        page_of = (offs_n.to(tl.uint32) // PAGE_SIZE).to(tl.int32)
+        return tl.load(kv_indices_ptr + kv_start + page_of, mask=offs_n < kv_len, other=0)
 
 
 @triton.jit
@@ -166,7 +168,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             slot = tl.zeros([BLOCK_N], tl.int64)
         else:
             page = page_ids.to(tl.int64)
-            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            slot = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int64)  # offs_n >= 0: unsigned, no sign fix-up
             page_ids = _page_ids(kv_indices_ptr, kv_start, next_n, kv_len, PAGE_SIZE, BLOCK_N)
         k_rows = page * stride_kp + slot * stride_ks
         if TMA:
