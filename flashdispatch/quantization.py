@@ -11,10 +11,14 @@ from .checks import check_tensor
 _BITORDERS = ("big", "little")
 
 
-def _weights(bitorder: str, device) -> torch.Tensor:
-    """uint8 [8]: the value of bit j of a byte (``bitorder`` checked)."""
+def _check_bitorder(bitorder: str) -> None:
     if bitorder not in _BITORDERS:
         raise ValueError(f"bitorder={bitorder!r} not in {list(_BITORDERS)}")
+
+
+def _weights(bitorder: str, device) -> torch.Tensor:
+    """uint8 [8]: the value of bit j of a byte (``bitorder`` checked)."""
+    _check_bitorder(bitorder)
     w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
     return w if bitorder == "little" else w.flip(0)
 
@@ -63,7 +67,7 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     """
     check_tensor(x, "x")
     check_tensor(indptr, "indptr", ndim=1, dtypes=(torch.int32, torch.int64))
-    _weights(bitorder, "cpu")
+    _check_bitorder(bitorder)
     ip = indptr.to(device=x.device, dtype=torch.int64)
     if ip.numel() == 0:
         raise ValueError("indptr must have at least one entry (num_segments + 1)")

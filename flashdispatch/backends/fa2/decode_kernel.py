@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from .merge import _merge_row_block
+from .paging import page_of, slot_in_page
 from .trig import sincos
 
 WORK_COLS = 8
@@ -136,12 +137,6 @@ def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, merge_info_ptr, counter_p
                              g < g_end, first, chunks, QLEN * NUM_QO_HEADS * HEAD_DIM, QLEN * NUM_QO_HEADS,
                              BLOCK_R, BLOCK_S, HEAD_DIM, WRITE_LSE)
         tl.store(counter_ptr, 0)
-
-
-@triton.jit
-def _div(x, d: tl.constexpr):
-    """x // d for x >= 0 (token indices): unsigned, so no sign fix-up (a shift for powers of two)."""
-    return (x.to(tl.uint32) // d).to(tl.int32)
 
 
 @triton.jit
@@ -264,10 +259,10 @@ def decode_kernel(
         tc = tl.minimum(t, tok_end - 1)  # clamped: loads stay in bounds, scores masked below
         if PAGE_PREFETCH:
             page = page_next.to(tl.int64)
-            page_next = tl.load(kv_indices_ptr + page_base + _div(tl.minimum(t + BLOCK_N, tok_end - 1), PAGE))
+            page_next = tl.load(kv_indices_ptr + page_base + page_of(tl.minimum(t + BLOCK_N, tok_end - 1), PAGE))
         else:
-            page = tl.load(kv_indices_ptr + page_base + _div(tc, PAGE)).to(tl.int64)
-        in_page = tc - _div(tc, PAGE) * PAGE
+            page = tl.load(kv_indices_ptr + page_base + page_of(tc, PAGE)).to(tl.int64)
+        in_page = slot_in_page(tc, PAGE)
         k_off = page * stride_kp + in_page * stride_ks
         v_off = page * stride_vp + in_page * stride_vs
         if ROPE:

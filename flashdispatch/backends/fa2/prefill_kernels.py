@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .paging import page_of, slot_in_page
 from .prefill_tma import kv_descriptor
 from .trig import sincos
 
@@ -46,9 +47,7 @@ def _page_ids(kv_indices_ptr, kv_start, start_n, kv_len, PAGE_SIZE: tl.constexpr
         page = tl.load(kv_indices_ptr + kv_start + start_n // PAGE_SIZE, mask=start_n < kv_len, other=0)
         return tl.zeros([BLOCK_N], tl.int32) + page
     else:
-        # offs_n >= 0: unsigned division, no sign fix-up (a shift for power-of-two pages)
-        page_of = (offs_n.to(tl.uint32) // PAGE_SIZE).to(tl.int32)
-        return tl.load(kv_indices_ptr + kv_start + page_of, mask=offs_n < kv_len, other=0)
+        return tl.load(kv_indices_ptr + kv_start + page_of(offs_n, PAGE_SIZE), mask=offs_n < kv_len, other=0)
 
 
 @triton.jit
@@ -168,7 +167,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             slot = tl.zeros([BLOCK_N], tl.int64)
         else:
             page = page_ids.to(tl.int64)
-            slot = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int64)  # offs_n >= 0: unsigned, no sign fix-up
+            slot = slot_in_page(offs_n, PAGE_SIZE).to(tl.int64)
             page_ids = _page_ids(kv_indices_ptr, kv_start, next_n, kv_len, PAGE_SIZE, BLOCK_N)
         k_rows = page * stride_kp + slot * stride_ks
         if TMA:
@@ -488,9 +487,10 @@ def mask_tile_runs_kernel(work_ptr, classes_ptr, runs_ptr, visible_ptr, max_tile
     mask_tile_classes_kernel) as runs of consecutive tiles of one class, at its tile-list offset:
     a head of `RUNS_HEAD` int32 (whole runs, partial runs, visible tiles, 0), then (first tile,
     end tile) of each whole run, then of each partial run, in KV order; the visible tiles also at
-    ``visible[i]`` (for heaviest_first_kernel). An item of n KV tiles has at most n runs. The attention kernel walks whole runs without masks and partial ones with
-    them (plain tile ranges, which pipeline). The classes are read CHUNK at a time, twice: first
-    to count the whole runs (where the partial ones start), then to place every run."""
+    ``visible[i]`` (for heaviest_first_kernel). An item of n KV tiles has at most n runs. The
+    attention kernel walks whole runs without masks and partial ones with them (plain tile
+    ranges, which pipeline). The classes are read CHUNK at a time, twice: first to count the
+    whole runs (where the partial ones start), then to place every run."""
     item = tl.program_id(0)
     row = work_ptr + item * _WORK_COLS
     kv_lo = tl.load(row + 4)
