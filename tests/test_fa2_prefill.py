@@ -76,6 +76,33 @@ def test_paged_qk_vo_192_128_tuple_cache():
                           num_kv_heads=1))
 
 
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_paged_v_with_its_own_page_stride(page_size):
+    """K and V with different page strides (V's pages padded): V rows are not at K's row offsets,
+    so the kernel computes them separately (the launch variant without shared rows)."""
+    case = make_paged_case(qo_lens=[20, 33], kv_lens=[50, 70], page_size=page_size, kv_storage="tuple",
+                           mask_mode="causal", num_qo_heads=2, num_kv_heads=1, head_dim_qk=64, q_dtype=F16)
+    kv = case.inputs.kv
+    padded = torch.full((kv.v.shape[0], kv.v.shape[1] + 3, *kv.v.shape[2:]), float("nan"), dtype=kv.v.dtype)
+    padded[:, :page_size] = kv.v
+    kv.v = padded[:, :page_size]
+    assert kv.v.stride(0) != kv.k.stride(0)
+    check(case)
+
+
+def test_paged_page_stride_past_int32_is_refused():
+    """A page stride of 2**31 elements (one page, so a small storage) would overflow the kernel's
+    32-bit row products: ValueError naming the strides, before any launch."""
+    case = make_paged_case(qo_lens=[5], kv_lens=[9], page_size=16, extra_pages=0, shuffle_pages=False,
+                           num_qo_heads=2, num_kv_heads=1, head_dim_qk=64, q_dtype=F16)
+    kv = case.inputs.kv
+    assert kv.k.shape[0] == 1
+    kv.k = kv.k.contiguous().as_strided(kv.k.shape, (2**31, *kv.k.stride()[1:]))
+    plan = plan_prefill(case.problem, case.device, case.params)
+    with pytest.raises(ValueError, match="strides must be < 2\\*\\*31"):
+        plan.run(case.inputs)
+
+
 def test_strided_q_out_views():
     case = make_ragged_case(qo_lens=[21, 12], kv_lens=[30, 12], mask_mode="causal", head_dim_qk=64)
     inp = case.inputs

@@ -35,7 +35,7 @@ def check(case, config=None, expect_tma=True):
     plan.run(case.inputs)
     torch.cuda.synchronize()
     assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
-    assert plan.tma and [variant[-1] for variant in plan._launchers] == [expect_tma], plan.tma_reason
+    assert plan.tma and [variant.tma for variant in plan._launchers] == [expect_tma], plan.tma_reason
     return plan
 
 
@@ -117,7 +117,7 @@ def test_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[BF16])
-    assert [variant[-1] for variant in plan._launchers] == [True]
+    assert [variant.tma for variant in plan._launchers] == [True]
 
 
 def test_unaligned_view_falls_back():
@@ -196,4 +196,4 @@ def test_default_config_takes_tma_at_d128_on_sm90():
     plan.run(case.inputs)
     torch.cuda.synchronize()
     assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
-    assert plan.tma and [variant[-1] for variant in plan._launchers] == [True], plan.tma_reason
+    assert plan.tma and [variant.tma for variant in plan._launchers] == [True], plan.tma_reason

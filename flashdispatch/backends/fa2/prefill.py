@@ -18,6 +18,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,6 +59,20 @@ _GRAPH_ITEMS_AT = 256
 _ALIGN = 256  # byte alignment of the partial-output region of the float workspace
 _LIST_CHUNK = 256  # KV tiles the custom-mask runs kernel reads per step
 _ORDER_ROWS, _ORDER_STEP = 32, 512  # heaviest_first_kernel: rows ranked per program, compared per step
+_MAX_ROW_STRIDE = 2**31  # K/V page and token strides: the kernel forms row offsets with 32x32-bit products
+
+
+class LaunchVariant(NamedTuple):
+    """The per-run constexprs of a prefill launch: q dtype, sinks, lse, per-tensor q/k/v scale
+    tensors, TMA loads, and V rows at K's row offsets (equal page and token strides)."""
+    dtype: torch.dtype
+    sinks: bool
+    has_lse: bool
+    q_scale_t: bool
+    k_scale_t: bool
+    v_scale_t: bool
+    tma: bool
+    shared_rows: bool
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,10 @@ def _config_value(name: str, text: str):
     return value
 
 
+# the features whose d<=128 kernel fits 128x128 tiles with 3 stages in shared memory
+_LIGHT_FEATURES = frozenset({"causal", "sliding_window", "lse", "cuda_graph", "fp8_kv"})
+
+
 def default_config(problem: Problem, device: Device) -> PrefillConfig:
     """Tile sizes per head dim (measured on an H200, see docs/perf-notes.md "fa2 prefill")."""
     if not device.is_cuda:  # interpreter: small tiles so tiny tests still cross tiles and pages
@@ -116,12 +135,18 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
     if problem.head_dim_qk <= 64:
         return PrefillConfig(128, 64, 4, 3)
     if problem.head_dim_qk <= 128:
-        # 128-wide KV tiles run out of shared memory with RoPE's second K load or the mask bytes
-        light = problem.features() <= {"causal", "sliding_window", "lse", "cuda_graph", "fp8_kv"}
+        sm90 = device.cc is not None and device.cc[0] == 9
+        features = problem.features()
+        custom = "custom_mask" in features
+        # 128-wide KV tiles run out of shared memory with RoPE's second K load; with a custom
+        # mask's bitmaps they fit on sm90 only (228 KB, partial tiles unpipelined): H200, same
+        # run, 128x64 -> 128x128 TFLOP/s: single 4096 mask 360 -> 397, paged 8x512/8192 mask 443 -> 482
+        wide = features - {"custom_mask"} <= _LIGHT_FEATURES and (not custom or sm90)
         # TMA K/V loads where they apply (ragged, sm90+, see prefill_tma.py): H200 single 4096 rows,
         # same run, pointer -> TMA TFLOP/s: window 1024 269 -> 289, causal 412 -> 414, non-causal
-        # 468 -> 469, 16384 513 -> 518, custom mask 295 -> 292 (noise); sm90 only (measured there)
-        return PrefillConfig(128, 128 if light else 64, 8, 3, tma=device.cc is not None and device.cc[0] == 9)
+        # 468 -> 469, 16384 513 -> 518; with a custom mask at 128x128 pointer loads are faster
+        # (397 against 382)
+        return PrefillConfig(128, 128 if wide else 64, 8, 3, tma=sm90 and not custom)
     if problem.head_dim_qk <= 192:
         return PrefillConfig(128, 64, 8, 2)
     return PrefillConfig(64, 64, 4, 2)
@@ -301,7 +326,7 @@ class PrefillPlan:
         self.tma_reason = ("tma=0" if not config.tma
                            else tma_unused_reason(problem, device, config.num_stages, TRITON_INTERPRETED))
         self.tma = self.tma_reason is None
-        self._launchers: dict = {}  # (q dtype, SINKS, HAS_LSE, Q/K/V_SCALE_T, TMA) -> BoundKernel
+        self._launchers: dict = {}  # LaunchVariant -> BoundKernel
 
     def _chunking(self, tiles: np.ndarray, device: Device, params: AttentionParams):
         """chunks_of(tile index) -> [(kv_lo, kv_hi)]: fixed_split_size chunks (KV tokens for ragged,
@@ -399,11 +424,11 @@ class PrefillPlan:
         work.copy_(flat)
         return work, count
 
-    def _bind(self, variant: tuple):
+    def _bind(self, variant: "LaunchVariant"):
         """The prefill kernel with this plan's constexprs and the per-run ones in ``variant``: a
         BoundKernel, wrapped to provide the descriptors' scratch when TMA is on."""
         p, cfg = self.problem, self.config
-        dtype, sinks, has_lse, q_t, k_t, v_t, tma = variant
+        dtype, sinks, has_lse, q_t, k_t, v_t, tma, shared_rows = variant
         head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
         launch = self._launchers[variant] = bind(
             fa2_prefill_kernel,
@@ -415,7 +440,7 @@ class PrefillPlan:
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
             ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=sinks,
             HAS_LSE=has_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
-            PERSISTENT=p.use_cuda_graph, TMA=tma, num_warps=cfg.num_warps,
+            PERSISTENT=p.use_cuda_graph, TMA=tma, SHARED_ROWS=shared_rows, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
         if tma:
             launch = self._launchers[variant] = functools.partial(launch_with_scratch, launch)
@@ -456,7 +481,12 @@ class PrefillPlan:
         custom = p.mask_mode == "custom"
         # TMA only where this call's K/V views meet the descriptor rules; else the pointer path, not an error
         tma = self.tma and tma_layout_ok(k, v)
-        variant = (q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t, tma)
+        if max(sk[0], sk[1], sv[0], sv[1]) >= _MAX_ROW_STRIDE:  # the kernel multiplies them in 32-bit
+            raise ValueError(f"fa2 prefill: K/V page and token strides must be < 2**31 elements, got "
+                             f"k {sk[:2]}, v {sv[:2]}")
+        # V rows at K's offsets when the page and token strides agree (5-D caches, like tuples)
+        variant = LaunchVariant(q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t, tma,
+                                sk[:2] == sv[:2])
         launch = self._launchers.get(variant) or self._bind(variant)
         launch(
             self.grid, q, k, v, out, lse if lse is not None else out,

@@ -51,6 +51,15 @@ def _page_ids(kv_indices_ptr, kv_start, start_n, kv_len, PAGE_SIZE: tl.constexpr
 
 
 @triton.jit
+def _row_offsets(page, slot, stride_page, stride_slot):
+    """int64 element offsets page * stride_page + slot * stride_slot of KV rows. Page ids (or
+    ragged row indices), slots and strides are >= 0 and < 2**31, so both products are unsigned
+    32x32 -> 64-bit multiplies (one IMAD.WIDE.U32 each on sm90), not signed 64x64-bit ones."""
+    wide = page.to(tl.uint32).to(tl.uint64) * stride_page.to(tl.uint32).to(tl.uint64)
+    return (wide + slot.to(tl.uint32).to(tl.uint64) * stride_slot.to(tl.uint32).to(tl.uint64)).to(tl.int64)
+
+
+@triton.jit
 def _rope(x, x_partner, pos, offs_d, HALF: tl.constexpr, HEAD_QK: tl.constexpr,
           rope_inv_scale, rope_log2_theta):
     """Rotate-half RoPE of rows ``x`` (float32, columns ``offs_d``) at positions ``pos``;
@@ -141,11 +150,12 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                 HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
                 CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
-                TMA: tl.constexpr):
+                TMA: tl.constexpr, SHARED_ROWS: tl.constexpr):
     """Online-softmax update over the KV tiles starting in [lo, hi). MASKED tiles apply every
     mask (a custom mask's from its tile bitmaps), the chunk bounds [kv_lo, kv_hi) included; the
     others none. K and V are base pointers or, TMA, the descriptors of the request's rows of this
-    KV head (rows past kv_len load as zeros, so no load mask)."""
+    KV head (rows past kv_len load as zeros, so no load mask). SHARED_ROWS: V's page and slot
+    strides are K's, so V rows are read at K's row offsets (no second address computation)."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     offs_da = tl.arange(0, HEAD_QK_A)
     offs_dv = tl.arange(0, HEAD_VO)
@@ -163,13 +173,13 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
         next_n = start_n + BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if PAGE_SIZE == 0:
-            page = (kv_start + offs_n).to(tl.int64)
-            slot = tl.zeros([BLOCK_N], tl.int64)
+            page = kv_start + offs_n
+            slot = tl.zeros([BLOCK_N], tl.int32)
         else:
-            page = page_ids.to(tl.int64)
-            slot = slot_in_page(offs_n, PAGE_SIZE).to(tl.int64)
+            page = page_ids
+            slot = slot_in_page(offs_n, PAGE_SIZE)
             page_ids = _page_ids(kv_indices_ptr, kv_start, next_n, kv_len, PAGE_SIZE, BLOCK_N)
-        k_rows = page * stride_kp + slot * stride_ks
+        k_rows = _row_offsets(page, slot, stride_kp, stride_ks)
         if TMA:
             k = K.load([start_n, 0])
         else:
@@ -217,7 +227,10 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
         if TMA:
             v = V.load([start_n, 0])
         else:
-            v_ptrs = v_base + (page * stride_vp + slot * stride_vs)[:, None] + offs_dv[None, :] * stride_vd
+            # V at K's row offsets where rows cross pages (the offsets differ per row); within one
+            # page the compiler derives V's addresses more cheaply on its own
+            v_rows = k_rows if SHARED_ROWS and PAGE_SIZE % BLOCK_N != 0 else _row_offsets(page, slot, stride_vp, stride_vs)
+            v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd
             if MASKED:
                 v = tl.load(v_ptrs, mask=(offs_n < kv_len)[:, None], other=0.0)
             else:
@@ -255,7 +268,8 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                  CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                  HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
-                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
+                 V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+                 SHARED_ROWS: tl.constexpr):
     """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head. TMA (ragged KV
     only, HEAD_QK_B == 0): K/V tiles through descriptors of the request's rows of this KV head."""
     head = pid % NUM_QO_HEADS
@@ -352,7 +366,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                             stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap,
                                             window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                             partial == 1, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                            CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
+                                            CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, mask_ptr,
@@ -360,19 +374,19 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
                                     DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
+                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, k_src, v_src, kv_indices_ptr, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
                                     DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
+                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
                                     DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA)
+                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS)
 
     seen = l_i > 0.0
     out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
@@ -412,7 +426,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                        SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                        HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
                        V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
-                       TMA: tl.constexpr):
+                       TMA: tl.constexpr, SHARED_ROWS: tl.constexpr):
     """Grid: one program per (work item, head) or, PERSISTENT (CUDA-graph mode), a fixed
     number of programs striding over item * heads with the item count read from memory.
     SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT).
@@ -427,7 +441,8 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                          stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                          BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA)
+                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
+                         SHARED_ROWS)
     else:
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
                      kv_indices_ptr, mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
@@ -436,7 +451,8 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA)
+                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
+                         SHARED_ROWS)
 
 
 @triton.jit
