@@ -268,10 +268,10 @@ def test_custom_mask_default_tiles_are_128_wide_on_sm90_only():
     assert fa2_prefill.default_config(problem, a100).block_n == 64
 
 
-@pytest.mark.parametrize("page_size,block_n", [(1, 64), (16, 64), (64, 64), (128, 128)])
+@pytest.mark.parametrize("page_size,block_n", [(1, 64), (16, 64), (32, 64), (64, 128), (128, 128)])
 def test_paged_default_tiles_follow_the_page_size(page_size, block_n):
-    """Pages shorter than 128 keys take 64-key tiles (measured faster at page 16 on the H200);
-    128-key pages keep 128-key tiles, and so does a custom mask at any page size."""
+    """Pages under 64 keys take 64-key tiles (measured faster at pages 1 and 16 on the H200, slower
+    at 64); longer pages keep 128-key tiles, and so does a custom mask at any page size."""
     problem = ragged().problem.with_(op="prefill_paged", page_size=page_size, q_dtype=torch.bfloat16,
                                      kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, head_dim_qk=128,
                                      head_dim_vo=128, mask_mode="causal")

@@ -142,10 +142,10 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
         # mask's bitmaps they fit on sm90 only (228 KB, partial tiles unpipelined): H200, same
         # run, 128x64 -> 128x128 TFLOP/s: single 4096 mask 360 -> 397, paged 8x512/8192 mask 443 -> 482
         wide = features - {"custom_mask"} <= _LIGHT_FEATURES and (not custom or sm90)
-        # pages shorter than a 128-key tile: 64-key tiles (H200, page 16, same run, 128x128 -> 128x64
-        # TFLOP/s: 16x2048/2048 314 -> 346, 8x512/8192 452 -> 465, 64x128/4096 425 -> 443, window
-        # 1024 268 -> 281); a custom mask keeps 128 (460 against 449)
-        wide = wide and not (0 < problem.page_size < 128 and not custom)
+        # pages under 64 keys: 64-key tiles (H200, same run, 128x128 -> 128x64 TFLOP/s, page 16:
+        # 16x2048/2048 316 -> 346, 8x512/8192 452 -> 463, window 1024 269 -> 281; page 1: 294 -> 328,
+        # 437 -> 427, 241 -> 240; page 64: 320 -> 313, 458 -> 395); a custom mask keeps 128 (460/449)
+        wide = wide and not (0 < problem.page_size < 64 and not custom)
         # TMA K/V loads where they apply (ragged, sm90+, see prefill_tma.py): H200 single 4096 rows,
         # same run, pointer -> TMA TFLOP/s: window 1024 269 -> 289, causal 412 -> 414, non-causal
         # 468 -> 469, 16384 513 -> 518; with a custom mask at 128x128 pointer loads are faster
