@@ -204,7 +204,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             if ALIBI:
                 s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         if MASKED:
-            keep = (offs_n < kv_hi)[None, :]
+            # causal rows stop at their position, below kv_len: the chunk end matters only when
+            # split (rows past qo_len see more, but they are never stored)
+            keep = (offs_n < (kv_hi if SPLIT or not CAUSAL else 2147483647))[None, :]
             if SPLIT:
                 keep = keep & (offs_n >= kv_lo)[None, :]
             if CUSTOM_MASK:  # the bitmap holds the window and the chunk and row bounds too
@@ -381,12 +383,13 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
                                     DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
                                     CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS)
+        # keys from c on are inside every stored row's window (c >= b, the first such tile): no window test
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
                                     DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS)
+                                    CUSTOM_MASK, False, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS)
 
     seen = l_i > 0.0
     out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
