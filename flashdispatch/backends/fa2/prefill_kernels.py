@@ -204,9 +204,10 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             if ALIBI:
                 s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         if MASKED:
-            # causal rows stop at their position, below kv_len: the chunk end matters only when
-            # split (rows past qo_len see more, but they are never stored)
-            keep = (offs_n < (kv_hi if SPLIT or not CAUSAL else 2147483647))[None, :]
+            # causal rows stop at their position, below kv_len, so unsplit the chunk end is implied
+            # (rows past qo_len see more, but they are never stored); dropped with a window only:
+            # on plain causal tiles the loop measured 1.7 % slower without it (H200, single 4096)
+            keep = (offs_n < (kv_hi if SPLIT or not (CAUSAL and WINDOW) else 2147483647))[None, :]
             if SPLIT:
                 keep = keep & (offs_n >= kv_lo)[None, :]
             if CUSTOM_MASK:  # the bitmap holds the window and the chunk and row bounds too
