@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not TRITON_INTERPRETED,
                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 
 if TRITON_INTERPRETED or torch.cuda.is_available():
-    from flashdispatch.backends.fa2.merge import MERGE_CAPS, merge_states
+    from flashdispatch.backends.fa2.merge import MERGE_CAPS, launch_decode_merge, merge_states
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -80,3 +80,36 @@ def test_merge_strided_inputs_and_out_dtype():
 def test_merge_caps():
     assert MERGE_CAPS.ops == frozenset({"merge"})
     assert MERGE_CAPS.q_dtypes == frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+@pytest.mark.parametrize("head_dim,counts,with_lse", [(128, [70, 2, 1, 5], True), (64, [3, 65], False),
+                                                      (16, [4, 1, 9], True)])
+def test_decode_merge_column_blocks(head_dim, counts, with_lse):
+    """The split-decode merge: each request's partials (counts; 1 = written by the decode kernel,
+    left alone) merged per (row, head) in column blocks of 32 where they divide head_dim (else all
+    columns at once, d16), lse
+    from the first block; more partials than one load round (64) included."""
+    q_len, heads = 2, 3
+    total = sum(counts)
+    v, s = _states(total, q_len, heads, head_dim, torch.float32, seed=head_dim)  # [P, q_len, H, D]
+    s[3, 1, 2] = float("-inf")
+    info, first = [], 0
+    for i, n in enumerate(counts):
+        info.append([i * q_len, first, n, 0])
+        first += n
+    rows = len(counts) * q_len
+    out = torch.full((rows, heads, head_dim), float("nan"), device=DEVICE)
+    lse = torch.full((rows, heads), float("nan"), device=DEVICE) if with_lse else None
+    launch_decode_merge(v.to(DEVICE), s.to(DEVICE), out, lse, torch.tensor(info, dtype=torch.int32, device=DEVICE),
+                        len(counts), q_len)
+    first = 0
+    for i, n in enumerate(counts):
+        got = out[i * q_len:(i + 1) * q_len].cpu()
+        if n < 2:
+            assert torch.isnan(got).all()  # not the merge's row
+        else:
+            ref_v, ref_s = oracle_merge(v[first:first + n].transpose(0, 1), s[first:first + n].transpose(0, 1))
+            assert rel_err(got, ref_v) <= 1e-5
+            if with_lse:
+                assert (lse[i * q_len:(i + 1) * q_len].cpu().double() - ref_s).abs().max().item() <= 1e-5
+        first += n

@@ -52,10 +52,11 @@ def _merge_step(m_i, l_i, acc, s_k, v_k, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, head_dim,
+def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, head_dim, write_s,
                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_S: tl.constexpr):
-    """Merge states first..first+n-1 of one (row, head); the pointers already point at it.
-    States are read BLOCK_S at a time, so a few dozen splits cost one or two load rounds."""
+    """Merge states first..first+n-1 of one (row, head) over columns [0, head_dim) of v_ptr; the
+    pointers already point at it. States are read BLOCK_S at a time, so a few dozen splits cost
+    one or two load rounds. The merged s is stored where WRITE_S and ``write_s``."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
@@ -72,7 +73,7 @@ def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, he
     l_safe = tl.where(l_i == 0, 1.0, l_i)
     tl.store(vo_ptr + offs_d, (acc / l_safe).to(vo_ptr.dtype.element_ty), mask=mask_d)
     if WRITE_S:
-        tl.store(so_ptr, tl.where(l_i == 0, float("-inf"), m_i + tl.log2(l_safe)))
+        tl.store(so_ptr, tl.where(l_i == 0, float("-inf"), m_i + tl.log2(l_safe)), mask=write_s)
 
 
 @triton.jit
@@ -110,18 +111,20 @@ def _merge_states_kernel(v_ptr, s_ptr, vo_ptr, so_ptr, num_states, head_dim,
     h = tl.program_id(1).to(tl.int64)
     _merge_rows(v_ptr + t * stride_vt + h * stride_vh, s_ptr + t * stride_st + h * stride_sh,
                 vo_ptr + t * stride_vot + h * stride_voh, so_ptr + t * stride_sot + h * stride_soh,
-                0, num_states, stride_vs, stride_ss, head_dim, BLOCK_S, BLOCK_D, WRITE_S=True)
+                0, num_states, stride_vs, stride_ss, head_dim, True, BLOCK_S, BLOCK_D, WRITE_S=True)
 
 
 @triton.jit
 def _merge_decode_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, info_ptr,
                          stride_ot, stride_oh, stride_lt, stride_lh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QLEN: tl.constexpr,
-                         BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Program (split request x q row, head): merge its partials into out/lse. Requests with
-    fewer than two partials were written directly by the decode kernel."""
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Program (split request x q row, head, column block): merge its partials' BLOCK_D columns
+    into out (column block 0 also writes lse). Requests with fewer than two partials were written
+    directly by the decode kernel."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    col = tl.program_id(2) * BLOCK_D
     item = pid // QLEN
     qi = pid % QLEN
     row_base = tl.load(info_ptr + item * 4)
@@ -129,10 +132,10 @@ def _merge_decode_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, info_ptr,
     n = tl.load(info_ptr + item * 4 + 2)
     if n > 1:
         row = (row_base + qi).to(tl.int64)
-        _merge_rows(po_ptr + (qi * NUM_HEADS + h) * HEAD_DIM, plse_ptr + qi * NUM_HEADS + h,
-                    out_ptr + row * stride_ot + h * stride_oh, lse_ptr + row * stride_lt + h * stride_lh,
-                    first, n, QLEN * NUM_HEADS * HEAD_DIM, QLEN * NUM_HEADS, HEAD_DIM,
-                    BLOCK_S, HEAD_DIM, WRITE_S=WRITE_LSE)
+        _merge_rows(po_ptr + (qi * NUM_HEADS + h) * HEAD_DIM + col, plse_ptr + qi * NUM_HEADS + h,
+                    out_ptr + row * stride_ot + h * stride_oh + col, lse_ptr + row * stride_lt + h * stride_lh,
+                    first, n, QLEN * NUM_HEADS * HEAD_DIM, QLEN * NUM_HEADS, BLOCK_D, col == 0,
+                    BLOCK_S, BLOCK_D, WRITE_S=WRITE_LSE)
 
 
 def _states_block(head_dim: int) -> int:
@@ -140,10 +143,23 @@ def _states_block(head_dim: int) -> int:
     return max(2, min(32, 4096 // head_dim))
 
 
+# head-dim columns per decode-merge program: a few programs per (row, head), so a batch-1 merge of
+# 32 heads runs on more than 32 SMs and reads all of a few dozen partials in one load round
+_MERGE_COLS = 32
+_MERGE_STATES = 64
+
+
+def _merge_columns(head_dim: int) -> int:
+    """Columns per decode-merge program: _MERGE_COLS where they divide head_dim, else all."""
+    return _MERGE_COLS if head_dim % _MERGE_COLS == 0 else head_dim
+
+
 @functools.lru_cache(maxsize=None)
 def _decode_merge_launcher(num_heads: int, head_dim: int, q_len: int, write_lse: bool) -> BoundKernel:
+    cols = _merge_columns(head_dim)
     return bind(_merge_decode_kernel, NUM_HEADS=num_heads, HEAD_DIM=head_dim, QLEN=q_len,
-                BLOCK_S=_states_block(head_dim), WRITE_LSE=write_lse, num_warps=4)
+                BLOCK_S=_MERGE_STATES if cols == _MERGE_COLS else _states_block(head_dim), BLOCK_D=cols,
+                WRITE_LSE=write_lse, num_warps=4)
 
 
 def launch_decode_merge(po, plse, out, lse, info, num_items: int, q_len: int) -> None:
@@ -155,7 +171,8 @@ def launch_decode_merge(po, plse, out, lse, info, num_items: int, q_len: int) ->
     else:
         lse_arg, lse_strides = lse, (lse.stride(0), lse.stride(1))
     _decode_merge_launcher(num_heads, head_dim, q_len, lse is not None)(
-        (num_items * q_len, num_heads), po, plse, out, lse_arg, info, out.stride(0), out.stride(1), *lse_strides)
+        (num_items * q_len, num_heads, head_dim // _merge_columns(head_dim)), po, plse, out, lse_arg, info,
+        out.stride(0), out.stride(1), *lse_strides)
 
 
 @functools.lru_cache(maxsize=None)
