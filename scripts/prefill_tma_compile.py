@@ -9,6 +9,7 @@ loads and no cp.async for K/V, and neither should spill.
 
     .venv/bin/python scripts/prefill_tma_compile.py                       # d128 128x128 w8 s3, three masks
     .venv/bin/python scripts/prefill_tma_compile.py --head-dim 64 --tiles 128,64,4,3 --masks causal
+    .venv/bin/python scripts/prefill_tma_compile.py --cc 86 --rope --tiles 128,64,8,2 --no-ptxas  # fits 99 KB?
 """
 from __future__ import annotations
 
@@ -44,12 +45,14 @@ MASKS = {"none": {}, "causal": dict(CAUSAL=True), "custom": dict(CUSTOM_MASK=Tru
          "window": dict(CAUSAL=True, WINDOW=True)}
 
 
-def compile_variant(head: int, tiles: list[int], mask: str, tma: bool):
-    """The CompiledKernel of one ragged bf16 variant (32/8 heads, lse on)."""
+def compile_variant(head: int, tiles: list[int], mask: str, tma: bool, rope: bool = False, target=TARGET):
+    """The CompiledKernel of one ragged bf16 variant (32/8 heads, lse on; head 192 is the
+    (192, 128) pair, split into K parts of 128 and 64 like a launch)."""
     block_m, block_n, warps, stages = tiles
-    const = dict(NUM_QO_HEADS=32, GROUP=4, HEAD_QK_A=head, HEAD_QK_B=0, HEAD_VO=head, BLOCK_M=block_m,
-                 BLOCK_N=block_n, PAGE_SIZE=0, DTYPE=tl.bfloat16, DOT_PREC="tf32", CAUSAL=False,
-                 CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=False, SINKS=False,
+    head_a, head_vo = (128, 128) if head == 192 else (head, head)
+    const = dict(NUM_QO_HEADS=32, GROUP=4, HEAD_QK_A=head_a, HEAD_QK_B=head - head_a, HEAD_VO=head_vo,
+                 BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=0, DTYPE=tl.bfloat16, DOT_PREC="tf32", CAUSAL=False,
+                 CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, SINKS=False,
                  HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, SPLIT=False,
                  PERSISTENT=False, TMA=tma, SHARED_ROWS=True)
     const.update(MASKS[mask])
@@ -64,7 +67,7 @@ def compile_variant(head: int, tiles: list[int], mask: str, tma: bool):
         if sig[name].startswith("*") or name.startswith("stride_") or name in ZERO_STRIDES:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn=fa2_prefill_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+                          target=target, options=dict(num_warps=warps, num_stages=stages))
 
 
 def main() -> None:
@@ -74,15 +77,19 @@ def main() -> None:
                     help="block_m,block_n,num_warps,num_stages")
     ap.add_argument("--masks", nargs="+", choices=sorted(MASKS), default=["none", "causal", "custom"])
     ap.add_argument("--no-ptxas", action="store_true", help="skip the register count")
+    ap.add_argument("--rope", action="store_true", help="ROPE_LLAMA on (a second K load per tile)")
+    ap.add_argument("--cc", type=int, default=90, help="target compute capability, e.g. 86 (the shared "
+                    "memory a launch there needs; TMA variants only from 90 on)")
     args = ap.parse_args()
-    print(f"triton {triton.__version__}, sm90, ragged bf16 d{args.head_dim}, tiles {args.tiles}")
+    target = GPUTarget("cuda", args.cc, 32)
+    print(f"triton {triton.__version__}, sm{args.cc}, ragged bf16 d{args.head_dim}, tiles {args.tiles}")
     print(f"{'mask':7} {'tma':5} {'shared B':>9} {'scratch B':>9} {'tma loads':>9} {'cp.async':>8} "
           f"{'wgmma':>6}  ptxas")
     for mask in args.masks:
-        for tma in (False, True):
-            k = compile_variant(args.head_dim, args.tiles, mask, tma)
+        for tma in (False, True) if args.cc >= 90 else (False,):
+            k = compile_variant(args.head_dim, args.tiles, mask, tma, args.rope, target)
             ptx = k.asm["ptx"]
-            regs, spill = (None, None) if args.no_ptxas else ptxas_usage(ptx)
+            regs, spill = (None, None) if args.no_ptxas or args.cc < 90 else ptxas_usage(ptx)
             usage = "" if args.no_ptxas else f"{regs or '?'} regs, {'?' if spill is None else spill} B spill"
             print(f"{mask:7} {str(tma):5} {k.metadata.shared:9} {k.metadata.global_scratch_size:9} "
                   f"{ptx.count('cp.async.bulk.tensor'):9} {len(re.findall(r'cp[.]async[.]c[ag]', ptx)):8} "

@@ -120,6 +120,12 @@ def test_fp8_kv_and_scales(kv_dtype, tensor_scales):
     _check(case, fixed_split_size=2)
 
 
+def test_window_near_int32_max_is_no_window():
+    """window_left = 2**31 - 1 with more query rows than keys (rows at negative positions): the
+    window cuts nothing (the kernel's int32 token bounds must not wrap)."""
+    _check(_case((2, 40), q_len_per_req=4, window_left=2**31 - 1, num_qo_heads=4, num_kv_heads=2, seed=9))
+
+
 def test_empty_and_sink_rows():
     case = _case((0, 0, 3), sinks=True, seed=7)
     _check(case)

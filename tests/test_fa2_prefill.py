@@ -76,18 +76,49 @@ def test_paged_qk_vo_192_128_tuple_cache():
                           num_kv_heads=1))
 
 
-@pytest.mark.parametrize("page_size", [16, 4])
-def test_paged_v_with_its_own_page_stride(page_size):
-    """K and V with different page strides (V's pages padded): V rows are not at K's row offsets,
-    so the kernel computes them separately (the launch variant without shared rows)."""
-    case = make_paged_case(qo_lens=[20, 33], kv_lens=[50, 70], page_size=page_size, kv_storage="tuple",
-                           mask_mode="causal", num_qo_heads=2, num_kv_heads=1, head_dim_qk=64, q_dtype=F16)
+def shared_rows_of(case):
+    """Run fa2 on the case, check it against the oracle, return its launches' shared_rows flags."""
+    plan = plan_prefill(case.problem, case.device, case.params)
+    plan.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[case.problem.q_dtype])
+    return [variant.shared_rows for variant in plan._launchers]
+
+
+@pytest.mark.parametrize("padded,layout", [("v", "NHD"), ("k", "HND")])
+def test_paged_kv_with_different_page_strides(padded, layout):
+    """K and V with different page strides (one cache's pages padded with NaN) on tiles that cross
+    pages: V rows are not at K's offsets, so the kernel computes them itself; equal strides (the
+    5-D cache) share K's offsets."""
+    opts = dict(qo_lens=[20, 33], kv_lens=[50, 70], page_size=4, kv_layout=layout, mask_mode="causal",
+                num_qo_heads=2, num_kv_heads=1, head_dim_qk=64, q_dtype=F16)
+    assert shared_rows_of(make_paged_case(**opts)) == [True]
+    case = make_paged_case(kv_storage="tuple", **opts)
     kv = case.inputs.kv
-    padded = torch.full((kv.v.shape[0], kv.v.shape[1] + 3, *kv.v.shape[2:]), float("nan"), dtype=kv.v.dtype)
-    padded[:, :page_size] = kv.v
-    kv.v = padded[:, :page_size]
+    t = getattr(kv, padded)
+    big = torch.full((t.shape[0], t.shape[1] + 3, *t.shape[2:]), float("nan"), dtype=t.dtype)
+    big[:, :t.shape[1]] = t
+    setattr(kv, padded, big[:, :t.shape[1]])
     assert kv.v.stride(0) != kv.k.stride(0)
+    assert shared_rows_of(case) == [False]
+
+
+def test_paged_unit_page_and_token_strides():
+    """A one-page, one-token cache viewed with strides of 1 (Triton makes an int argument of 1 a
+    constant): the row offsets still compute."""
+    case = make_paged_case(qo_lens=[1], kv_lens=[1], page_size=1, extra_pages=0, shuffle_pages=False,
+                           num_qo_heads=2, num_kv_heads=1, head_dim_qk=64, q_dtype=F16)
+    kv = case.inputs.kv
+    kv.k = kv.k.reshape(64, 1, 1, 1).permute(1, 2, 3, 0)
+    kv.v = kv.v.reshape(64, 1, 1, 1).permute(1, 2, 3, 0)
+    assert kv.k.stride()[:2] == (1, 1)
     check(case)
+
+
+def test_window_near_int32_max_is_no_window():
+    """window_left = 2**31 - 1 with rows at negative positions (more queries than keys): no key
+    is cut (the kernel's int32 position - window must not wrap)."""
+    check(make_ragged_case(qo_lens=[20, 7], kv_lens=[5, 30], window_left=2**31 - 1, head_dim_qk=64,
+                           num_qo_heads=2, num_kv_heads=1, q_dtype=F16))
 
 
 def test_paged_page_stride_past_int32_is_refused():

@@ -252,29 +252,3 @@ def test_default_config_asks_for_tma_at_d128_only():
     sm100 = Device("cuda", 0, (10, 0), "B200", 148)  # not measured there: pointers unless asked
     assert not fa2_prefill.default_config(problem.with_(head_dim_qk=128, head_dim_vo=128), sm100).tma
 
-
-def test_custom_mask_default_tiles_are_128_wide_on_sm90_only():
-    """A custom mask takes 128x128 pointer-load tiles on sm90 (measured 10 % over 128x64 with
-    TMA); other GPUs keep 128-row x 64-key tiles (the bitmaps beside 128-wide stages need sm90's
-    shared memory), and RoPE keeps 64 keys everywhere (its second K load)."""
-    problem = ragged().problem.with_(q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16,
-                                     head_dim_qk=128, head_dim_vo=128, mask_mode="custom")
-    h200 = Device("cuda", 0, (9, 0), "H200", 132)
-    cfg = fa2_prefill.default_config(problem, h200)
-    assert (cfg.block_m, cfg.block_n, cfg.tma) == (128, 128, False)
-    assert fa2_prefill.default_config(problem.with_(mask_mode="causal"), h200).tma
-    assert fa2_prefill.default_config(problem.with_(pos_encoding_mode="ROPE_LLAMA"), h200).block_n == 64
-    a100 = Device("cuda", 0, (8, 0), "A100", 108)
-    assert fa2_prefill.default_config(problem, a100).block_n == 64
-
-
-@pytest.mark.parametrize("page_size,block_n", [(1, 64), (16, 64), (32, 64), (64, 128), (128, 128)])
-def test_paged_default_tiles_follow_the_page_size(page_size, block_n):
-    """Pages under 64 keys take 64-key tiles (measured faster at pages 1 and 16 on the H200, slower
-    at 64); longer pages keep 128-key tiles, and so does a custom mask at any page size."""
-    problem = ragged().problem.with_(op="prefill_paged", page_size=page_size, q_dtype=torch.bfloat16,
-                                     kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16, head_dim_qk=128,
-                                     head_dim_vo=128, mask_mode="causal")
-    h200 = Device("cuda", 0, (9, 0), "H200", 132)
-    assert fa2_prefill.default_config(problem, h200).block_n == block_n
-    assert fa2_prefill.default_config(problem.with_(mask_mode="custom"), h200).block_n == 128

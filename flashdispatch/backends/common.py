@@ -44,3 +44,13 @@ def kernel_scale(scale, name: str, dummy: torch.Tensor) -> tuple[float, torch.Te
             raise ValueError(f"{name} must be a float or a 1-element tensor, got shape {tuple(scale.shape)}")
         return 1.0, scale, True
     return float(scale), dummy, False
+
+
+_KERNEL_WINDOW_MAX = 1 << 30
+
+
+def kernel_window(window_left: int) -> int:
+    """The window_left a Triton kernel gets: -1, or at most 2**30. A window wider than every
+    position is no window either way, and the kernels' int32 ``position - window_left`` (positions
+    reach -qo_len) must not wrap for windows near 2**31."""
+    return min(window_left, _KERNEL_WINDOW_MAX)

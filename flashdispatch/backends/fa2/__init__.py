@@ -32,9 +32,13 @@ class FA2Backend(Backend):
 
     @classmethod
     def extra_checks(cls, problem, device) -> list[Reason]:
+        reasons = []
+        if problem.kv_dtype == torch.float8_e4m3fn and device.cc is not None and device.cc < (8, 9):
+            reasons.append(Reason("dtype.fp8", f"float8_e4m3fn KV on sm_{device.cc[0]}{device.cc[1]}: Triton "
+                                  "converts e4m3 from sm_89 on only", "use float8_e5m2 KV or another backend"))
         if problem.op in ("prefill_paged", "prefill_ragged"):
-            return prefill_extra_checks(problem, device)
-        return []
+            reasons += prefill_extra_checks(problem, device)
+        return reasons
 
     @classmethod
     def version(cls) -> str | None:

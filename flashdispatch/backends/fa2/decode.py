@@ -39,7 +39,7 @@ import torch
 from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ..base import AttentionInputs, AttentionParams
-from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, bind, spec_key
 from .merge import MERGE_INFO_COLS, launch_decode_merge
@@ -443,7 +443,7 @@ class DecodePlan:
                         self.counters if self.fused_merge else dummy, self.work,
                         self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
-        self._plan_scalars = (max(p.window_left, 0), p.logits_soft_cap or 1.0, *self.rope)
+        self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope)
         self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
                                          self.direct)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel

@@ -9,8 +9,8 @@ workspace and fa2's merge kernel (merge.py) combines them per query row. With ``
 the list lives at fixed offsets of the wrapper's int workspace and a fixed number of persistent
 programs stride over it, so a captured run() replays correctly after a re-plan of a same-shaped
 problem; split-KV is off in that mode. The kernel is in prefill_kernels.py; ``PrefillConfig.tma``
-(on by default for 16-bit d65-128 on sm90) loads ragged K/V through TMA descriptors where that applies
-(prefill_tma.py).
+(on by default for 16-bit d65-128 on sm90 without a custom mask) loads ragged K/V through TMA
+descriptors where that applies (prefill_tma.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
-from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window
 from .launch import bind
 from . import tuning
 from .merge import MERGE_INFO_COLS, launch_decode_merge
@@ -126,6 +126,23 @@ def _config_value(name: str, text: str):
 _LIGHT_FEATURES = frozenset({"causal", "sliding_window", "lse", "cuda_graph", "fp8_kv"})
 
 
+# GPUs whose opt-in shared memory per block is 99 KB (sm86, sm89, sm120; sm80/87/90/100 have
+# 163-227 KB): the H200 tiles do not fit there
+_SMALL_SHARED_CC = frozenset({(8, 6), (8, 9), (12, 0), (12, 1)})
+
+
+def _small_shared_config(problem: Problem) -> PrefillConfig:
+    """16-bit tiles within 99 KB of shared memory (offline sm86 compiles, bytes: d128 98304, with
+    a custom mask 100352, RoPE at 2 stages 98304; d192 RoPE 128x32 90112; d256 64x32 69632, RoPE
+    98304). Not measured on such a GPU."""
+    rope = problem.pos_encoding_mode == "ROPE_LLAMA"
+    if problem.head_dim_qk <= 128:
+        return PrefillConfig(128, 64, 8, 2 if rope else 3)
+    if problem.head_dim_qk <= 192:
+        return PrefillConfig(128, 32 if rope else 64, 8, 2)
+    return PrefillConfig(64, 32, 4, 2)
+
+
 def default_config(problem: Problem, device: Device) -> PrefillConfig:
     """Tile sizes per head dim (measured on an H200, see docs/perf-notes.md "fa2 prefill")."""
     if not device.is_cuda:  # interpreter: small tiles so tiny tests still cross tiles and pages
@@ -134,6 +151,8 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
         return PrefillConfig(32 if problem.head_dim_qk > 128 else 64, 32, 4, 1)
     if problem.head_dim_qk <= 64:
         return PrefillConfig(128, 64, 4, 3)
+    if device.cc in _SMALL_SHARED_CC:
+        return _small_shared_config(problem)
     if problem.head_dim_qk <= 128:
         sm90 = device.cc is not None and device.cc[0] == 9
         features = problem.features()
@@ -399,7 +418,7 @@ class PrefillPlan:
         classify = bind(mask_tile_classes_kernel, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                         WINDOW=self.problem.window_left >= 0)
         classify((self.num_items * max_tiles,), self.work, prm.packed_mask, prm.mask_indptr, classes, self.tile_bits,
-                 max_tiles, self.problem.window_left)
+                 max_tiles, kernel_window(self.problem.window_left))
         runs = bind(mask_tile_runs_kernel, BLOCK_N=cfg.block_n, CHUNK=_LIST_CHUNK)
         runs((self.num_items,), self.work, classes, self.tiles, self._visible, max_tiles)
         order = bind(heaviest_first_kernel, BLOCK_I=_ORDER_ROWS, BLOCK_J=_ORDER_STEP)
@@ -428,7 +447,7 @@ class PrefillPlan:
         work.copy_(flat)
         return work, count
 
-    def _bind(self, variant: "LaunchVariant"):
+    def _bind(self, variant: LaunchVariant):
         """The prefill kernel with this plan's constexprs and the per-run ones in ``variant``: a
         BoundKernel, wrapped to provide the descriptors' scratch when TMA is on."""
         p, cfg = self.problem, self.config
@@ -488,9 +507,11 @@ class PrefillPlan:
         if max(sk[0], sk[1], sv[0], sv[1]) >= _MAX_ROW_STRIDE:  # the kernel multiplies them in 32-bit
             raise ValueError(f"fa2 prefill: K/V page and token strides must be < 2**31 elements, got "
                              f"k {sk[:2]}, v {sv[:2]}")
-        # V rows at K's offsets when the page and token strides agree (5-D caches, like tuples)
+        # V rows at K's offsets where tiles cross pages and the page and token strides agree (5-D
+        # caches, and tuples of equal strides)
+        shared_rows = self.paged and p.page_size % self.config.block_n != 0 and sk[:2] == sv[:2]
         variant = LaunchVariant(q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t, tma,
-                                sk[:2] == sv[:2])
+                                shared_rows)
         launch = self._launchers.get(variant) or self._bind(variant)
         launch(
             self.grid, q, k, v, out, lse if lse is not None else out,
@@ -500,7 +521,7 @@ class PrefillPlan:
             inputs.sinks if inputs.sinks is not None else prm.qo_indptr,
             self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
             prm.sm_scale * q_f * k_f * log2e, v_f, p.logits_soft_cap * log2e,
-            1.0 / prm.rope_scale, math.log2(prm.rope_theta), p.window_left,
+            1.0 / prm.rope_scale, math.log2(prm.rope_theta), kernel_window(p.window_left),
             q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
         if self.n_merge:

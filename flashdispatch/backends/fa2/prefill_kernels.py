@@ -52,11 +52,13 @@ def _page_ids(kv_indices_ptr, kv_start, start_n, kv_len, PAGE_SIZE: tl.constexpr
 
 @triton.jit
 def _row_offsets(page, slot, stride_page, stride_slot):
-    """int64 element offsets page * stride_page + slot * stride_slot of KV rows. Page ids (or
-    ragged row indices), slots and strides are >= 0 and < 2**31, so both products are unsigned
-    32x32 -> 64-bit multiplies (one IMAD.WIDE.U32 each on sm90), not signed 64x64-bit ones."""
-    wide = page.to(tl.uint32).to(tl.uint64) * stride_page.to(tl.uint32).to(tl.uint64)
-    return (wide + slot.to(tl.uint32).to(tl.uint64) * stride_slot.to(tl.uint32).to(tl.uint64)).to(tl.int64)
+    """int64 element offsets page * stride_page + slot * stride_slot of KV rows. Page ids, ragged
+    row indices (int32 kv_start + offset: indptr is int32), slots and strides (run() refuses
+    >= 2**31) are >= 0 and < 2**31, so both products are unsigned 32x32 -> 64-bit multiplies (one
+    IMAD.WIDE.U32 each on sm90), not signed 64x64-bit ones. tl.cast: a stride of 1 arrives as a
+    constexpr int."""
+    wide = page.to(tl.uint32).to(tl.uint64) * tl.cast(stride_page, tl.uint32).to(tl.uint64)
+    return (wide + slot.to(tl.uint32).to(tl.uint64) * tl.cast(stride_slot, tl.uint32).to(tl.uint64)).to(tl.int64)
 
 
 @triton.jit
@@ -154,8 +156,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
     """Online-softmax update over the KV tiles starting in [lo, hi). MASKED tiles apply every
     mask (a custom mask's from its tile bitmaps), the chunk bounds [kv_lo, kv_hi) included; the
     others none. K and V are base pointers or, TMA, the descriptors of the request's rows of this
-    KV head (rows past kv_len load as zeros, so no load mask). SHARED_ROWS: V's page and slot
-    strides are K's, so V rows are read at K's row offsets (no second address computation)."""
+    KV head (rows past kv_len load as zeros, so no load mask). SHARED_ROWS (paged tiles that cross
+    pages): V's page and slot strides are K's, so V rows are read at K's row offsets (no second
+    address computation; within one page the compiler derives V's addresses more cheaply itself)."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     offs_da = tl.arange(0, HEAD_QK_A)
     offs_dv = tl.arange(0, HEAD_VO)
@@ -204,10 +207,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             if ALIBI:
                 s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         if MASKED:
-            # causal rows stop at their position, below kv_len, so unsplit the chunk end is implied
-            # (rows past qo_len see more, but they are never stored); dropped with a window only:
-            # on plain causal tiles the loop measured 1.7 % slower without it (H200, single 4096)
-            keep = (offs_n < (kv_hi if SPLIT or not (CAUSAL and WINDOW) else 2147483647))[None, :]
+            keep = (offs_n < kv_hi)[None, :]
             if SPLIT:
                 keep = keep & (offs_n >= kv_lo)[None, :]
             if CUSTOM_MASK:  # the bitmap holds the window and the chunk and row bounds too
@@ -230,9 +230,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
         if TMA:
             v = V.load([start_n, 0])
         else:
-            # V at K's row offsets where rows cross pages (the offsets differ per row); within one
-            # page the compiler derives V's addresses more cheaply on its own
-            v_rows = k_rows if SHARED_ROWS and PAGE_SIZE % BLOCK_N != 0 else _row_offsets(page, slot, stride_vp, stride_vs)
+            v_rows = k_rows if SHARED_ROWS else _row_offsets(page, slot, stride_vp, stride_vs)
             v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd
             if MASKED:
                 v = tl.load(v_ptrs, mask=(offs_n < kv_len)[:, None], other=0.0)
@@ -384,7 +382,8 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
                                     DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
                                     CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS)
-        # keys from c on are inside every stored row's window (c >= b, the first such tile): no window test
+        # keys from c on are inside every stored row's window (c >= b, the first such tile, or the
+        # range is empty): no window test
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
@@ -456,7 +455,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
                      SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
-                         SHARED_ROWS)
+                     SHARED_ROWS)
 
 
 @triton.jit

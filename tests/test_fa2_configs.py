@@ -1,0 +1,93 @@
+"""fa2 default configs per GPU and problem, and GPU-dependent refusals; no GPU needed (the
+shared-memory check compiles offline for sm86 with scripts/prefill_tma_compile.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashdispatch.backends.fa2 import FA2Backend
+from flashdispatch.backends.fa2.prefill import PrefillConfig, default_config
+from flashdispatch.dispatch.problem import Device
+from oracle import make_ragged_case
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H200 = Device("cuda", 0, (9, 0), "H200", 132)
+A100 = Device("cuda", 0, (8, 0), "A100", 108)
+L4 = Device("cuda", 0, (8, 9), "L4", 58)
+SM86_SHARED = 101376  # opt-in shared memory per block on sm86/sm89/sm120 (99 KB)
+
+
+def problem_128(**changes):
+    """A bf16 d128 ragged prefill problem (GQA 4/2) with ``changes``."""
+    problem = make_ragged_case(qo_lens=[17, 40], kv_lens=[30, 53], head_dim_qk=128, num_qo_heads=4,
+                               num_kv_heads=2).problem
+    return problem.with_(**{"q_dtype": torch.bfloat16, "kv_dtype": torch.bfloat16, "o_dtype": torch.bfloat16,
+                            **changes})
+
+
+def test_custom_mask_default_tiles_are_128_wide_on_sm90_only():
+    """A custom mask takes 128x128 pointer-load tiles on sm90 (measured 10 % over 128x64 with
+    TMA); other GPUs keep 128-row x 64-key tiles (the bitmaps beside 128-wide stages need sm90's
+    shared memory), and RoPE keeps 64 keys everywhere (its second K load)."""
+    problem = problem_128(mask_mode="custom")
+    cfg = default_config(problem, H200)
+    assert (cfg.block_m, cfg.block_n, cfg.tma) == (128, 128, False)
+    assert default_config(problem.with_(mask_mode="causal"), H200).tma
+    assert default_config(problem.with_(pos_encoding_mode="ROPE_LLAMA"), H200).block_n == 64
+    assert default_config(problem, A100).block_n == 64
+
+
+@pytest.mark.parametrize("page_size,block_n", [(1, 64), (16, 64), (32, 64), (64, 128), (128, 128)])
+def test_paged_default_tiles_follow_the_page_size(page_size, block_n):
+    """Pages under 64 keys take 64-key tiles (measured faster at pages 1 and 16 on the H200, slower
+    at 64); longer pages keep 128-key tiles, and so does a custom mask at any page size."""
+    problem = problem_128(op="prefill_paged", page_size=page_size, mask_mode="causal")
+    assert default_config(problem, H200).block_n == block_n
+    assert default_config(problem.with_(mask_mode="custom"), H200).block_n == 128
+
+
+@pytest.mark.parametrize("cc", [(8, 6), (8, 9), (12, 0)])
+@pytest.mark.parametrize("head_dim,changes,expected", [
+    (128, {"mask_mode": "causal"}, PrefillConfig(128, 64, 8, 3)),
+    (128, {"mask_mode": "custom"}, PrefillConfig(128, 64, 8, 3)),
+    (128, {"pos_encoding_mode": "ROPE_LLAMA"}, PrefillConfig(128, 64, 8, 2)),
+    (192, {"pos_encoding_mode": "ROPE_LLAMA"}, PrefillConfig(128, 32, 8, 2)),
+    (192, {}, PrefillConfig(128, 64, 8, 2)),
+    (256, {"pos_encoding_mode": "ROPE_LLAMA"}, PrefillConfig(64, 32, 4, 2)),
+])
+def test_small_shared_memory_gpus_get_smaller_tiles(cc, head_dim, changes, expected):
+    """GPUs with 99 KB of shared memory per block (sm86, sm89, sm120) get tiles that fit there;
+    the H200 defaults need 160 KB at d128 on those GPUs' pipeliner."""
+    problem = problem_128(head_dim_qk=head_dim, head_dim_vo=128 if head_dim == 192 else head_dim, **changes)
+    assert default_config(problem, Device("cuda", 0, cc, "gpu", 60)) == expected
+
+
+@pytest.mark.parametrize("head_dim,tiles,rope,mask", [(128, "128,64,8,3", False, "custom"),
+                                                      (128, "128,64,8,2", True, "causal"),
+                                                      (192, "128,32,8,2", True, "causal"),
+                                                      (256, "64,32,4,2", True, "causal")])
+def test_small_shared_memory_tiles_fit_in_99_kb(head_dim, tiles, rope, mask):
+    """The configs above compiled offline for sm86 (no GPU needed) use at most 99 KB of shared
+    memory, the largest variant of each (a custom mask's bitmaps, RoPE's second K load)."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "prefill_tma_compile.py"), "--cc", "86",
+           "--head-dim", str(head_dim), "--tiles", tiles, "--masks", mask, "--no-ptxas"] + (["--rope"] if rope else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith(mask)]
+    assert len(rows) == 1 and rows[0][1] == "False"
+    assert 0 < int(rows[0][2]) <= SM86_SHARED
+
+
+def test_e4m3_kv_is_refused_before_sm89():
+    """Triton converts float8_e4m3fn from sm89 on only: fa2 says so on sm80/sm86 (e5m2 runs)."""
+    for op in ("decode", "prefill_ragged"):
+        problem = problem_128(op=op, kv_dtype=torch.float8_e4m3fn)
+        reasons = FA2Backend.extra_checks(problem, A100)
+        assert [r.code for r in reasons] == ["dtype.fp8"] and "sm_80" in reasons[0].detail
+        assert not FA2Backend.extra_checks(problem, L4)
+        assert not FA2Backend.extra_checks(problem, H200)
+        assert not FA2Backend.extra_checks(problem.with_(kv_dtype=torch.float8_e5m2), A100)
