@@ -1,11 +1,12 @@
-"""Offline sm90 compile of the fa2 prefill kernel, pointer loads vs TMA (no GPU needed).
+"""Offline compile of the fa2 prefill kernel, pointer loads vs TMA (no GPU needed).
 
-Compiles ``fa2_prefill_kernel`` for GPUTarget("cuda", 90, 32) the way a launch on ragged bf16
-K/V specializes it (pointers and strides divisible by 16, the unit strides as constants), with
-TMA off and on, and prints per variant: shared memory, global scratch per program (the
-descriptors), the PTX's TMA loads (cp.async.bulk.tensor), cp.async copies, wgmma, and ptxas'
-registers and spills. Both variants should fit in shared memory, the TMA one should issue TMA
-loads and no cp.async for K/V, and neither should spill.
+Compiles ``fa2_prefill_kernel`` for GPUTarget("cuda", 90, 32) (``--cc`` for another GPU) the way
+a launch on ragged bf16 K/V specializes it (pointers and strides divisible by 16, the unit strides
+as constants), with TMA off and on (off only below sm90), and prints per variant: shared memory,
+global scratch per program (the descriptors), the PTX's TMA loads (cp.async.bulk.tensor),
+cp.async copies, wgmma, and, for sm90 targets, ptxas' registers and spills. Both variants should
+fit in shared memory, the TMA one should issue TMA loads and no cp.async for K/V, and neither
+should spill.
 
     .venv/bin/python scripts/prefill_tma_compile.py                       # d128 128x128 w8 s3, three masks
     .venv/bin/python scripts/prefill_tma_compile.py --head-dim 64 --tiles 128,64,4,3 --masks causal
@@ -54,7 +55,7 @@ def compile_variant(head: int, tiles: list[int], mask: str, tma: bool, rope: boo
                  BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=0, DTYPE=tl.bfloat16, DOT_PREC="tf32", CAUSAL=False,
                  CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, SINKS=False,
                  HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, SPLIT=False,
-                 PERSISTENT=False, TMA=tma, SHARED_ROWS=True)
+                 PERSISTENT=False, TMA=tma, SHARED_ROWS=False)
     const.update(MASKS[mask])
     for name in UNIT_STRIDES:
         const[name] = 1
@@ -89,8 +90,9 @@ def main() -> None:
         for tma in (False, True) if args.cc >= 90 else (False,):
             k = compile_variant(args.head_dim, args.tiles, mask, tma, args.rope, target)
             ptx = k.asm["ptx"]
-            regs, spill = (None, None) if args.no_ptxas or args.cc < 90 else ptxas_usage(ptx)
-            usage = "" if args.no_ptxas else f"{regs or '?'} regs, {'?' if spill is None else spill} B spill"
+            ptxas = not args.no_ptxas and args.cc >= 90  # sm90_ptxas.py assembles for sm_90a
+            regs, spill = ptxas_usage(ptx) if ptxas else (None, None)
+            usage = f"{regs or '?'} regs, {'?' if spill is None else spill} B spill" if ptxas else ""
             print(f"{mask:7} {str(tma):5} {k.metadata.shared:9} {k.metadata.global_scratch_size:9} "
                   f"{ptx.count('cp.async.bulk.tensor'):9} {len(re.findall(r'cp[.]async[.]c[ag]', ptx)):8} "
                   f"{len(re.findall(r'wgmma[.]mma_async', ptx)):6}  {usage}", flush=True)

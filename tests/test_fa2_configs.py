@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from flashdispatch.backends.fa2 import FA2Backend
+from flashdispatch.backends.fa2.decode import plan_decode, resolve_config
 from flashdispatch.backends.fa2.prefill import PrefillConfig, default_config
 from flashdispatch.dispatch.problem import Device
-from oracle import make_ragged_case
+from flashdispatch.dispatch.reasons import Unsupported
+from oracle import make_paged_case, make_ragged_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200 = Device("cuda", 0, (9, 0), "H200", 132)
 A100 = Device("cuda", 0, (8, 0), "A100", 108)
 L4 = Device("cuda", 0, (8, 9), "L4", 58)
+A10 = Device("cuda", 0, (8, 6), "A10", 72)
 SM86_SHARED = 101376  # opt-in shared memory per block on sm86/sm89/sm120 (99 KB)
 
 
@@ -67,7 +70,7 @@ def test_small_shared_memory_gpus_get_smaller_tiles(cc, head_dim, changes, expec
 
 
 @pytest.mark.parametrize("head_dim,tiles,rope,mask", [(128, "128,64,8,3", False, "custom"),
-                                                      (128, "128,64,8,2", True, "causal"),
+                                                      (128, "128,64,8,2", True, "custom"),
                                                       (192, "128,32,8,2", True, "causal"),
                                                       (256, "64,32,4,2", True, "causal")])
 def test_small_shared_memory_tiles_fit_in_99_kb(head_dim, tiles, rope, mask):
@@ -83,7 +86,8 @@ def test_small_shared_memory_tiles_fit_in_99_kb(head_dim, tiles, rope, mask):
 
 
 def test_e4m3_kv_is_refused_before_sm89():
-    """Triton converts float8_e4m3fn from sm89 on only: fa2 says so on sm80/sm86 (e5m2 runs)."""
+    """Triton converts float8_e4m3fn from sm89 on only: fa2 says so on sm80/sm86 (e5m2 runs), in
+    the dispatcher's checks and when planned directly."""
     for op in ("decode", "prefill_ragged"):
         problem = problem_128(op=op, kv_dtype=torch.float8_e4m3fn)
         reasons = FA2Backend.extra_checks(problem, A100)
@@ -91,3 +95,14 @@ def test_e4m3_kv_is_refused_before_sm89():
         assert not FA2Backend.extra_checks(problem, L4)
         assert not FA2Backend.extra_checks(problem, H200)
         assert not FA2Backend.extra_checks(problem.with_(kv_dtype=torch.float8_e5m2), A100)
+    case = make_paged_case("decode", kv_lens=[40, 7], kv_dtype=torch.float8_e4m3fn, q_dtype=torch.float16)
+    with pytest.raises(Unsupported, match="float8_e4m3fn KV on sm_86"):
+        plan_decode(case.problem, A10, case.params)
+
+
+def test_fp8_decode_before_sm89_converts_v_in_the_dot_operand():
+    """The staged fp8 V conversion (cvt.*x2, sm89+) gives way to the operand path before sm89."""
+    case = make_paged_case("decode", kv_lens=[40, 7], kv_dtype=torch.float8_e5m2, q_dtype=torch.float16)
+    assert resolve_config(case.problem).fp8_v_convert == "staged"
+    assert plan_decode(case.problem, A10, case.params).config.fp8_v_convert == "operand"
+    assert plan_decode(case.problem, H200, case.params).config.fp8_v_convert == "staged"

@@ -102,6 +102,15 @@ def test_paged_kv_with_different_page_strides(padded, layout):
     assert shared_rows_of(case) == [False]
 
 
+def test_no_shared_rows_where_tiles_stay_in_a_page():
+    """Ragged KV, and pages a multiple of the KV tile (the interpreter's tiles are 16 keys): V's
+    addresses come from its own strides (the compiler derives them cheaply within a page)."""
+    opts = dict(qo_lens=[20, 9], kv_lens=[50, 33], mask_mode="causal", num_qo_heads=2, num_kv_heads=1,
+                head_dim_qk=64, q_dtype=F16)
+    assert shared_rows_of(make_ragged_case(**opts)) == [False]
+    assert shared_rows_of(make_paged_case(page_size=16, **opts)) == [False]
+
+
 def test_paged_unit_page_and_token_strides():
     """A one-page, one-token cache viewed with strides of 1 (Triton makes an int argument of 1 a
     constant): the row offsets still compute."""

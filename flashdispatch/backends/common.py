@@ -1,4 +1,5 @@
-"""Small pieces every backend shares: ALiBi slopes, scale arguments, the Triton-interpreter switch."""
+"""Small pieces every backend shares: ALiBi slopes, scale arguments, the Triton-interpreter switch,
+and what Triton kernels need of their arguments (window bound, fp8 support per GPU)."""
 from __future__ import annotations
 
 import functools
@@ -6,6 +7,8 @@ import math
 import os
 
 import torch
+
+from ..dispatch.reasons import Reason
 
 # Triton kernels run on CPU tensors only when this is set before they are defined (tests).
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,7 +53,16 @@ _KERNEL_WINDOW_MAX = 1 << 30
 
 
 def kernel_window(window_left: int) -> int:
-    """The window_left a Triton kernel gets: -1, or at most 2**30. A window wider than every
-    position is no window either way, and the kernels' int32 ``position - window_left`` (positions
-    reach -qo_len) must not wrap for windows near 2**31."""
+    """The window_left a Triton kernel gets: -1, or at most 2**30. The kernels' int32
+    ``position - window_left`` (positions reach -qo_len) must not wrap for windows near 2**31; a
+    window of 2**30 already reaches every key while positions and KV lengths stay under 2**30."""
     return min(window_left, _KERNEL_WINDOW_MAX)
+
+
+def triton_fp8_kv_reasons(kv_dtype: torch.dtype, cc: tuple[int, int] | None) -> list[Reason]:
+    """Triton 3.6 converts float8_e4m3fn from sm89 on only (e5m2 from sm80): the reason a Triton
+    kernel cannot read such a KV cache on this GPU, if any (none on the CPU interpreter)."""
+    if kv_dtype == torch.float8_e4m3fn and cc is not None and cc < (8, 9):
+        return [Reason("dtype.fp8", f"float8_e4m3fn KV on sm_{cc[0]}{cc[1]}: Triton converts e4m3 from sm_89 on only",
+                       "use float8_e5m2 KV or another backend")]
+    return []

@@ -10,7 +10,7 @@ import torch
 from ...dispatch.reasons import Reason
 from ..common import TRITON_INTERPRETED
 from ..base import AttentionInputs, AttentionParams, Backend, MergeInputs, package_version
-from .decode import DECODE_CAPS, plan_decode
+from .decode import DECODE_CAPS, decode_extra_checks, plan_decode
 from .merge import MERGE_CAPS, merge_states
 from .prefill import PREFILL_CAPS, plan_prefill, prefill_extra_checks
 
@@ -32,13 +32,11 @@ class FA2Backend(Backend):
 
     @classmethod
     def extra_checks(cls, problem, device) -> list[Reason]:
-        reasons = []
-        if problem.kv_dtype == torch.float8_e4m3fn and device.cc is not None and device.cc < (8, 9):
-            reasons.append(Reason("dtype.fp8", f"float8_e4m3fn KV on sm_{device.cc[0]}{device.cc[1]}: Triton "
-                                  "converts e4m3 from sm_89 on only", "use float8_e5m2 KV or another backend"))
         if problem.op in ("prefill_paged", "prefill_ragged"):
-            reasons += prefill_extra_checks(problem, device)
-        return reasons
+            return prefill_extra_checks(problem, device)
+        if problem.op == "decode":
+            return decode_extra_checks(problem, device)
+        return []
 
     @classmethod
     def version(cls) -> str | None:

@@ -38,8 +38,9 @@ import torch
 
 from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
+from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
-from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, bind, spec_key
 from .merge import MERGE_INFO_COLS, launch_decode_merge
@@ -92,7 +93,8 @@ class DecodeConfig:
     num_stages - 1 buffers (else one buffer below num_stages 5: no copy in flight during compute).
     fp8_v_convert (fp8 KV with fp16 dots): "operand" converts V inside the dot operand layout
     (one ld.shared.b8 per value), "staged" converts it in registers and stages it as fp16 in
-    shared memory (more shared memory, far fewer instructions); the interpreter runs "operand".
+    shared memory (more shared memory, far fewer instructions); the interpreter and GPUs before
+    sm89 (whose ptxas has no fp8x2 cvt) run "operand".
     fused_merge_max_chunks: plans whose requests have at most this many chunks merge the partials
     inside the decode kernel (the last program of each split request to finish merges, through an
     arrival counter) instead of in a second kernel launch; 0: never. That last program merges
@@ -272,6 +274,9 @@ class DecodePlan:
 
     def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: dict | None = None):
         cfg, p = resolve_config(problem, config), problem
+        if cfg.fp8_v_convert == "staged" and device.cc is not None and device.cc < (8, 9):
+            # staged V converts with cvt.*.e4m3x2/e5m2x2, which ptxas takes from sm_89 on only
+            cfg = dataclasses.replace(cfg, fp8_v_convert="operand")
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
         rows = self.q_len * self.group
@@ -504,6 +509,14 @@ class DecodePlan:
             launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len)
 
 
+def decode_extra_checks(problem: Problem, device: Device) -> list[Reason]:
+    """Combinations Caps cannot express: an fp8 KV type this GPU's Triton converts."""
+    return triton_fp8_kv_reasons(problem.kv_dtype, device.cc)
+
+
 def plan_decode(problem: Problem, device: Device, params: AttentionParams, config: dict | None = None) -> DecodePlan:
     """Plan a paged batch decode (see the module docstring); ``config`` overrides `DecodeConfig`."""
+    reasons = decode_extra_checks(problem, device)
+    if reasons:
+        raise Unsupported("fa2 decode cannot run this problem", {"fa2": reasons})
     return DecodePlan(problem, device, params, config)

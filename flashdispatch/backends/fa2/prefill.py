@@ -28,7 +28,7 @@ from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
-from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
 from .launch import bind
 from . import tuning
 from .merge import MERGE_INFO_COLS, launch_decode_merge
@@ -64,7 +64,8 @@ _MAX_ROW_STRIDE = 2**31  # K/V page and token strides: the kernel forms row offs
 
 class LaunchVariant(NamedTuple):
     """The per-run constexprs of a prefill launch: q dtype, sinks, lse, per-tensor q/k/v scale
-    tensors, TMA loads, and V rows at K's row offsets (equal page and token strides)."""
+    tensors, TMA loads, and V rows at K's row offsets (paged tiles that cross pages, with equal
+    K/V page and token strides)."""
     dtype: torch.dtype
     sinks: bool
     has_lse: bool
@@ -193,11 +194,12 @@ def config_from_env(base: PrefillConfig) -> PrefillConfig:
 
 
 def prefill_extra_checks(problem: Problem, device: Device) -> list[Reason]:
-    """Combinations Caps cannot express: KV must be q's dtype or fp8."""
+    """Combinations Caps cannot express: KV must be q's dtype or fp8, and an fp8 type this GPU's
+    Triton converts."""
     if problem.kv_dtype != problem.q_dtype and problem.kv_dtype not in FP8_DTYPES:
         return [Reason("dtype", f"kv_dtype={dtype_name(problem.kv_dtype)} with q_dtype="
                        f"{dtype_name(problem.q_dtype)}: KV must match q or be fp8")]
-    return []
+    return triton_fp8_kv_reasons(problem.kv_dtype, device.cc)
 
 
 def tile_ranges(qo_lens, kv_lens, block_m: int, causal: bool, window_left: int) -> np.ndarray:
