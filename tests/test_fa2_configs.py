@@ -64,9 +64,14 @@ def test_paged_default_tiles_follow_the_page_size(page_size, block_n):
 ])
 def test_small_shared_memory_gpus_get_smaller_tiles(cc, head_dim, changes, expected):
     """GPUs with 99 KB of shared memory per block (sm86, sm89, sm120) get tiles that fit there;
-    the H200 defaults need 160 KB at d128 on those GPUs' pipeliner."""
+    the H200 defaults need 160 KB at d128 on those GPUs' pipeliner. The device's own figure
+    decides where it gives one, the compute capability where not."""
     problem = problem_128(head_dim_qk=head_dim, head_dim_vo=128 if head_dim == 192 else head_dim, **changes)
     assert default_config(problem, Device("cuda", 0, cc, "gpu", 60)) == expected
+    assert default_config(problem, Device("cuda", 0, cc, "gpu", 60, shared_per_block=SM86_SHARED)) == expected
+    assert default_config(problem, Device("cuda", 0, (8, 0), "A100", 108, shared_per_block=166912)) == \
+        default_config(problem, A100)
+    assert default_config(problem, Device("cuda", 0, (8, 0), "sm80 with less", 108, shared_per_block=SM86_SHARED)) == expected
 
 
 @pytest.mark.parametrize("head_dim,tiles,rope,mask", [(128, "128,64,8,3", False, "custom"),

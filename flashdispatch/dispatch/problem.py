@@ -129,6 +129,7 @@ DTYPE_BY_NAME = {
 @dataclass(frozen=True)
 class Device:
     """Where a problem runs. ``cc`` is the CUDA compute capability, None on CPU.
+    ``shared_per_block``: the opt-in shared memory per block in bytes (0: unknown, e.g. described).
 
     ``described``: a GPU named for explain() that is not this machine's (``--device sm90``);
     backends then judge it by their capabilities, not by what this machine has installed.
@@ -140,6 +141,7 @@ class Device:
     name: str = "cpu"
     sm_count: int = 0
     described: bool = False
+    shared_per_block: int = 0
 
     @property
     def is_cuda(self) -> bool:
@@ -154,7 +156,8 @@ class Device:
 @functools.lru_cache(maxsize=None)
 def _cuda_device(index: int) -> Device:
     props = torch.cuda.get_device_properties(index)
-    return Device("cuda", index, (props.major, props.minor), props.name, props.multi_processor_count)
+    return Device("cuda", index, (props.major, props.minor), props.name, props.multi_processor_count,
+                  shared_per_block=getattr(props, "shared_memory_per_block_optin", 0))
 
 
 def device_of(dev: torch.device | str | int | None) -> Device:

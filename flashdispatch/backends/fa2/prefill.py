@@ -127,9 +127,18 @@ def _config_value(name: str, text: str):
 _LIGHT_FEATURES = frozenset({"causal", "sliding_window", "lse", "cuda_graph", "fp8_kv"})
 
 
-# GPUs whose opt-in shared memory per block is 99 KB (sm86, sm89, sm120; sm80/87/90/100 have
-# 163-227 KB): the H200 tiles do not fit there
+# The default tiles need up to 163840 B of shared memory per block on the sm80-class pipeliner
+# (d128 128x128x3, d256 RoPE 64x64x4x2; sm80/87 have 166912, sm90/100 232448). GPUs with less take
+# `_small_shared_config`; where the device does not say (a described GPU), these 99 KB ones do.
+_DEFAULT_TILES_SHARED = 163840
 _SMALL_SHARED_CC = frozenset({(8, 6), (8, 9), (12, 0), (12, 1)})
+
+
+def _small_shared(device: Device) -> bool:
+    """Whether the default tiles would not fit in the device's shared memory per block."""
+    if device.shared_per_block:
+        return device.shared_per_block < _DEFAULT_TILES_SHARED
+    return device.cc in _SMALL_SHARED_CC
 
 
 def _small_shared_config(problem: Problem) -> PrefillConfig:
@@ -152,7 +161,7 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
         return PrefillConfig(32 if problem.head_dim_qk > 128 else 64, 32, 4, 1)
     if problem.head_dim_qk <= 64:
         return PrefillConfig(128, 64, 4, 3)
-    if device.cc in _SMALL_SHARED_CC:
+    if _small_shared(device):
         return _small_shared_config(problem)
     if problem.head_dim_qk <= 128:
         sm90 = device.cc is not None and device.cc[0] == 9
