@@ -29,12 +29,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from flashdispatch.backends.fa2 import decode as fdec  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
-from sm90_ptxas import ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
+from offline_compile import compile_like_launch, ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
 
 TARGET = GPUTarget("cuda", 90, 32)
 KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -51,18 +50,12 @@ def compile_variant(consts: dict, q_dtype, kv_dtype):
     const["stride_lh"] = 1  # lse rows are contiguous: a launch makes the unit stride a constexpr
     pointers = {"q_ptr": TRITON_TYPES[q_dtype], "out_ptr": TRITON_TYPES[q_dtype], "k_ptr": TRITON_TYPES[kv_dtype],
                 "v_ptr": TRITON_TYPES[kv_dtype]}
-    sig, attrs = {}, {}
-    for i, name in enumerate(decode_kernel.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = pointers.get(name, "*i32" if name in ("work_ptr", "last_ptr", "kv_indices_ptr", "merge_info_ptr",
-                                                          "counters_ptr")
-                                  else "*fp32" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32")
-        if sig[name].startswith("*") or name.startswith("stride_"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=decode_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=TARGET, options=options)
+
+    def arg_type(name: str) -> str:
+        return pointers.get(name, "*i32" if name in ("work_ptr", "last_ptr", "kv_indices_ptr", "merge_info_ptr",
+                                                     "counters_ptr")
+                            else "*fp32" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32")
+    return compile_like_launch(decode_kernel, const, arg_type, TARGET, options)
 
 
 def main() -> None:

@@ -30,15 +30,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel  # noqa: E402
-from sm90_ptxas import ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
+from offline_compile import compile_like_launch, ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOATS = {"qk_scale", "v_scale", "soft_cap", "rope_inv_scale", "rope_log2_theta"}
 UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_lh"}  # == 1: constexpr at launch
-ZERO_STRIDES = {"stride_ks", "stride_vs"}  # ragged KV: no page slot
 POINTER_TYPES = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
                  **{n: "*fp32" for n in ("LSE", "PO", "PLSE", "sinks_ptr", "alibi_ptr", "q_scale_ptr",
                                          "k_scale_ptr", "v_scale_ptr")}, "mask_ptr": "*i16"}
@@ -59,16 +57,10 @@ def compile_variant(head: int, tiles: list[int], mask: str, tma: bool, rope: boo
     const.update(MASKS[mask])
     for name in UNIT_STRIDES:
         const[name] = 1
-    sig, attrs = {}, {}
-    for i, name in enumerate(fa2_prefill_kernel.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = POINTER_TYPES.get(name, "*i32" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32")
-        if sig[name].startswith("*") or name.startswith("stride_") or name in ZERO_STRIDES:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=fa2_prefill_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=target, options=dict(num_warps=warps, num_stages=stages))
+
+    def arg_type(name: str) -> str:
+        return POINTER_TYPES.get(name, "*i32" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32")
+    return compile_like_launch(fa2_prefill_kernel, const, arg_type, target, dict(num_warps=warps, num_stages=stages))
 
 
 def main() -> None:
@@ -90,7 +82,7 @@ def main() -> None:
         for tma in (False, True) if args.cc >= 90 else (False,):
             k = compile_variant(args.head_dim, args.tiles, mask, tma, args.rope, target)
             ptx = k.asm["ptx"]
-            ptxas = not args.no_ptxas and args.cc >= 90  # sm90_ptxas.py assembles for sm_90a
+            ptxas = not args.no_ptxas and args.cc >= 90  # ptxas_usage assembles for sm_90a
             regs, spill = ptxas_usage(ptx) if ptxas else (None, None)
             usage = f"{regs or '?'} regs, {'?' if spill is None else spill} B spill" if ptxas else ""
             print(f"{mask:7} {str(tma):5} {k.metadata.shared:9} {k.metadata.global_scratch_size:9} "

@@ -1,0 +1,45 @@
+"""What the offline-compile scripts share (no GPU and no CUDA toolkit needed): compiling a kernel
+the way a launch specializes it, and ptxas -v on its PTX for sm_90a with the ptxas bundled in the
+Triton wheel (register and spill figures)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from typing import Callable
+
+import triton
+from triton.compiler import ASTSource
+
+
+def compile_like_launch(kernel, const: dict, arg_type: Callable[[str], str], target, options: dict):
+    """The CompiledKernel of ``kernel`` with the constexprs ``const`` and every other argument typed
+    by ``arg_type(name)`` (e.g. "*bf16", "i32", "fp32"), pointers and ``stride_*`` marked divisible
+    by 16 as a launch on contiguous tensors specializes them (without that, Triton 3.6 emits no
+    cp.async at all and the shared memory figure is not a launch's)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = arg_type(name)
+        if sig[name].startswith("*") or name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=target, options=options)
+
+
+def ptxas_usage(ptx: str) -> tuple[int | None, int | None]:
+    """(registers, spill-store bytes) of the PTX's kernel; None where ptxas printed no figure."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        res = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=False)
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", res.stderr)
+    return (int(regs.group(1)) if regs else None), (int(spill.group(1)) if spill else None)
