@@ -72,8 +72,9 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     if ip.numel() == 0:
         raise ValueError("indptr must have at least one entry (num_segments + 1)")
     seg_len = ip[1:] - ip[:-1]
+    seg_bytes = (seg_len + 7) // 8
     new_indptr = torch.zeros_like(ip)
-    new_indptr[1:] = torch.cumsum((seg_len + 7) // 8, 0)
+    new_indptr[1:] = torch.cumsum(seg_bytes, 0)
     # one read of the device values: the checks and the output size
     first, descending, last, total = torch.stack([ip[0], (seg_len < 0).any().long(), ip[-1], new_indptr[-1]]).tolist()
     if first < 0 or descending or last > x.numel():
@@ -84,7 +85,7 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
         return pack_segments(x, ip, new_indptr, total, bitorder), new_indptr.to(torch.int32)
     if bool((seg_len % 8 == 0).all()):  # every segment is whole bytes: one packbits over all of them
         return packbits(x.reshape(-1)[first:last], bitorder), new_indptr.to(torch.int32)
-    seg_of_byte = torch.repeat_interleave(torch.arange(seg_len.numel(), device=x.device), (seg_len + 7) // 8)
+    seg_of_byte = torch.repeat_interleave(torch.arange(seg_len.numel(), device=x.device), seg_bytes)
     byte_in_seg = torch.arange(total, device=x.device) - new_indptr[seg_of_byte]
     bit = byte_in_seg[:, None] * 8 + torch.arange(8, device=x.device)
     valid = bit < seg_len[seg_of_byte][:, None]
