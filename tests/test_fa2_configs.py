@@ -53,6 +53,27 @@ def test_paged_default_tiles_follow_the_page_size(page_size, block_n):
     assert default_config(problem.with_(mask_mode="custom"), H200).block_n == 128
 
 
+@pytest.mark.parametrize("window,paged,expected", [
+    (256, False, PrefillConfig(64, 64, 4, 3, tma=True)),
+    (4096, False, PrefillConfig(64, 64, 4, 3, tma=True)),
+    (4097, False, PrefillConfig(128, 128, 8, 3, tma=True)),
+    (1024, True, PrefillConfig(64, 64, 4, 3)),
+    (2048, True, PrefillConfig(128, 64, 8, 3, tma=True)),  # tma: ignored for paged KV
+])
+def test_short_windows_take_64x64_tiles_on_sm90(window, paged, expected):
+    """Sliding windows up to 4096 keys (ragged, TMA) or under 2048 (paged, pages under 64 keys)
+    take 64x64 tiles on 4 warps on the H200 (measured faster there); longer windows, other GPUs,
+    a custom mask and ragged rows without TMA (RoPE) keep the default tiles."""
+    changes = dict(op="prefill_paged", page_size=16) if paged else {}
+    problem = problem_128(mask_mode="causal", window_left=window, **changes)
+    assert default_config(problem, H200) == expected
+    assert default_config(problem.with_(window_left=-1), H200).block_m == 128
+    assert default_config(problem, A100).block_m == 128
+    assert default_config(problem.with_(mask_mode="custom"), H200).block_m == 128
+    if not paged:
+        assert default_config(problem.with_(pos_encoding_mode="ROPE_LLAMA"), H200).block_m == 128
+
+
 @pytest.mark.parametrize("cc", [(8, 6), (8, 9), (12, 0)])
 @pytest.mark.parametrize("head_dim,changes,expected", [
     (128, {"mask_mode": "causal"}, PrefillConfig(128, 64, 8, 3)),

@@ -153,6 +153,25 @@ def _small_shared_config(problem: Problem) -> PrefillConfig:
     return PrefillConfig(64, 32, 4, 2)
 
 
+def _short_window_config(problem: Problem, device: Device, sm90: bool) -> PrefillConfig | None:
+    """64x64 tiles on 4 warps for sliding windows of a few thousand keys, or None. Each query tile
+    then loops over few KV tiles, and two programs share an SM (about 112 KB of Q and K/V stages
+    each), so one tile's prologue and epilogue overlap another's loop (a 128-row tile runs alone). H200, bf16 d128
+    32/8 heads, same run, TFLOP/s, default -> 64x64x4x3: ragged with TMA loads 4096:w256
+    131 -> 175, 4096:w1024 290 -> 343, 16384:w4096 454 -> 506; paged, page 16, 8x512/8192:w256
+    133 -> 147, w1024 280 -> 286, but w4096 393 -> 376 (so paged windows from 2048 on keep the
+    default). Other GPUs, ragged rows the TMA path cannot take and pages of 64 keys and more were
+    not measured: they keep the default."""
+    window = problem.window_left
+    if not sm90:
+        return None
+    if tma_unused_reason(problem, device, 3, False) is None:
+        return PrefillConfig(64, 64, 4, 3, tma=True) if window <= 4096 else None
+    if 0 < problem.page_size < 64 and window < 2048:
+        return PrefillConfig(64, 64, 4, 3)
+    return None
+
+
 def default_config(problem: Problem, device: Device) -> PrefillConfig:
     """Tile sizes per head dim (measured on an H200, see docs/perf-notes.md "fa2 prefill")."""
     if not device.is_cuda:  # interpreter: small tiles so tiny tests still cross tiles and pages
@@ -167,6 +186,10 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
         sm90 = device.cc is not None and device.cc[0] == 9
         features = problem.features()
         custom = "custom_mask" in features
+        if "sliding_window" in features and not custom:
+            short = _short_window_config(problem, device, sm90)
+            if short is not None:
+                return short
         # 128-wide KV tiles run out of shared memory with RoPE's second K load; with a custom
         # mask's bitmaps they fit on sm90 only (228 KB, partial tiles unpipelined): H200, same
         # run, 128x64 -> 128x128 TFLOP/s: single 4096 mask 360 -> 397, paged 8x512/8192 mask 443 -> 482
