@@ -74,6 +74,21 @@ def test_short_windows_take_64x64_tiles_on_sm90(window, paged, expected):
         assert default_config(problem.with_(pos_encoding_mode="ROPE_LLAMA"), H200).block_m == 128
 
 
+@pytest.mark.parametrize("qo_lens,mask_mode,expected_m", [([4096], "causal", 64), ([4096], "none", 64),
+                                                          ([2048, 2048, 1], "causal", 64), ([4096] * 2 + [1], "none", 128), ([16384], "causal", 128)])
+def test_small_ragged_prefills_take_64x64_tiles_on_sm90(qo_lens, mask_mode, expected_m):
+    """Ragged prefills with TMA loads and at most 2048 query tiles of 128 rows (x query heads)
+    take 64x64 tiles on the H200; more tiles, CUDA graphs (lengths change after capture), other
+    GPUs and a plan without lengths keep 128x128."""
+    problem = problem_128(mask_mode=mask_mode, num_qo_heads=32, num_kv_heads=8)
+    cfg = default_config(problem, H200, qo_lens)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.tma) == \
+        ((64, 64, 4, True) if expected_m == 64 else (128, 128, 8, True))
+    assert default_config(problem.with_(use_cuda_graph=True), H200, qo_lens).block_m == 128
+    assert default_config(problem, A100, qo_lens).block_m == 128
+    assert default_config(problem, H200).block_m == 128
+
+
 @pytest.mark.parametrize("cc", [(8, 6), (8, 9), (12, 0)])
 @pytest.mark.parametrize("head_dim,changes,expected", [
     (128, {"mask_mode": "causal"}, PrefillConfig(128, 64, 8, 3)),

@@ -18,7 +18,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -172,8 +172,21 @@ def _short_window_config(problem: Problem, device: Device, sm90: bool) -> Prefil
     return None
 
 
-def default_config(problem: Problem, device: Device) -> PrefillConfig:
-    """Tile sizes per head dim (measured on an H200, see docs/perf-notes.md "fa2 prefill")."""
+# 128-row query tiles (summed over requests and query heads) up to which ragged prefills with TMA
+# loads take 64x64 tiles on sm90: H200, same run, single causal 4096 (1024 such tiles) 412 -> 434
+# TFLOP/s, non-causal 4096 465 -> 474, but causal 16384 (4096 tiles) 512 -> 489
+_FEW_QUERY_TILES = 2048
+
+
+def _few_query_tiles(problem: Problem, qo_lens: Sequence[int]) -> bool:
+    """Whether the prefill has at most `_FEW_QUERY_TILES` 128-row query tiles in all."""
+    return sum(-(-q // 128) for q in qo_lens) * problem.num_qo_heads <= _FEW_QUERY_TILES
+
+
+def default_config(problem: Problem, device: Device, qo_lens: Sequence[int] | None = None) -> PrefillConfig:
+    """Tile sizes per head dim (measured on an H200, see docs/perf-notes.md "fa2 prefill");
+    ``qo_lens`` (the query rows per request; not under CUDA graphs, whose kernel must not change
+    with the lengths) lets small ragged problems take smaller tiles."""
     if not device.is_cuda:  # interpreter: small tiles so tiny tests still cross tiles and pages
         return PrefillConfig(32, 16, 4, 1)
     if problem.q_dtype == torch.float32:
@@ -190,6 +203,9 @@ def default_config(problem: Problem, device: Device) -> PrefillConfig:
             short = _short_window_config(problem, device, sm90)
             if short is not None:
                 return short
+        elif (sm90 and not custom and qo_lens is not None and not problem.use_cuda_graph
+              and _few_query_tiles(problem, qo_lens) and tma_unused_reason(problem, device, 3, False) is None):
+            return PrefillConfig(64, 64, 4, 3, tma=True)
         # 128-wide KV tiles run out of shared memory with RoPE's second K load; with a custom
         # mask's bitmaps they fit on sm90 only (228 KB, partial tiles unpipelined): H200, same
         # run, 128x64 -> 128x128 TFLOP/s: single 4096 mask 360 -> 397, paged 8x512/8192 mask 443 -> 482
@@ -573,7 +589,7 @@ def plan_prefill(problem: Problem, device: Device, params: AttentionParams,
     reasons = prefill_extra_checks(problem, device)
     if reasons:
         raise Unsupported("fa2 prefill cannot run this problem", {"fa2": reasons})
-    base = default_config(problem, device)
+    base = default_config(problem, device, params.qo_lens_host)
     if config is not None or os.environ.get(CONFIG_ENV, "").strip():
         return PrefillPlan(problem, device, params, (config or config_from_env(base)).validate())
     tune = tuning.enabled() and device.is_cuda if autotune is None else autotune
