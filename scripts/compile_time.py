@@ -41,7 +41,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashdispatch.backends.fa2 import decode as fa2_decode  # noqa: E402
-from flashdispatch.backends.fa2 import prefill as fa2_prefill  # noqa: E402
+from flashdispatch.backends.fa2.prefill_config import default_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel  # noqa: E402
 from flashdispatch.dispatch.problem import Device, Problem  # noqa: E402
@@ -78,7 +78,7 @@ def _signature(kernel, const: dict, pointers: dict) -> dict:
 
 def prefill_variant(head: int, rope: bool, split: bool, tiles: list[int] | None):
     """(kernel, signature, constexprs, options, config text) of one prefill variant."""
-    cfg = fa2_prefill.default_config(_problem("prefill", head, rope), H200)
+    cfg = default_config(_problem("prefill", head, rope), H200)
     if tiles:
         cfg = dataclasses.replace(cfg, **dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tiles)))
     head_a = 128 if head == 192 else head

@@ -18,7 +18,7 @@ import torch
 
 import flashdispatch as fd
 from flashdispatch.dispatch import select
-from flashdispatch.backends.fa2.prefill import CONFIG_ENV
+from flashdispatch.backends.fa2.prefill_config import CONFIG_ENV
 from flashdispatch.bench.prefill import make_prefill_data, our_column, parse_prefill_shapes, prefill_flops
 from flashdispatch.bench.timing import L2Flusher, measure, relative_error
 

@@ -11,7 +11,7 @@ import torch
 
 from flashdispatch.backends.fa2 import FA2Backend
 from flashdispatch.backends.fa2.decode import plan_decode, resolve_config
-from flashdispatch.backends.fa2.prefill import PrefillConfig, default_config
+from flashdispatch.backends.fa2.prefill_config import PrefillConfig, default_config
 from flashdispatch.dispatch.problem import Device
 from flashdispatch.dispatch.reasons import Unsupported
 from oracle import make_paged_case, make_ragged_case

@@ -17,9 +17,9 @@ import torch
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
 from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2 import prefill as fa2_prefill
-from flashdispatch.backends.fa2.prefill import (CONFIG_ENV, PREFILL_CAPS, PrefillConfig, balanced_chunks,
-                                                config_from_env, default_config, fixed_chunks, plan_prefill,
+from flashdispatch.backends.fa2.prefill import (PREFILL_CAPS, balanced_chunks, fixed_chunks, plan_prefill,
                                                 policy_splits, prefill_extra_checks, tile_ranges)
+from flashdispatch.backends.fa2.prefill_config import CONFIG_ENV, PrefillConfig, config_from_env, default_config
 from flashdispatch.dispatch.caps import check_caps
 from flashdispatch.dispatch.reasons import Unsupported
 from flashdispatch.quantization import packbits

@@ -17,7 +17,8 @@ from triton.runtime import _allocation
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
 from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2 import prefill as fa2_prefill
-from flashdispatch.backends.fa2.prefill import CONFIG_ENV, PrefillConfig, config_from_env, plan_prefill
+from flashdispatch.backends.fa2.prefill import plan_prefill
+from flashdispatch.backends.fa2.prefill_config import CONFIG_ENV, PrefillConfig, config_from_env, default_config
 from flashdispatch.backends.fa2.prefill_tma import launch_with_scratch, tma_layout_ok, tma_unused_reason
 from flashdispatch.dispatch.problem import Device
 from oracle import assert_close, make_paged_case, make_ragged_case
@@ -244,11 +245,11 @@ def test_default_config_asks_for_tma_at_d128_only():
     d64 and d256 (not measured; d256 is 2-stage) and other GPUs keep the pointer path."""
     problem = ragged().problem.with_(q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16)
     h200 = Device("cuda", 0, (9, 0), "H200", 132)
-    d128 = fa2_prefill.default_config(problem.with_(head_dim_qk=128, head_dim_vo=128), h200)
+    d128 = default_config(problem.with_(head_dim_qk=128, head_dim_vo=128), h200)
     assert d128.tma and tma_unused_reason(problem.with_(head_dim_qk=128, head_dim_vo=128), h200,
                                           d128.num_stages, False) is None
     for d in (64, 256):
-        assert not fa2_prefill.default_config(problem.with_(head_dim_qk=d, head_dim_vo=d), h200).tma
+        assert not default_config(problem.with_(head_dim_qk=d, head_dim_vo=d), h200).tma
     sm100 = Device("cuda", 0, (10, 0), "B200", 148)  # not measured there: pointers unless asked
-    assert not fa2_prefill.default_config(problem.with_(head_dim_qk=128, head_dim_vo=128), sm100).tma
+    assert not default_config(problem.with_(head_dim_qk=128, head_dim_vo=128), sm100).tma
 

@@ -13,7 +13,8 @@ from triton.runtime import _allocation
 
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
 from flashdispatch.backends.fa2 import prefill as fa2_prefill
-from flashdispatch.backends.fa2.prefill import CONFIG_ENV, default_config, plan_prefill
+from flashdispatch.backends.fa2.prefill import plan_prefill
+from flashdispatch.backends.fa2.prefill_config import CONFIG_ENV, default_config
 from oracle import assert_close, make_ragged_case, reference_plan_result
 
 pytestmark = [pytest.mark.gpu,
