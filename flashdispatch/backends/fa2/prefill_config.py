@@ -117,8 +117,10 @@ _FEW_QUERY_TILES = 2048
 
 
 def _few_query_tiles(problem: Problem, qo_lens: Sequence[int]) -> bool:
-    """Whether the prefill has at most `_FEW_QUERY_TILES` 128-row query tiles in all."""
-    return sum(-(-q // 128) for q in qo_lens) * problem.num_qo_heads <= _FEW_QUERY_TILES
+    """Whether the prefill has at most `_FEW_QUERY_TILES` 128-row query tiles in all (counted as
+    the rows over 128 plus one partial tile per request: a bound, summed at C speed)."""
+    tiles = (sum(qo_lens) + 127 * len(qo_lens)) // 128
+    return tiles * problem.num_qo_heads <= _FEW_QUERY_TILES
 
 
 def default_config(problem: Problem, device: Device, qo_lens: Sequence[int] | None = None) -> PrefillConfig:
@@ -142,7 +144,7 @@ def default_config(problem: Problem, device: Device, qo_lens: Sequence[int] | No
             if short is not None:
                 return short
         elif (sm90 and not custom and qo_lens is not None and not problem.use_cuda_graph
-              and _few_query_tiles(problem, qo_lens) and tma_unused_reason(problem, device, 3, False) is None):
+              and tma_unused_reason(problem, device, 3, False) is None and _few_query_tiles(problem, qo_lens)):
             return PrefillConfig(64, 64, 4, 3, tma=True)
         # 128-wide KV tiles run out of shared memory with RoPE's second K load; with a custom
         # mask's bitmaps they fit on sm90 only (228 KB, partial tiles unpipelined): H200, same
