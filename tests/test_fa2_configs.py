@@ -11,6 +11,7 @@ import torch
 
 from flashdispatch.backends.fa2 import FA2Backend
 from flashdispatch.backends.fa2.decode import plan_decode, resolve_config
+from flashdispatch.backends.fa2.prefill import plan_prefill
 from flashdispatch.backends.fa2.prefill_config import PrefillConfig, default_config
 from flashdispatch.dispatch.problem import Device
 from flashdispatch.dispatch.reasons import Unsupported
@@ -70,12 +71,16 @@ def test_short_windows_take_64x64_tiles_on_sm90(window, paged, expected):
     assert default_config(problem.with_(window_left=-1), H200).block_m == 128
     assert default_config(problem, A100).block_m == 128
     assert default_config(problem.with_(mask_mode="custom"), H200).block_m == 128
-    if not paged:
+    if paged:
+        assert default_config(problem.with_(page_size=64), H200).block_m == 128  # 64-key pages: not measured
+    else:
         assert default_config(problem.with_(pos_encoding_mode="ROPE_LLAMA"), H200).block_m == 128
 
 
 @pytest.mark.parametrize("qo_lens,mask_mode,expected_m", [([4096], "causal", 64), ([4096], "none", 64),
-                                                          ([2048, 2048, 1], "causal", 64), ([4096] * 2 + [1], "none", 128), ([16384], "causal", 128)])
+                                                          ([2048, 2048, 1], "causal", 64), ([8192], "causal", 64),
+                                                          ([8192, 1], "causal", 128), ([4096] * 2 + [1], "none", 128),
+                                                          ([16384], "causal", 128)])
 def test_small_ragged_prefills_take_64x64_tiles_on_sm90(qo_lens, mask_mode, expected_m):
     """Ragged prefills with TMA loads and at most 2048 query tiles of 128 rows (x query heads)
     take 64x64 tiles on the H200; more tiles, CUDA graphs (lengths change after capture), other
@@ -87,6 +92,20 @@ def test_small_ragged_prefills_take_64x64_tiles_on_sm90(qo_lens, mask_mode, expe
     assert default_config(problem.with_(use_cuda_graph=True), H200, qo_lens).block_m == 128
     assert default_config(problem, A100, qo_lens).block_m == 128
     assert default_config(problem, H200).block_m == 128
+    # TMA-less ragged (RoPE), paged KV and custom masks keep their tiles
+    assert default_config(problem.with_(pos_encoding_mode="ROPE_LLAMA"), H200, qo_lens).block_m == 128
+    assert default_config(problem.with_(op="prefill_paged", page_size=16), H200, qo_lens).block_m == 128
+    assert default_config(problem.with_(mask_mode="custom"), H200, qo_lens).block_m == 128
+
+
+def test_plan_prefill_passes_the_query_lengths_to_the_default():
+    """plan_prefill picks the tiles from the request lengths: a small ragged problem planned for a
+    described H200 (CPU tensors) gets the 64x64 TMA tiles, a large one 128x128."""
+    for qo_lens, block_m in (([300, 77], 64), ([8192, 8192], 128)):
+        case = make_ragged_case(qo_lens=qo_lens, kv_lens=qo_lens, head_dim_qk=128, num_qo_heads=32,
+                                num_kv_heads=8, q_dtype=torch.float16, mask_mode="causal")
+        plan = plan_prefill(case.problem, H200, case.params)
+        assert (plan.config.block_m, plan.config.tma) == (block_m, True)
 
 
 @pytest.mark.parametrize("cc", [(8, 6), (8, 9), (12, 0)])

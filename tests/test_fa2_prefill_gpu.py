@@ -85,11 +85,12 @@ def test_fp32():
                            mask_mode="causal", device="cuda"))
 
 
-def test_cuda_graph_replay_after_replan():
+@pytest.mark.parametrize("window_left", [-1, 255])  # a window takes 64x64 persistent tiles on sm90
+def test_cuda_graph_replay_after_replan(window_left):
     """Capture run() once; re-plan other lengths into the same buffers; replay equals the reference."""
     heads, dim, page, max_q, batch = 8, 128, 16, 1024, 3
     kw = dict(page_size=page, num_qo_heads=heads, num_kv_heads=2, head_dim_qk=dim, q_dtype=BF16,
-              mask_mode="causal", use_cuda_graph=True, kv_storage="tuple", device="cuda")
+              mask_mode="causal", window_left=window_left, use_cuda_graph=True, kv_storage="tuple", device="cuda")
     lens = [([200, 17, 700], [900, 17, 700]), ([5, 1000, 0], [2000, 1000, 3]), ([1, 1, 1], [64, 1, 3000])]
     first = make_paged_case(qo_lens=lens[0][0], kv_lens=lens[0][1], seed=0, **kw)
     ws = torch.zeros(8 << 20, dtype=torch.uint8, device="cuda")

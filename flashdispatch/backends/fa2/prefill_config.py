@@ -166,7 +166,10 @@ def default_config(problem: Problem, device: Device, qo_lens: Sequence[int] | No
 
 def config_from_env(base: PrefillConfig) -> PrefillConfig:
     """Apply FLASHDISPATCH_FA2_PREFILL_CONFIG: ``block_m=128,block_n=64,num_warps=8,num_stages=3``
-    (any subset of the fields, split knobs and ``tma=1`` included) or the four numbers ``128,64,8,3``."""
+    (any subset of the fields, split knobs and ``tma=1`` included) or the four numbers ``128,64,8,3``.
+    A subset changes ``base``, the problem's default, which on sm90 depends on the window and, for
+    small ragged prefills, on the lengths (``block_n=128`` on a 64x64 default gives 64x128); the
+    four numbers replace it whole (TMA off)."""
     text = os.environ.get(CONFIG_ENV, "").strip()
     if not text:
         return base
