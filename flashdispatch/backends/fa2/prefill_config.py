@@ -14,6 +14,7 @@ from .prefill_tma import tma_unused_reason
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_PREFILL_CONFIG"
 
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """Tile shape and launch parameters of the prefill kernel, and the split-KV policy knobs:
@@ -94,8 +95,9 @@ def _small_shared_config(problem: Problem) -> PrefillConfig:
 def _short_window_config(problem: Problem, device: Device, sm90: bool) -> PrefillConfig | None:
     """64x64 tiles on 4 warps for sliding windows of a few thousand keys, or None. Each query tile
     then loops over few KV tiles, and two programs share an SM (about 112 KB of Q and K/V stages
-    each), so one tile's prologue and epilogue overlap another's loop (a 128-row tile runs alone). H200, bf16 d128
-    32/8 heads, same run, TFLOP/s, default -> 64x64x4x3: ragged with TMA loads 4096:w256
+    each), so one tile's prologue and epilogue overlap another's loop (a 128-row tile runs
+    alone). H200, bf16 d128 32/8 heads, same run, TFLOP/s, default -> 64x64x4x3: ragged with TMA
+    loads 4096:w256
     131 -> 175, 4096:w1024 290 -> 343, 16384:w4096 454 -> 506; paged, page 16, 8x512/8192:w256
     133 -> 147, w1024 280 -> 286, but w4096 393 -> 376 (so paged windows from 2048 on keep the
     default). Other GPUs, ragged rows the TMA path cannot take and pages of 64 keys and more were
