@@ -92,26 +92,6 @@ def _small_shared_config(problem: Problem) -> PrefillConfig:
     return PrefillConfig(64, 32, 4, 2)
 
 
-def _short_window_config(problem: Problem, device: Device, sm90: bool) -> PrefillConfig | None:
-    """64x64 tiles on 4 warps for sliding windows of a few thousand keys, or None. Each query tile
-    then loops over few KV tiles, and two programs share an SM (about 112 KB of Q and K/V stages
-    each), so one tile's prologue and epilogue overlap another's loop (a 128-row tile runs
-    alone). H200, bf16 d128 32/8 heads, same run, TFLOP/s, default -> 64x64x4x3: ragged with TMA
-    loads 4096:w256
-    131 -> 175, 4096:w1024 290 -> 343, 16384:w4096 454 -> 506; paged, page 16, 8x512/8192:w256
-    133 -> 147, w1024 280 -> 286, but w4096 393 -> 376 (so paged windows from 2048 on keep the
-    default). Other GPUs, ragged rows the TMA path cannot take and pages of 64 keys and more were
-    not measured: they keep the default."""
-    window = problem.window_left
-    if not sm90:
-        return None
-    if tma_unused_reason(problem, device, 3, False) is None:
-        return PrefillConfig(64, 64, 4, 3, tma=True) if window <= 4096 else None
-    if 0 < problem.page_size < 64 and window < 2048:
-        return PrefillConfig(64, 64, 4, 3)
-    return None
-
-
 # 128-row query tiles (summed over requests and query heads) up to which ragged prefills with TMA
 # loads take 64x64 tiles on sm90: H200, same run, single causal 4096 (1024 such tiles) 412 -> 434
 # TFLOP/s, non-causal 4096 465 -> 474, but causal 16384 (4096 tiles) 512 -> 489
@@ -123,6 +103,24 @@ def _few_query_tiles(problem: Problem, qo_lens: Sequence[int]) -> bool:
     the rows over 128 plus one partial tile per request: a bound, summed at C speed)."""
     tiles = (sum(qo_lens) + 127 * len(qo_lens)) // 128
     return tiles * problem.num_qo_heads <= _FEW_QUERY_TILES
+
+
+def _small_tiles_pay(problem: Problem, tma: bool, qo_lens: Sequence[int] | None) -> bool:
+    """Whether an sm90 d<=128 problem without a custom mask (``tma``: ragged K/V TMA loads apply)
+    takes 64x64 tiles on 4 warps: short KV loops per query tile or few query tiles, where two
+    programs share an SM (about 112 KB of Q and K/V stages each), so one tile's prologue and
+    epilogue overlap another's loop (a 128-row tile runs alone).
+
+    Sliding windows (H200, bf16 d128 32/8 heads, same run, TFLOP/s, default -> 64x64x4x3): ragged
+    with TMA 4096:w256 131 -> 175, 4096:w1024 290 -> 343, 16384:w4096 454 -> 506; paged, page 16,
+    8x512/8192:w256 133 -> 147, w1024 280 -> 286, but w4096 393 -> 376 (so paged windows from 2048
+    on keep the default). Without a window: ragged with TMA and `_few_query_tiles`, given the
+    lengths and not under CUDA graphs (whose kernel must not change with them). Ragged rows the TMA
+    path cannot take and pages of 64 keys and more were not measured: they keep the default."""
+    window = problem.window_left
+    if window >= 0:
+        return window <= 4096 if tma else 0 < problem.page_size < 64 and window < 2048
+    return tma and qo_lens is not None and not problem.use_cuda_graph and _few_query_tiles(problem, qo_lens)
 
 
 def default_config(problem: Problem, device: Device, qo_lens: Sequence[int] | None = None) -> PrefillConfig:
@@ -141,13 +139,10 @@ def default_config(problem: Problem, device: Device, qo_lens: Sequence[int] | No
         sm90 = device.cc is not None and device.cc[0] == 9
         features = problem.features()
         custom = "custom_mask" in features
-        if "sliding_window" in features and not custom:
-            short = _short_window_config(problem, device, sm90)
-            if short is not None:
-                return short
-        elif (sm90 and not custom and qo_lens is not None and not problem.use_cuda_graph
-              and tma_unused_reason(problem, device, 3, False) is None and _few_query_tiles(problem, qo_lens)):
-            return PrefillConfig(64, 64, 4, 3, tma=True)
+        if sm90 and not custom:
+            tma = tma_unused_reason(problem, device, 3, False) is None
+            if _small_tiles_pay(problem, tma, qo_lens):
+                return PrefillConfig(64, 64, 4, 3, tma=tma)
         # 128-wide KV tiles run out of shared memory with RoPE's second K load; with a custom
         # mask's bitmaps they fit on sm90 only (228 KB, partial tiles unpipelined): H200, same
         # run, 128x64 -> 128x128 TFLOP/s: single 4096 mask 360 -> 397, paged 8x512/8192 mask 443 -> 482
