@@ -164,6 +164,10 @@ FEATURES = {
     "scales_float": dict(q_scale=0.5, k_scale=1.7, v_scale=0.3),
     "scales_tensor": dict(mask_mode="causal", q_scale=torch.tensor([0.5]), k_scale=torch.tensor(1.7),
                           v_scale=torch.tensor([0.3])),
+    # negative score scales run the unfolded path (the row max of the scaled scores); scores this
+    # large overflow exp2 if the max were taken the folded way
+    "negative_scale": dict(mask_mode="causal", sm_scale=-60.0),
+    "negative_scale_tensor": dict(k_scale=torch.tensor([-60.0])),
     "custom": dict(mask_mode="custom"),
     "custom_window_alibi_cap": dict(mask_mode="custom", window_left=7, pos_encoding_mode="ALIBI",
                                     logits_soft_cap=3.0),

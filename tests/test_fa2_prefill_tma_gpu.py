@@ -51,6 +51,7 @@ FEATURES = {
     "alibi": dict(mask_mode="causal", pos_encoding_mode="ALIBI"),
     "no_lse": dict(mask_mode="causal", return_lse=False),
     "sinks_scales": dict(mask_mode="causal", sinks=True, v_scale=1.5),
+    "negative_scale": dict(mask_mode="causal", sm_scale=-20.0),  # the unfolded row max (see _attn_tiles)
 }
 
 

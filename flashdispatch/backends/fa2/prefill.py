@@ -65,8 +65,8 @@ _MAX_ROW_STRIDE = 2**31  # K/V page and token strides: the kernel forms row offs
 
 class LaunchVariant(NamedTuple):
     """The per-run constexprs of a prefill launch: q dtype, sinks, lse, per-tensor q/k/v scale
-    tensors, TMA loads, and V rows at K's row offsets (paged tiles that cross pages, with equal
-    K/V page and token strides)."""
+    tensors, TMA loads, V rows at K's row offsets (paged tiles that cross pages, with equal K/V
+    page and token strides), and a score scale known to be > 0 (no q/k scale tensors)."""
     dtype: torch.dtype
     sinks: bool
     has_lse: bool
@@ -75,6 +75,7 @@ class LaunchVariant(NamedTuple):
     v_scale_t: bool
     tma: bool
     shared_rows: bool
+    scale_pos: bool
 
 
 def prefill_extra_checks(problem: Problem, device: Device) -> list[Reason]:
@@ -337,7 +338,7 @@ class PrefillPlan:
         """The prefill kernel with this plan's constexprs and the per-run ones in ``variant``: a
         BoundKernel, wrapped to provide the descriptors' scratch when TMA is on."""
         p, cfg = self.problem, self.config
-        dtype, sinks, has_lse, q_t, k_t, v_t, tma, shared_rows = variant
+        dtype, sinks, has_lse, q_t, k_t, v_t, tma, shared_rows, scale_pos = variant
         head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
         launch = self._launchers[variant] = bind(
             fa2_prefill_kernel,
@@ -349,8 +350,8 @@ class PrefillPlan:
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
             ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=sinks,
             HAS_LSE=has_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
-            PERSISTENT=p.use_cuda_graph, TMA=tma, SHARED_ROWS=shared_rows, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            PERSISTENT=p.use_cuda_graph, TMA=tma, SHARED_ROWS=shared_rows, SCALE_POS=scale_pos,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if tma:
             launch = self._launchers[variant] = functools.partial(launch_with_scratch, launch)
         return launch
@@ -386,7 +387,7 @@ class PrefillPlan:
         q_f, q_ptr, q_t = kernel_scale(inputs.q_scale, "q_scale", prm.qo_indptr)
         k_f, k_ptr, k_t = kernel_scale(inputs.k_scale, "k_scale", prm.qo_indptr)
         v_f, v_ptr, v_t = kernel_scale(inputs.v_scale, "v_scale", prm.qo_indptr)
-        log2e = 1.0 / math.log(2.0)
+        qk_scale = prm.sm_scale * q_f * k_f / math.log(2.0)
         custom = p.mask_mode == "custom"
         # TMA only where this call's K/V views meet the descriptor rules; else the pointer path, not an error
         tma = self.tma and tma_layout_ok(k, v)
@@ -397,7 +398,7 @@ class PrefillPlan:
         # caches, and tuples of equal strides)
         shared_rows = self.paged and p.page_size % self.config.block_n != 0 and sk[:2] == sv[:2]
         variant = LaunchVariant(q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t, tma,
-                                shared_rows)
+                                shared_rows, qk_scale > 0 and not (q_t or k_t))
         launch = self._launchers.get(variant) or self._bind(variant)
         launch(
             self.grid, q, k, v, out, lse if lse is not None else out,
@@ -406,7 +407,7 @@ class PrefillPlan:
             self.tile_bits if custom else prm.qo_indptr, self.tiles if custom else prm.qo_indptr,
             inputs.sinks if inputs.sinks is not None else prm.qo_indptr,
             self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
-            prm.sm_scale * q_f * k_f * log2e, v_f, p.logits_soft_cap * log2e,
+            qk_scale, v_f, p.logits_soft_cap / math.log(2.0),
             1.0 / prm.rope_scale, math.log2(prm.rope_theta), kernel_window(p.window_left),
             q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
