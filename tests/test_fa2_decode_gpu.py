@@ -258,3 +258,17 @@ def test_max_registers_reaches_ptxas():
     kernels = decode_kernel.device_caches[torch.cuda.current_device()][0].values()
     capped = [k for k in kernels if getattr(k.metadata, "maxnreg", None) == 72]
     assert capped and all(k.n_regs <= 72 for k in capped), [(k.n_regs, k.n_spills) for k in capped]
+
+
+def test_fp8_busy_tiles_at_the_default_threshold():
+    """fp8 KV with 192 requests x 8 KV heads (1536 programs, the default busy_items): the plan runs
+    the busy tiles (32 tokens x 4 stages) and matches the reference; one request fewer keeps 64 x 3."""
+    gen = torch.Generator().manual_seed(43)
+    lens = torch.randint(0, 400, (192,), generator=gen).tolist()
+    for batch, tiles in ((192, (32, 4)), (191, (64, 3))):
+        case = _case(lens[:batch], num_qo_heads=32, num_kv_heads=8, kv_dtype=torch.float8_e4m3fn, k_scale=0.8,
+                     v_scale=1.5, seed=43)
+        ref_out, ref_lse = reference_backend_result(case)
+        plan = run_fa2_decode(case)
+        assert (plan.config.block_n, plan.config.num_stages) == tiles
+        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[torch.float8_e4m3fn])
