@@ -471,18 +471,22 @@ def test_sm90_register_cap_keeps_8_programs_per_sm():
         assert int(regs) <= 64 and int(spill) == 0 and int(per_sm) == 8, (name, rows)
 
 
-@pytest.mark.parametrize("busy_items, busy", [(8, True), (9, False)])  # 4 requests x 2 KV heads = 8 programs
-def test_busy_tiles_from_busy_items_programs(busy_items, busy):
-    """Plans of at least busy_items programs run busy_block_n x busy_stages (the fp8 default's
-    1536 -> 32 x 4), fewer keep block_n; both match the oracle."""
+@pytest.mark.parametrize("busy_programs, busy", [(8, True), (9, False)])  # 4 requests x 2 KV heads = 8 programs
+def test_busy_tiles_from_busy_programs(busy_programs, busy):
+    """Plans of at least busy_programs programs run busy_block_n x busy_stages (the fp8 GQA
+    default's 1536 -> 32 x 4), fewer keep block_n x num_stages; both match the oracle."""
     from flashdispatch.backends.fa2.decode import DecodeConfig, _apply, default_config
     from flashdispatch.dispatch.problem import Problem
     case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, seed=41)
     plan = _check(case, disable_split_kv=True,
-                  config={"busy_items": busy_items, "busy_block_n": 16, "busy_stages": 3})
-    assert (plan.config.block_n, plan.config.num_stages) == ((16, 3) if busy else (64, 3))
-    fp8 = default_config(Problem("decode", F16, torch.float8_e4m3fn, F16, 32, 8, 128, 128, page_size=16))
-    assert (fp8.busy_items, fp8.busy_block_n, fp8.busy_stages) == (1536, 32, 4)
-    assert _apply(fp8, {"block_n": 32}).busy_items == 0  # an explicit block_n is kept at any batch
+                  config={"busy_programs": busy_programs, "busy_block_n": 16, "busy_stages": 2})
+    assert (plan.config.block_n, plan.config.num_stages) == ((16, 2) if busy else (64, 3))
+
+    def fp8(heads):
+        return default_config(Problem("decode", F16, torch.float8_e4m3fn, F16, heads, 8, 128, 128, page_size=16))
+    assert (fp8(32).busy_programs, fp8(32).busy_block_n, fp8(32).busy_stages) == (1536, 32, 4)
+    assert fp8(8).busy_programs == 0  # MHA: not measured
+    for explicit in ({"block_n": 32}, {"num_stages": 2}):  # kept at any batch
+        assert _apply(fp8(32), explicit).busy_programs == 0
     with pytest.raises(ValueError, match="busy_stages"):
         DecodeConfig(busy_stages=0)

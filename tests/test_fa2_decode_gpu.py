@@ -261,7 +261,7 @@ def test_max_registers_reaches_ptxas():
 
 
 def test_fp8_busy_tiles_at_the_default_threshold():
-    """fp8 KV with 192 requests x 8 KV heads (1536 programs, the default busy_items): the plan runs
+    """fp8 KV with 192 requests x 8 KV heads (1536 programs, the default busy_programs): the plan runs
     the busy tiles (32 tokens x 4 stages) and matches the reference; one request fewer keeps 64 x 3."""
     gen = torch.Generator().manual_seed(43)
     lens = torch.randint(0, 400, (192,), generator=gen).tolist()

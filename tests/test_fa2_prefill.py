@@ -189,6 +189,22 @@ def test_features(name, kind):
     check(case)
 
 
+
+@pytest.mark.parametrize("feats, folded", [
+    (dict(), True), (dict(q_scale=0.5, k_scale=1.7), True), (dict(logits_soft_cap=2.5), True),
+    (dict(sm_scale=-60.0), False), (dict(k_scale=-60.0), False), (dict(k_scale=torch.tensor([1.7])), False),
+])
+def test_folded_score_scale_only_with_a_scale_known_positive(feats, folded):
+    """The launch folds the score scale into the exponent (LaunchVariant.scale_pos) when the float
+    scales' product is > 0 and no q/k scale tensor is given (its sign is on the device); soft cap
+    takes the flag but keeps its scaled scores. Every case matches the oracle."""
+    case = make_ragged_case(qo_lens=[30, 45], kv_lens=[61, 45], head_dim_qk=64, mask_mode="causal", seed=5,
+                            **feats)
+    plan = plan_prefill(case.problem, case.device, case.params)
+    plan.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[case.problem.q_dtype])
+    assert [variant.scale_pos for variant in plan._launchers] == [folded]
+
 def test_rope_192_128():
     check(make_ragged_case(qo_lens=[19], kv_lens=[40], head_dim_qk=192, head_dim_vo=128, num_qo_heads=2,
                            num_kv_heads=1, mask_mode="causal", pos_encoding_mode="ROPE_LLAMA"))

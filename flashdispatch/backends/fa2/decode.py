@@ -77,7 +77,7 @@ class DecodeConfig:
     registers, 6 programs per SM, where 64 fits 8; see docs/perf-notes.md). Only the variant it
     was measured on takes it (`_register_cap`: one query row per request, one 16-row block, no
     RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to ``split_block_n``
-    or override block_n, run uncapped (under 64 they spill, or do not compile at 64 rows).
+    or the busy tiles or override block_n, run uncapped (under 64 they spill, or do not compile at 64 rows).
     max_block_m: most query rows per program (more rows use several row blocks);
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
     worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
@@ -108,11 +108,12 @@ class DecodeConfig:
     128x2048 4.15 -> 4.15, 256x4096 4.39 -> 4.38; batch-256 plan() ~60-100 us less host time).
     default_config turns it on for 16-bit GQA KV up to d128, where it was measured; fp8 KV and
     MHA measured slower with it, d256 is not measured.
-    busy_items: plans of at least this many programs (request x KV head x row block) run
-    ``busy_block_n`` tokens per step in ``busy_stages`` stages; 0: never. The fp8 default takes
-    1536 -> 32 x 4 (H200 fp8 e4m3 TB/s, 64 x 3 -> 32 x 4: 192x4096 3.68 -> 3.70, 256x1024 3.24 ->
-    3.34, 256x2048 3.54 -> 3.62, 256x4096 3.71 -> 3.77, 384x2048 3.63 -> 3.68, 512x4096 3.80 ->
-    3.83; fewer programs lose: 128x4096 3.62 -> 3.28, 64x4096 3.45 -> 3.22).
+    busy_programs: plans of at least this many programs (request x KV head x row block) run
+    ``busy_block_n`` tokens per step in ``busy_stages`` stages; 0: never. The fp8 GQA default
+    takes 1536 -> 32 x 4 (H200 fp8 e4m3, 32/8 heads, TB/s, 64 x 3 -> 32 x 4: 192x4096 3.68 ->
+    3.70, 256x1024 3.24 -> 3.34, 256x2048 3.54 -> 3.62, 256x4096 3.71 -> 3.77, 384x2048 3.63 ->
+    3.68, 512x4096 3.80 -> 3.83; fewer programs lose: 128x4096 3.62 -> 3.28, 64x4096 3.45 ->
+    3.22). A config that sets block_n or num_stages turns them off.
     """
 
     block_n: int = 32
@@ -131,7 +132,7 @@ class DecodeConfig:
     fused_merge_max_chunks: int = 16
     direct_table: bool = False
     max_registers: int = 0
-    busy_items: int = 0
+    busy_programs: int = 0
     busy_block_n: int = 32
     busy_stages: int = 4
 
@@ -143,10 +144,10 @@ class DecodeConfig:
         for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("busy_items", "busy_block_n", "busy_stages"):
+        for name in ("busy_programs", "busy_block_n", "busy_stages"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "busy_items" else 1):
-                raise ValueError(f"fa2 decode config {name} must be an int >= {0 if name == 'busy_items' else 1}, "
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "busy_programs" else 1):
+                raise ValueError(f"fa2 decode config {name} must be an int >= {0 if name == 'busy_programs' else 1}, "
                                  f"got {v!r}")
         if not isinstance(self.fused_merge_max_chunks, int) or isinstance(self.fused_merge_max_chunks, bool) \
                 or self.fused_merge_max_chunks < 0:
@@ -168,7 +169,7 @@ def default_config(problem: Problem) -> DecodeConfig:
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
-                                page_prefetch=True, fp8_v_convert="staged", busy_items=1536)
+                                page_prefetch=True, fp8_v_convert="staged", busy_programs=1536 if gqa else 0)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128, direct_table=gqa)
@@ -186,8 +187,10 @@ def _apply(cfg: DecodeConfig, source: dict) -> DecodeConfig:
     if unknown:
         raise ValueError(f"unknown fa2 decode config keys {sorted(unknown)}; "
                          f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
-    if "block_n" in source:  # the split and busy tiles and the register cap were chosen for the default block_n
-        source = {"split_block_n": None, "max_registers": 0, "busy_items": 0, **source}
+    if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
+        source = {"split_block_n": None, "max_registers": 0, **source}
+    if "block_n" in source or "num_stages" in source:  # the busy tiles would replace both
+        source = {"busy_programs": 0, **source}
     return dataclasses.replace(cfg, **source)
 
 
@@ -306,7 +309,7 @@ class DecodePlan:
         programs = params.batch_size * p.num_kv_heads * self.row_blocks
         if cfg.split_block_n and policy_splits and programs < target:
             cfg = _with_split_block(cfg)
-        elif cfg.busy_items and programs >= cfg.busy_items:
+        elif cfg.busy_programs and programs >= cfg.busy_programs:
             cfg = _with_busy_tiles(cfg)
         self.problem, self.config = problem, cfg
         self.sm_scale = params.sm_scale

@@ -60,6 +60,8 @@ _GRAPH_ITEMS_AT = 256
 _ALIGN = 256  # byte alignment of the partial-output region of the float workspace
 _LIST_CHUNK = 256  # KV tiles the custom-mask runs kernel reads per step
 _ORDER_ROWS, _ORDER_STEP = 32, 512  # heaviest_first_kernel: rows ranked per program, compared per step
+# the kernel gets qk_scale as fp32: below this it may round or flush to 0, and -inf * 0 is NaN
+_MIN_NORMAL_F32 = 2.0**-126
 _MAX_ROW_STRIDE = 2**31  # K/V page and token strides: the kernel forms row offsets with 32x32-bit products
 
 
@@ -398,7 +400,7 @@ class PrefillPlan:
         # caches, and tuples of equal strides)
         shared_rows = self.paged and p.page_size % self.config.block_n != 0 and sk[:2] == sv[:2]
         variant = LaunchVariant(q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t, tma,
-                                shared_rows, qk_scale > 0 and not (q_t or k_t))
+                                shared_rows, qk_scale >= _MIN_NORMAL_F32 and not (q_t or k_t))
         launch = self._launchers.get(variant) or self._bind(variant)
         launch(
             self.grid, q, k, v, out, lse if lse is not None else out,

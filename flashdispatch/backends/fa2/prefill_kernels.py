@@ -162,6 +162,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
     SCALE_POS: qk_scale > 0, so without soft cap and ALiBi the row max is taken over the raw scores
     and the scale folds into the exponent's FMA (one instruction per score instead of two)."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
+    FOLD: tl.constexpr = SCALE_POS and not SOFT_CAP and not ALIBI
     offs_da = tl.arange(0, HEAD_QK_A)
     offs_dv = tl.arange(0, HEAD_VO)
     if TMA:  # K and V are already the descriptors of this KV head's rows
@@ -197,7 +198,6 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                               rope_inv_scale, rope_log2_theta, DTYPE, MASKED, ROPE, HALF, HEAD_QK_A + HEAD_QK_B)
             qk = tl.dot(q_b, tl.trans(kb), qk, input_precision=DOT_PREC)
         # scores in log2 units (FOLD: raw, scaled in the exponent below)
-        FOLD: tl.constexpr = SCALE_POS and not SOFT_CAP and not ALIBI
         if FOLD:
             s = qk
         elif SOFT_CAP:
@@ -377,7 +377,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                             window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                             partial == 1, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
                                             CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS,
-                                    SCALE_POS)
+                                            SCALE_POS)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, mask_ptr,
