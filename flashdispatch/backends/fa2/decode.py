@@ -77,7 +77,8 @@ class DecodeConfig:
     registers, 6 programs per SM, where 64 fits 8; see docs/perf-notes.md). Only the variant it
     was measured on takes it (`_register_cap`: one query row per request, one 16-row block, no
     RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to ``split_block_n``
-    or the busy tiles or override block_n, run uncapped (under 64 they spill, or do not compile at 64 rows).
+    or the busy tiles or override block_n, run uncapped (under 64 they spill, or do not compile
+    at 64 rows).
     max_block_m: most query rows per program (more rows use several row blocks);
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
     worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);

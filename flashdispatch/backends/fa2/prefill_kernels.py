@@ -447,7 +447,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
     number of programs striding over item * heads with the item count read from memory.
     SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT).
     TMA: K/V tiles through device-side tensor descriptors (prefill_tma.py; ragged KV only).
-    SCALE_POS: the score scale (qk_scale times any q/k scale tensors) is > 0 (see _attn_tiles)."""
+    SCALE_POS: qk_scale is > 0 and no q/k scale tensor multiplies it (see _attn_tiles)."""
     if PERSISTENT:
         total = tl.load(num_work_ptr) * NUM_QO_HEADS
         for pid in range(tl.program_id(0), total, tl.num_programs(0)):
