@@ -145,15 +145,11 @@ class DecodeConfig:
         for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("busy_programs", "busy_block_n", "busy_stages"):
+        for name, low in (("fused_merge_max_chunks", 0), ("busy_programs", 0), ("busy_block_n", 1),
+                          ("busy_stages", 1)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "busy_programs" else 1):
-                raise ValueError(f"fa2 decode config {name} must be an int >= {0 if name == 'busy_programs' else 1}, "
-                                 f"got {v!r}")
-        if not isinstance(self.fused_merge_max_chunks, int) or isinstance(self.fused_merge_max_chunks, bool) \
-                or self.fused_merge_max_chunks < 0:
-            raise ValueError(f"fa2 decode config fused_merge_max_chunks must be an int >= 0, "
-                             f"got {self.fused_merge_max_chunks!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
         if not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool) \
                 or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
             raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "

@@ -389,7 +389,8 @@ class PrefillPlan:
         q_f, q_ptr, q_t = kernel_scale(inputs.q_scale, "q_scale", prm.qo_indptr)
         k_f, k_ptr, k_t = kernel_scale(inputs.k_scale, "k_scale", prm.qo_indptr)
         v_f, v_ptr, v_t = kernel_scale(inputs.v_scale, "v_scale", prm.qo_indptr)
-        qk_scale = prm.sm_scale * q_f * k_f / math.log(2.0)
+        log2e = 1.0 / math.log(2.0)
+        qk_scale = prm.sm_scale * q_f * k_f * log2e
         custom = p.mask_mode == "custom"
         # TMA only where this call's K/V views meet the descriptor rules; else the pointer path, not an error
         tma = self.tma and tma_layout_ok(k, v)
@@ -409,7 +410,7 @@ class PrefillPlan:
             self.tile_bits if custom else prm.qo_indptr, self.tiles if custom else prm.qo_indptr,
             inputs.sinks if inputs.sinks is not None else prm.qo_indptr,
             self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
-            qk_scale, v_f, p.logits_soft_cap / math.log(2.0),
+            qk_scale, v_f, p.logits_soft_cap * log2e,
             1.0 / prm.rope_scale, math.log2(prm.rope_theta), kernel_window(p.window_left),
             q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
