@@ -82,7 +82,7 @@ def main() -> None:
     for direct in (False, True):
         for capped in ((True, False) if cfg.max_registers else (False,)):
             variant_cfg = cfg if capped else fdec._apply(cfg, {"max_registers": 0})
-            consts = fdec._kernel_constants(p, variant_cfg, block_m, row_blocks, False, direct)
+            consts = fdec._kernel_constants(p, variant_cfg, block_m, row_blocks, False, direct, False)
             consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
             # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
             consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)

@@ -490,3 +490,31 @@ def test_busy_tiles_from_busy_programs(busy_programs, busy):
         assert _apply(fp8(32), explicit).busy_programs == 0
     with pytest.raises(ValueError, match="busy_stages"):
         DecodeConfig(busy_stages=0)
+
+
+def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):
+    """DecodeConfig.pdl: the plan launches the merge kernel as a programmatic dependent only on
+    sm90+, only when a merge kernel runs (split, not fused), and never under the interpreter. Plans
+    only: the interpreter cannot run griddepcontrol (the GPU suite runs them)."""
+    from flashdispatch.backends.fa2 import decode as fdec
+    monkeypatch.setattr(fdec, "TRITON_INTERPRETED", False)
+    case = _case(seed=47)
+    case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+
+    def pdl(cc, config, **params):
+        for name, value in {"fixed_split_size": None, "disable_split_kv": False, **params}.items():
+            setattr(case.params, name, value)
+        plan = plan_decode(case.problem, dataclasses.replace(case.device, cc=cc, sm_count=8), case.params, config)
+        assert plan._consts["PDL_TRIGGER"] == plan.pdl
+        return plan.pdl
+
+    unfused = {"fused_merge_max_chunks": 0}
+    assert pdl((9, 0), unfused, fixed_split_size=2)
+    assert not pdl((8, 0), unfused, fixed_split_size=2)  # griddepcontrol is sm90 PTX
+    assert not pdl((9, 0), {"fused_merge_max_chunks": 64}, fixed_split_size=2)  # no merge kernel
+    assert not pdl((9, 0), unfused, disable_split_kv=True)  # nothing split
+    assert not pdl((9, 0), {**unfused, "pdl": False}, fixed_split_size=2)
+    monkeypatch.setattr(fdec, "TRITON_INTERPRETED", True)
+    assert not pdl((9, 0), unfused, fixed_split_size=2)
+    with pytest.raises(ValueError, match="pdl"):
+        fdec.DecodeConfig(pdl=1)

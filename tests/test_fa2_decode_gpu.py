@@ -134,6 +134,7 @@ def test_batch_invariance_fixed_split():
 
 # --- fused split-KV merge (DecodeConfig.fused_merge_max_chunks): `pytest -m gpu -k fused` -----
 FUSED = {"fused_merge_max_chunks": 1 << 16}   # fused whatever the chunk count
+UNFUSED = {"fused_merge_max_chunks": 0}  # split plans merge in the second kernel
 
 
 def _fp8_scales(kv_dtype) -> dict:
@@ -272,3 +273,53 @@ def test_fp8_busy_tiles_at_the_default_threshold():
         plan = run_fa2_decode(case)
         assert (plan.config.block_n, plan.config.num_stages) == tiles
         assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[torch.float8_e4m3fn])
+
+
+@pytest.mark.parametrize("lengths", [[32768], [8192] * 16, [0, 17, 5000, 32768, 300, 8192]],
+                         ids=["1x32768", "16x8192", "mixed"])
+def test_pdl_merge_waits_for_the_decode_grid(lengths):
+    """The merge kernel launched as a programmatic dependent (sm90+, DecodeConfig.pdl) starts while
+    the decode grid runs: it must still read this run's partials. Runs alternate between two q
+    inputs, 30 of each queued back to back: a merge that read the previous run's partials would
+    give the other input's result, and every run must equal the first of its input bit for bit."""
+    case = _case(lengths, seed=len(lengths))
+    plan = run_fa2_decode(case, config=UNFUSED)
+    assert plan.n_merge and not plan.fused_merge
+    assert plan.pdl == (torch.cuda.get_device_capability() >= (9, 0))
+    inputs = case.inputs
+    q_a, q_b = inputs.q.clone(), torch.randn_like(inputs.q)
+    expected = []
+    for q in (q_a, q_b):
+        inputs.q.copy_(q)
+        ref_out, ref_lse = reference_backend_result(case)
+        plan.run(inputs)
+        assert_close(inputs.out, inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])
+        expected.append((inputs.out.clone(), inputs.lse.clone()))
+    runs = []
+    for i in range(60):
+        inputs.q.copy_((q_a, q_b)[i % 2])
+        inputs.out.fill_(float("nan"))
+        inputs.lse.fill_(float("nan"))
+        plan.run(inputs)
+        runs.append((inputs.out.clone(), inputs.lse.clone()))
+    torch.cuda.synchronize()
+    bad = [i for i, (o, s) in enumerate(runs) if not (torch.equal(o, expected[i % 2][0]) and torch.equal(s, expected[i % 2][1]))]
+    assert not bad, f"runs {bad} differ from the first run of their input"
+
+
+def test_pdl_merge_cuda_graph_replay_after_replan():
+    """A captured plan with the merge kernel (programmatic dependent launch on sm90+), re-planned
+    for other lengths and replayed: the new plan's result."""
+    case = _case([100, 30000, 0, 64], use_cuda_graph=True, extra_pages=2000, seed=9)
+    plan, graph = _captured(case, 4096, UNFUSED)
+    assert plan.n_merge and not plan.fused_merge
+    assert plan.pdl == (torch.cuda.get_device_capability() >= (9, 0))
+    _, prm_b = _replanned(case, [3000, 17, 20000, 1], UNFUSED)
+    inputs = case.inputs
+    inputs.q.copy_(torch.randn_like(inputs.q))
+    inputs.out.fill_(float("nan"))
+    inputs.lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference_backend_result(dataclasses.replace(case, params=prm_b))
+    assert_close(inputs.out, inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])

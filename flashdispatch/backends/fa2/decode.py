@@ -115,6 +115,11 @@ class DecodeConfig:
     3.70, 256x1024 3.24 -> 3.34, 256x2048 3.54 -> 3.62, 256x4096 3.71 -> 3.77, 384x2048 3.63 ->
     3.68, 512x4096 3.80 -> 3.83; fewer programs lose: 128x4096 3.62 -> 3.28, 64x4096 3.45 ->
     3.22). A config that sets block_n or num_stages turns them off.
+    pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
+    every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
+    grid is launched while the decode grid runs, and each merge program waits
+    (griddepcontrol.wait) until the decode grid has finished and its stores are visible. The
+    second launch's latency leaves the critical path.
     """
 
     block_n: int = 32
@@ -136,13 +141,14 @@ class DecodeConfig:
     busy_programs: int = 0
     busy_block_n: int = 32
     busy_stages: int = 4
+    pdl: bool = True
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
         if self.fp8_v_convert not in ("operand", "staged"):
             raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
-        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table"):
+        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("busy_programs", 0), ("busy_block_n", 1),
@@ -267,7 +273,7 @@ def _register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool
 
 @functools.lru_cache(maxsize=256)
 def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool,
-                      direct: bool) -> dict:
+                      direct: bool, pdl: bool) -> dict:
     """The decode kernel's constexprs and launch options of a plan (cached: plan() is host-time
     bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
     q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
@@ -283,7 +289,7 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
         FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
         HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
-        FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
+        FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct, PDL_TRIGGER=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cap} if cap and not TRITON_INTERPRETED else {}))
 
@@ -309,6 +315,8 @@ class DecodePlan:
         elif cfg.busy_programs and programs >= cfg.busy_programs:
             cfg = _with_busy_tiles(cfg)
         self.problem, self.config = problem, cfg
+        # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
+        self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)
         self.sm_scale = params.sm_scale
         self.rope = (1.0 / params.rope_scale, math.log2(params.rope_theta))
         self.kv_indices = params.kv_indices
@@ -471,8 +479,9 @@ class DecodePlan:
                         self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope)
+        self.pdl = self.pdl_capable and self.n_merge > 0 and not self.fused_merge
         self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
-                                         self.direct)
+                                         self.direct, self.pdl)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
         self._specs: dict = {}  # a run's call kind -> spec_key of its arguments (see run())
 
@@ -528,7 +537,7 @@ class DecodePlan:
                 spec = self._specs[call] = spec_key(args)
         launch.launch_with_spec(spec, self._grid, args)
         if self.n_merge and not self.fused_merge:
-            launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len)
+            launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len, self.pdl)
 
 
 def decode_extra_checks(problem: Problem, device: Device) -> list[Reason]:

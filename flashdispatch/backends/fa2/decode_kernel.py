@@ -63,6 +63,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from .merge import _merge_row_block
 from .paging import page_of, slot_in_page
 from .trig import sincos
@@ -153,8 +155,10 @@ def decode_kernel(
     Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
     FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
+    if PDL_TRIGGER:  # the merge kernel may launch now (DecodeConfig.pdl); it waits for this grid
+        gdc_launch_dependents()
     # 1-D grid of work items x (kv head, row block) units. HEADS_FASTEST: the programs resident
     # together read every head of the same pages; else one head of many requests at a time.
     UNITS: tl.constexpr = NUM_QO_HEADS // GROUP * ROW_BLOCKS

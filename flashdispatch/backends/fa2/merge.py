@@ -18,6 +18,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ...dispatch.caps import Caps
 from ..base import MergeInputs
@@ -118,10 +119,14 @@ def _merge_states_kernel(v_ptr, s_ptr, vo_ptr, so_ptr, num_states, head_dim,
 def _merge_decode_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, info_ptr,
                          stride_ot, stride_oh, stride_lt, stride_lh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QLEN: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (split request x q row, head, column block): merge its partials' BLOCK_D columns
     into out (column block 0 also writes lse). Requests with fewer than two partials were written
-    directly by the decode kernel."""
+    directly by the decode kernel. PDL: launched as a programmatic dependent of the kernel that
+    wrote the partials; wait for that grid to finish (its stores visible) before reading them."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     h = tl.program_id(1)
     col = tl.program_id(2) * BLOCK_D
@@ -155,22 +160,24 @@ def _merge_columns(head_dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_merge_launcher(num_heads: int, head_dim: int, q_len: int, write_lse: bool) -> BoundKernel:
+def _decode_merge_launcher(num_heads: int, head_dim: int, q_len: int, write_lse: bool, pdl: bool) -> BoundKernel:
     cols = _merge_columns(head_dim)
     return bind(_merge_decode_kernel, NUM_HEADS=num_heads, HEAD_DIM=head_dim, QLEN=q_len,
                 BLOCK_S=_MERGE_STATES if cols == _MERGE_COLS else _states_block(head_dim), BLOCK_D=cols,
-                WRITE_LSE=write_lse, num_warps=4)
+                WRITE_LSE=write_lse, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
-def launch_decode_merge(po, plse, out, lse, info, num_items: int, q_len: int) -> None:
+def launch_decode_merge(po, plse, out, lse, info, num_items: int, q_len: int, pdl: bool = False) -> None:
     """Merge decode partials (``po`` [P, q_len, H, D] fp32, ``plse`` [P, q_len, H]) into
-    ``out`` [rows, H, D] and ``lse`` [rows, H] (may be None) for ``num_items`` rows of ``info``."""
+    ``out`` [rows, H, D] and ``lse`` [rows, H] (may be None) for ``num_items`` rows of ``info``.
+    ``pdl`` (sm90+ only): launch as a programmatic dependent of the kernel before it on the
+    stream (which then should call griddepcontrol.launch_dependents early; see DecodeConfig.pdl)."""
     num_heads, head_dim = out.shape[1], out.shape[2]
     if lse is None:
         lse_arg, lse_strides = plse, (0, 0)
     else:
         lse_arg, lse_strides = lse, (lse.stride(0), lse.stride(1))
-    _decode_merge_launcher(num_heads, head_dim, q_len, lse is not None)(
+    _decode_merge_launcher(num_heads, head_dim, q_len, lse is not None, pdl)(
         (num_items * q_len, num_heads, head_dim // _merge_columns(head_dim)), po, plse, out, lse_arg, info,
         out.stride(0), out.stride(1), *lse_strides)
 
