@@ -149,6 +149,21 @@ def test_parser_defaults_per_kind():
         parse(["decode", "--peer-fa3"])  # fa3 is a prefill peer
     with pytest.raises(SystemExit):
         parse(["decode", "--heads", "32/5"])
+    assert d.l2_flush == "write" and parse(["prefill", "--l2-flush", "read"]).l2_flush == "read"
+    with pytest.raises(SystemExit):
+        parse(["decode", "--l2-flush", "none"])
+
+
+def test_l2_flusher_modes_on_cpu():
+    """write zeroes the buffer, read only reads it; an unknown mode is refused."""
+    from flashdispatch.bench.timing import L2Flusher
+    for mode, expect_zero in (("write", True), ("read", False)):
+        flusher = L2Flusher(torch.device("cpu"), nbytes=64, spin_cycles=0, mode=mode)
+        flusher.buffer.fill_(7)
+        flusher()
+        assert bool((flusher.buffer == 0).all()) == expect_zero
+    with pytest.raises(ValueError, match="'none'.*write, read"):
+        L2Flusher(torch.device("cpu"), nbytes=64, mode="none")
 
 
 def test_dry_run_lists_rows_and_columns(capsys):
@@ -187,7 +202,7 @@ class FakeShape:
 
 def fake_matrix(monkeypatch, times_ms, context_ok=True):
     """run_matrix on the CPU: measure() returns ``times_ms[column]`` and an output tensor."""
-    monkeypatch.setattr(matrix, "L2Flusher", lambda device: None)
+    monkeypatch.setattr(matrix, "L2Flusher", lambda device, mode: None)
     monkeypatch.setattr(matrix, "cuda_context_ok", lambda: context_ok)
     monkeypatch.setattr(matrix.torch.cuda, "empty_cache", lambda: None)
 

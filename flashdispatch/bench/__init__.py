@@ -11,6 +11,7 @@ import sys
 
 from . import decode, prefill
 from .matrix import Column
+from .timing import FLUSH_MODES
 
 KINDS = {"decode": dict(reps=50, shapes=decode.DEFAULT_SHAPES),
          "prefill": dict(reps=20, shapes=prefill.DEFAULT_SHAPES)}
@@ -56,6 +57,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         p.add_argument("--reps", type=int, default=defaults["reps"],
                        help=f"timed calls per cell, median reported (default: {defaults['reps']})")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--l2-flush", choices=FLUSH_MODES, default="write",
+                       help="before each timed call: write (zero 256 MB, ANCHORS' method; the call also "
+                            "writes back the dirty lines left in L2) or read (sum 256 MB: clean lines) "
+                            "(default: write)")
         p.add_argument("--json", metavar="PATH", help="write every cell as JSON (rewritten after each row)")
         p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
         p.add_argument("--plain", action="store_true", help="plain-text tables even if rich is importable")
@@ -201,8 +206,10 @@ def run_bench(args) -> int:
         make = lambda s: prefill.make_prefill_data(s, seed=args.seed)  # noqa: E731
         baseline = prefill.BASELINE_ORDER
     report.env, report.ceilings, report.notes = environment(), ceilings, list(notes)
+    if args.l2_flush != "write":
+        report.notes.append(f"L2 flush before each call: {args.l2_flush} (not ANCHORS' write flush)")
     intact = run_matrix(report, shapes, columns, make, _work(args.bench_kind), args.reps, baseline,
-                        json_path=args.json)
+                        json_path=args.json, flush_mode=args.l2_flush)
     print_report(report, use_rich=False if args.plain else None)
     if args.json:
         report.save_json(args.json)

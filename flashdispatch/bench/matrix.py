@@ -57,11 +57,12 @@ def run_matrix(
     baseline_order: list[str],
     json_path: str | None = None,
     log: Callable[[str], None] = _stderr,
+    flush_mode: str = "write",
 ) -> bool:
     """Measure every (shape, column) cell into ``report``; shapes have a ``label``;
-    ``work_of(shape)`` is the bytes or FLOPs of one call. Returns False if the CUDA context
-    was lost."""
-    flush = L2Flusher(torch.device("cuda"))
+    ``work_of(shape)`` is the bytes or FLOPs of one call; ``flush_mode``: `L2Flusher`'s.
+    Returns False if the CUDA context was lost."""
+    flush = L2Flusher(torch.device("cuda"), mode=flush_mode)
     lost: str | None = None
     for shape in shapes:
         report.shapes.append(shape.label)
