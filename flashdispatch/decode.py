@@ -261,7 +261,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
 
         ``paged_kv_cache`` is a 5-D ``[pages, 2, ...]`` tensor or a ``(k_cache, v_cache)`` tuple in
         the wrapper's layout. ``q_scale``/``k_scale``/``v_scale`` are fp8 calibration scales
-        (float or 1-element tensor). ``enable_pdl`` is a launch hint with no effect on results.
+        (float or 1-element tensor). ``enable_pdl`` is accepted as a hint with no effect on
+        results; fa2 on sm90+ launches its split-KV merge as a programmatic dependent launch
+        whatever it says (``FLASHDISPATCH_FA2_DECODE_CONFIG='{"pdl": false}'`` turns that off).
         Returns the output ``[batch * q_len_per_req, num_qo_heads, head_dim]`` and, with
         ``return_lse``, the base-2 lse ``[batch * q_len_per_req, num_qo_heads]``.
         """
