@@ -164,6 +164,8 @@ def test_l2_flusher_modes_on_cpu():
         assert bool((flusher.buffer == 0).all()) == expect_zero
     with pytest.raises(ValueError, match="'none'.*write, read"):
         L2Flusher(torch.device("cpu"), nbytes=64, mode="none")
+    with pytest.raises(ValueError, match="nbytes=12"):
+        L2Flusher(torch.device("cpu"), nbytes=12)
 
 
 def test_dry_run_lists_rows_and_columns(capsys):

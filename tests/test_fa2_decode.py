@@ -497,6 +497,7 @@ def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):
     sm90+, only when a merge kernel runs (split, not fused), and never under the interpreter. Plans
     only: the interpreter cannot run griddepcontrol (the GPU suite runs them)."""
     from flashdispatch.backends.fa2 import decode as fdec
+    fdec._kernel_constants.cache_clear()  # its key does not hold TRITON_INTERPRETED
     monkeypatch.setattr(fdec, "TRITON_INTERPRETED", False)
     case = _case(seed=47)
     case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
@@ -518,3 +519,31 @@ def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):
     assert not pdl((9, 0), unfused, fixed_split_size=2)
     with pytest.raises(ValueError, match="pdl"):
         fdec.DecodeConfig(pdl=1)
+    fdec._kernel_constants.cache_clear()
+
+
+def test_pdl_reaches_the_merge_launch(monkeypatch):
+    """run() hands the plan's pdl to the merge launch, whose launcher then carries Triton's
+    launch_pdl option and the kernel's PDL constexpr (the interpreter runs it without them)."""
+    from flashdispatch.backends.fa2 import decode as fdec, merge
+    launcher = merge._decode_merge_launcher(8, 64, 1, True, True)
+    assert launcher._kwargs["launch_pdl"] is True and launcher._kwargs["PDL"] is True
+    plain = merge._decode_merge_launcher(8, 64, 1, True, False)
+    assert "launch_pdl" not in plain._kwargs and plain._kwargs["PDL"] is False
+    seen = []
+
+    def record(*args):
+        seen.append(args[-1])
+        merge.launch_decode_merge(*args[:-1], False)  # the interpreter cannot run griddepcontrol
+
+    monkeypatch.setattr(fdec, "launch_decode_merge", record)
+    case = _case(seed=48)
+    ref_out, ref_lse = case.oracle()
+    case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    case.params.fixed_split_size = 2
+    plan = plan_decode(case.problem, case.device, case.params, {"fused_merge_max_chunks": 0})
+    assert plan.n_merge and not plan.pdl
+    plan.pdl = True  # what an sm90 plan holds
+    plan.run(case.inputs)
+    assert seen == [True]
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[F16])

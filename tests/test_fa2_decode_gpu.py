@@ -303,8 +303,13 @@ def test_pdl_merge_waits_for_the_decode_grid(lengths):
         plan.run(inputs)
         runs.append((inputs.out.clone(), inputs.lse.clone()))
     torch.cuda.synchronize()
-    bad = [i for i, (o, s) in enumerate(runs) if not (torch.equal(o, expected[i % 2][0]) and torch.equal(s, expected[i % 2][1]))]
+    bad = [i for i, (o, s) in enumerate(runs)
+           if not (torch.equal(o, expected[i % 2][0]) and torch.equal(s, expected[i % 2][1]))]
     assert not bad, f"runs {bad} differ from the first run of their input"
+    if plan.pdl:  # the merge really went out as a programmatic dependent launch
+        from flashdispatch.backends.fa2.merge import _merge_decode_kernel
+        kernels = _merge_decode_kernel.device_caches[torch.cuda.current_device()][0].values()
+        assert any(k.metadata.launch_pdl for k in kernels)
 
 
 def test_pdl_merge_cuda_graph_replay_after_replan():
@@ -314,7 +319,8 @@ def test_pdl_merge_cuda_graph_replay_after_replan():
     plan, graph = _captured(case, 4096, UNFUSED)
     assert plan.n_merge and not plan.fused_merge
     assert plan.pdl == (torch.cuda.get_device_capability() >= (9, 0))
-    _, prm_b = _replanned(case, [3000, 17, 20000, 1], UNFUSED)
+    replan, prm_b = _replanned(case, [3000, 17, 20000, 1], UNFUSED)
+    assert (replan.pdl, replan.n_merge) == (plan.pdl, plan.n_merge)  # the captured launches still fit
     inputs = case.inputs
     inputs.q.copy_(torch.randn_like(inputs.q))
     inputs.out.fill_(float("nan"))

@@ -66,6 +66,8 @@ class L2Flusher:
                  mode: str = "write"):
         if mode not in FLUSH_MODES:
             raise ValueError(f"L2 flush mode {mode!r}: valid: {', '.join(FLUSH_MODES)}")
+        if nbytes <= 0 or nbytes % 8:
+            raise ValueError(f"L2 flush nbytes={nbytes}: must be a positive multiple of 8 (read sums int64 words)")
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.spin_cycles = spin_cycles
         self.mode = mode
