@@ -119,7 +119,8 @@ class DecodeConfig:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
     (griddepcontrol.wait) until the decode grid has finished and its stores are visible. The
-    second launch's latency leaves the critical path.
+    second launch's latency leaves the critical path (H200 bf16 32/8 heads, TB/s off -> on:
+    1x32768 2.66 -> 2.76, 2x16384 2.68 -> 2.75).
     """
 
     block_n: int = 32

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .merge import _merge_row_block
