@@ -104,12 +104,9 @@ def _replanned(case, lens, config=None):
     return plan_decode(case.problem, case.device, prm_b, config), prm_b
 
 
-def test_cuda_graph_replay_after_replan():
-    """Capture on one plan, re-plan (same batch size, other lengths and pages, same buffers),
-    replay: the result is the new plan's."""
-    case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=400, seed=4)
-    _, graph = _captured(case, 2048)
-    _, prm_b = _replanned(case, [3000, 17, 900, 1])
+def _assert_replay_is_replanned(case, graph, prm_b):
+    """New q, poisoned out/lse, one replay of ``graph``: the result is the reference's for the
+    re-planned params ``prm_b`` (see `_replanned`)."""
     inputs = case.inputs
     inputs.q.copy_(torch.randn_like(inputs.q))
     inputs.out.fill_(float("nan"))
@@ -118,6 +115,15 @@ def test_cuda_graph_replay_after_replan():
     torch.cuda.synchronize()
     ref_out, ref_lse = reference_backend_result(dataclasses.replace(case, params=prm_b))
     assert_close(inputs.out, inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])
+
+
+def test_cuda_graph_replay_after_replan():
+    """Capture on one plan, re-plan (same batch size, other lengths and pages, same buffers),
+    replay: the result is the new plan's."""
+    case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=400, seed=4)
+    _, graph = _captured(case, 2048)
+    _, prm_b = _replanned(case, [3000, 17, 900, 1])
+    _assert_replay_is_replanned(case, graph, prm_b)
 
 
 def test_batch_invariance_fixed_split():
@@ -321,11 +327,4 @@ def test_pdl_merge_cuda_graph_replay_after_replan():
     assert plan.pdl == (torch.cuda.get_device_capability() >= (9, 0))
     replan, prm_b = _replanned(case, [3000, 17, 20000, 1], UNFUSED)
     assert (replan.pdl, replan.n_merge) == (plan.pdl, plan.n_merge)  # the captured launches still fit
-    inputs = case.inputs
-    inputs.q.copy_(torch.randn_like(inputs.q))
-    inputs.out.fill_(float("nan"))
-    inputs.lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    ref_out, ref_lse = reference_backend_result(dataclasses.replace(case, params=prm_b))
-    assert_close(inputs.out, inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    _assert_replay_is_replanned(case, graph, prm_b)
