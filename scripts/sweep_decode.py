@@ -2,7 +2,7 @@
 
 Each config of the grid (`DecodeConfig` fields; the row ``{}`` is `default_config`) is planned
 with ``plan_decode(..., config)`` on each shape and timed (median of --reps runs, each after a
-256 MB L2 flush, CUDA events). TB/s counts the KV bytes read: batch x kv_len x kv_heads x
+256 MB L2 flush (`--l2-flush`, as the bench's), CUDA events). TB/s counts the KV bytes read: batch x kv_len x kv_heads x
 head_dim x 2 (K, V) x the KV dtype's size. Every result is compared with a dense float32
 attention over the same cache (in chunks of requests, so 4 GB caches are checked too): a "!"
 after a figure means ||out - ref|| / ||ref|| > --tol or an lse error > --tol.
@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tol", type=float, default=2e-2, help="relative error (and lse error) that marks a '!'")
     ap.add_argument("--no-check", action="store_true", help="skip the dense float32 check")
     ap.add_argument("--json", default=None, help="also write every result to this JSON file")
+    ap.add_argument("--l2-flush", default="write", choices=("write", "read"),
+                    help="how the L2 is emptied before each timed run (bench --l2-flush)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: Triton interpreter (smoke test)")
     return ap.parse_args(argv)
 
@@ -146,7 +148,7 @@ class Shape:
         return rel, (self.inputs.lse - ref_lse).abs().max().item()
 
 
-def median_ms(fn, reps: int, device: torch.device, flush: torch.Tensor | None) -> float:
+def median_ms(fn, reps: int, device: torch.device, flush) -> float:
     """Median time of fn() in ms: CUDA events after an L2 flush each, or wall time on CPU."""
     if device.type != "cuda":
         times = []
@@ -157,7 +159,7 @@ def median_ms(fn, reps: int, device: torch.device, flush: torch.Tensor | None) -
         return statistics.median(times)
     pairs = []
     for _ in range(reps):
-        flush.zero_()
+        flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -204,13 +206,14 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     sys.path.insert(0, ROOT)
+    from flashdispatch.bench.timing import L2Flusher
     from flashdispatch.dispatch.problem import Device, device_of
 
     device = torch.device(args.device)
     dev = device_of(device) if device.type == "cuda" else Device("cpu")
     configs = config_grid(args.grid, not args.no_default)
     shapes = parse_shapes(args.shapes)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    flush = L2Flusher(device, mode=args.l2_flush) if device.type == "cuda" else None
     print(f"{dev.name or device.type}: q {args.q_dtype}, KV {args.kv}, heads {args.heads}, d {args.head_dim}, "
           f"page {args.page_size}, {args.layout}; {len(configs)} configs x {len(shapes)} shapes, "
           f"median of {args.reps}", flush=True)
