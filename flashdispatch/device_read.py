@@ -5,6 +5,7 @@ aminmax + a blocking copy) to ~38 us (docs/perf-notes.md, "API host overhead").
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -77,6 +78,12 @@ class _Staging(threading.local):
 _staging = _Staging()
 
 
+@functools.lru_cache(maxsize=None)
+def _summary_launcher(used_on_device: bool):
+    return bind(index_summary_kernel, BLOCK=_BLOCK, PER_PROGRAM=_PER_PROGRAM, USED_ON_DEVICE=used_on_device,
+                num_warps=4)
+
+
 def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None,
                        used_host: int | None) -> tuple[np.ndarray, tuple[int, int] | None]:
     """The 1-D int32 ``tensors`` (one device, at most `MAX_TENSORS`) concatenated on the host,
@@ -99,15 +106,12 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     args = []
     for i in range(MAX_TENSORS):
         args += [tensors[i] if i < len(tensors) else first, sizes[i]]
-    launch = bind(index_summary_kernel, BLOCK=_BLOCK, PER_PROGRAM=_PER_PROGRAM, USED_ON_DEVICE=used_host is None,
-                  num_warps=4)
-    launch((programs,), *args, indices if num_indices else first, num_indices, used_host or 0, buf)
+    _summary_launcher(used_host is None)((programs,), *args, indices if num_indices else first, num_indices,
+                                          used_host or 0, buf)
     if event is not None:
-        if device.index == torch.cuda.current_device():
-            event.record()  # the current stream, where the kernel went
-        else:
-            with torch.cuda.device(device):
-                event.record()
+        # the device's current stream, where the kernel went (an index, not None: torch then skips
+        # working out the current device, a third of this wait's host time on the H200's host)
+        event.record(torch.cuda.current_stream(device.index))
         event.synchronize()
     host = buf.numpy()
     flat = host[:n].copy()

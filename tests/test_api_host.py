@@ -137,6 +137,24 @@ def test_cuda_tables_read_in_one_copy(where, garbage):
     assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
 
 
+@pytest.mark.gpu
+def test_cuda_tables_read_waits_for_the_current_stream():
+    """The read's kernel and its wait go to the current stream: tables written on a side stream
+    behind a long kernel read as written, not as whatever the buffers held."""
+    indptr, indices, last = table([5, 17, 0, 33], 8)
+    want, want_minmax = checks.host_arrays([indptr, last], indices)
+    src = [t.cuda() for t in (indptr, last, indices)]
+    dev = [torch.zeros_like(t) for t in src]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time before the tables are written
+        for d, t in zip(dev, src):
+            d.copy_(t)
+        got, got_minmax = checks.host_arrays(dev[:2], dev[2])
+    assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
+
+
 def test_check_inputs_0_skips_the_page_index_range_check(monkeypatch):
     indptr, indices, last = table([5, 17], 8)
     indices[1] = -3

@@ -233,11 +233,11 @@ UNFUSED = {"fused_merge_max_chunks": 0}
 @pytest.fixture
 def no_merge_launch(monkeypatch):
     """Fused plans must not launch the merge kernel."""
-    import flashdispatch.backends.fa2.decode as decode_mod
+    from flashdispatch.backends.fa2 import merge
 
     def fail(*args, **kwargs):
         raise AssertionError("a fused_merge plan launched the merge kernel")
-    monkeypatch.setattr(decode_mod, "launch_decode_merge", fail)
+    monkeypatch.setattr(merge.DecodeMerge, "__call__", fail)
 
 
 def _check_fused(case, **run_kw):
@@ -507,6 +507,7 @@ def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):
             setattr(case.params, name, value)
         plan = plan_decode(case.problem, dataclasses.replace(case.device, cc=cc, sm_count=8), case.params, config)
         assert plan._consts["PDL_TRIGGER"] == plan.pdl
+        assert plan.pdl == (plan._merge is not None and plan._merge.pdl)
         return plan.pdl
 
     unfused = {"fused_merge_max_chunks": 0}
@@ -523,27 +524,35 @@ def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):
 
 
 def test_pdl_reaches_the_merge_launch(monkeypatch):
-    """run() hands the plan's pdl to the merge launch, whose launcher then carries Triton's
-    launch_pdl option and the kernel's PDL constexpr (the interpreter runs it without them)."""
+    """A plan's pdl reaches its merge launch: the `DecodeMerge` an sm90 plan builds carries Triton's
+    launch_pdl option and the kernel's PDL constexpr for both lse variants (an interpreted plan
+    neither), and run() launches the plan's own merge."""
     from flashdispatch.backends.fa2 import decode as fdec, merge
-    launcher = merge._decode_merge_launcher(8, 64, 1, True, True)
-    assert launcher._kwargs["launch_pdl"] is True and launcher._kwargs["PDL"] is True
-    plain = merge._decode_merge_launcher(8, 64, 1, True, False)
-    assert "launch_pdl" not in plain._kwargs and plain._kwargs["PDL"] is False
-    seen = []
-
-    def record(*args):
-        seen.append(args[-1])
-        merge.launch_decode_merge(*args[:-1], False)  # the interpreter cannot run griddepcontrol
-
-    monkeypatch.setattr(fdec, "launch_decode_merge", record)
     case = _case(seed=48)
     ref_out, ref_lse = case.oracle()
     case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     case.params.fixed_split_size = 2
-    plan = plan_decode(case.problem, case.device, case.params, {"fused_merge_max_chunks": 0})
+    unfused = {"fused_merge_max_chunks": 0}
+    fdec._kernel_constants.cache_clear()  # its key does not hold TRITON_INTERPRETED
+    with monkeypatch.context() as m:
+        m.setattr(fdec, "TRITON_INTERPRETED", False)
+        sm90 = plan_decode(case.problem, dataclasses.replace(case.device, cc=(9, 0)), case.params, unfused)
+    fdec._kernel_constants.cache_clear()
+    assert sm90.pdl and sm90._merge.pdl
+    for launcher in sm90._merge._launchers.values():
+        assert launcher._kwargs["launch_pdl"] is True and launcher._kwargs["PDL"] is True
+    plan = plan_decode(case.problem, case.device, case.params, unfused)  # the interpreter: no griddepcontrol
     assert plan.n_merge and not plan.pdl
-    plan.pdl = True  # what an sm90 plan holds
+    for launcher in plan._merge._launchers.values():
+        assert "launch_pdl" not in launcher._kwargs and launcher._kwargs["PDL"] is False
+    seen = []
+    launch = merge.DecodeMerge.__call__
+
+    def record(self, out, lse):
+        seen.append(self)
+        launch(self, out, lse)
+
+    monkeypatch.setattr(merge.DecodeMerge, "__call__", record)
     plan.run(case.inputs)
-    assert seen == [True]
+    assert seen == [plan._merge]
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[F16])

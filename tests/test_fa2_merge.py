@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not TRITON_INTERPRETED,
                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 
 if TRITON_INTERPRETED or torch.cuda.is_available():
-    from flashdispatch.backends.fa2.merge import MERGE_CAPS, launch_decode_merge, merge_states
+    from flashdispatch.backends.fa2.merge import MERGE_CAPS, DecodeMerge, merge_states
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -100,8 +100,8 @@ def test_decode_merge_column_blocks(head_dim, counts, with_lse):
     rows = len(counts) * q_len
     out = torch.full((rows, heads, head_dim), float("nan"), device=DEVICE)
     lse = torch.full((rows, heads), float("nan"), device=DEVICE) if with_lse else None
-    launch_decode_merge(v.to(DEVICE), s.to(DEVICE), out, lse, torch.tensor(info, dtype=torch.int32, device=DEVICE),
-                        len(counts), q_len)
+    DecodeMerge(v.to(DEVICE), s.to(DEVICE), torch.tensor(info, dtype=torch.int32, device=DEVICE), len(counts), q_len,
+                heads, head_dim)(out, lse)
     first = 0
     for i, n in enumerate(counts):
         got = out[i * q_len:(i + 1) * q_len].cpu()
@@ -113,3 +113,31 @@ def test_decode_merge_column_blocks(head_dim, counts, with_lse):
             if with_lse:
                 assert (lse[i * q_len:(i + 1) * q_len].cpu().double() - ref_s).abs().max().item() <= 1e-5
         first += n
+
+
+def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
+    """`DecodeMerge` fixes the grid and works Triton's specialisation key out once per kind of call
+    (lse or not, out/lse strides), as `spec_key` would; a misaligned out gets none (worked out at
+    the launch)."""
+    from flashdispatch.backends.fa2.launch import spec_key
+    po, plse = torch.zeros(4, 1, 2, 64), torch.zeros(4, 1, 2)
+    info = torch.zeros(2, 4, dtype=torch.int32)
+    merge = DecodeMerge(po, plse, info, 2, 1, 2, 64)
+    assert merge.grid == (2, 2, 2)  # rows x heads x 32-column blocks of the head dim
+    calls = []
+
+    class Recorder:
+        def launch_with_spec(self, spec, grid, args):
+            calls.append((spec, args))
+
+    merge._launchers = {False: Recorder(), True: Recorder()}
+    out, lse = torch.empty(2, 2, 64), torch.empty(2, 2)
+    wide = torch.empty(2, 4, 64)[:, ::2]
+    misaligned = torch.empty(2 * 2 * 64 + 1)[1:].view(2, 2, 64)
+    for o, lse_arg in ((out, lse), (out, lse), (out, None), (wide, lse), (misaligned, lse)):
+        merge(o, lse_arg)
+    specs = [spec for spec, _ in calls]
+    assert specs[0] is specs[1] and specs[0] == spec_key(calls[0][1])
+    assert specs[2] == spec_key(calls[2][1]) and specs[2] != specs[0]
+    assert specs[3] == spec_key(calls[3][1]) and calls[3][1][5:7] == (256, 128)
+    assert specs[4] is None

@@ -43,7 +43,7 @@ from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, bind, spec_key
-from .merge import MERGE_INFO_COLS, launch_decode_merge
+from .merge import MERGE_INFO_COLS, DecodeMerge
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -481,6 +481,8 @@ class DecodePlan:
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope)
         self.pdl = self.pdl_capable and self.n_merge > 0 and not self.fused_merge
+        self._merge = (DecodeMerge(self.po, self.plse, self.info, self.n_merge, self.q_len, p.num_qo_heads,
+                                   p.head_dim_vo, self.pdl) if self.n_merge and not self.fused_merge else None)
         self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
                                          self.direct, self.pdl)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
@@ -537,8 +539,8 @@ class DecodePlan:
                     self._specs.clear()
                 spec = self._specs[call] = spec_key(args)
         launch.launch_with_spec(spec, self._grid, args)
-        if self.n_merge and not self.fused_merge:
-            launch_decode_merge(po, plse, out, lse, self.info, self.n_merge, self.q_len, self.pdl)
+        if self._merge is not None:
+            self._merge(out, lse)
 
 
 def decode_extra_checks(problem: Problem, device: Device) -> list[Reason]:

@@ -169,11 +169,12 @@ class BoundKernel:
         index = _cuda_index(args[0]) if args else None
         if index is not None and index != _current_cuda_device():
             with torch.cuda.device(index):
-                self._launch(grid, args, spec)
+                self._launch(grid, args, spec, index)
             return
-        self._launch(grid, args, spec)
+        self._launch(grid, args, spec, index)
 
-    def _launch(self, grid: tuple, args: tuple, key: tuple | None = None) -> None:
+    def _launch(self, grid: tuple, args: tuple, key: tuple | None = None, device: int | None = None) -> None:
+        """Launch on the current CUDA device (``device``: its index, when the caller knows it)."""
         if not (self._direct and DIRECT_LAUNCH):
             self.fn[grid](*args, **self._kwargs)
             return
@@ -189,7 +190,8 @@ class BoundKernel:
         if key is None:
             self.fn[grid](*args, **self._kwargs)
             return
-        device = current_device()
+        if device is None:
+            device = current_device()
         key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, key)
         hit = self._kernels.get(key)
         if hit is not None and _direct_allowed(self.fn):

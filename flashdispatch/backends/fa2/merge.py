@@ -6,7 +6,7 @@ s = m + log2(sum w_k); states with s = -inf count for nothing; all -inf gives v 
 
 One merge step (`_merge_step`) serves three callers:
 - `merge_states` (op ``merge``): v [seq, num_states, heads, dim], s [seq, num_states, heads];
-- the split-KV decode (`launch_decode_merge`): partials [P, q_len, heads, dim] float32 in the
+- the split-KV decode and prefill (`DecodeMerge`): partials [P, q_len, heads, dim] float32 in the
   workspace, one row of ``info`` per split request (out row base, first partial, count);
 - the decode kernel's fused merge (decode_kernel.py, DecodeConfig.fused_merge_max_chunks), through
   `_merge_row_block`: the rows of one KV head and row block at a time.
@@ -23,7 +23,7 @@ from triton.language.extra.cuda import gdc_wait
 from ...dispatch.caps import Caps
 from ..base import MergeInputs
 from ..common import TRITON_INTERPRETED
-from .launch import BoundKernel, bind
+from .launch import BoundKernel, bind, spec_key
 
 MERGE_CAPS = Caps(
     ops=frozenset({"merge"}),
@@ -167,19 +167,38 @@ def _decode_merge_launcher(num_heads: int, head_dim: int, q_len: int, write_lse:
                 WRITE_LSE=write_lse, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
-def launch_decode_merge(po, plse, out, lse, info, num_items: int, q_len: int, pdl: bool = False) -> None:
-    """Merge decode partials (``po`` [P, q_len, H, D] fp32, ``plse`` [P, q_len, H]) into
-    ``out`` [rows, H, D] and ``lse`` [rows, H] (may be None) for ``num_items`` rows of ``info``.
-    ``pdl`` (sm90+ only): launch as a programmatic dependent of the kernel before it on the
-    stream (which then should call griddepcontrol.launch_dependents early; see DecodeConfig.pdl)."""
-    num_heads, head_dim = out.shape[1], out.shape[2]
-    if lse is None:
-        lse_arg, lse_strides = plse, (0, 0)
-    else:
-        lse_arg, lse_strides = lse, (lse.stride(0), lse.stride(1))
-    _decode_merge_launcher(num_heads, head_dim, q_len, lse is not None, pdl)(
-        (num_items * q_len, num_heads, head_dim // _merge_columns(head_dim)), po, plse, out, lse_arg, info,
-        out.stride(0), out.stride(1), *lse_strides)
+class DecodeMerge:
+    """The split-KV merge launch of one plan: partials ``po`` [P, q_len, H, D] fp32 and ``plse``
+    [P, q_len, H] into ``out`` [rows, H, D] and ``lse`` [rows, H] (may be None) for ``num_items``
+    rows of ``info``. The grid, launchers and the plan's own arguments are fixed here, and the
+    Triton specialisation key of a call is kept per kind of call (strides, lse or not), so a
+    repeated run() does no argument analysis. ``pdl`` (sm90+ only): launch as a programmatic
+    dependent of the kernel before it on the stream (which then should call
+    griddepcontrol.launch_dependents early; see DecodeConfig.pdl)."""
+
+    def __init__(self, po, plse, info, num_items: int, q_len: int, num_heads: int, head_dim: int,
+                 pdl: bool = False):
+        self.po, self.plse, self.info, self.pdl = po, plse, info, pdl
+        self.grid = (num_items * q_len, num_heads, head_dim // _merge_columns(head_dim))
+        self._launchers = {write_lse: _decode_merge_launcher(num_heads, head_dim, q_len, write_lse, pdl)
+                           for write_lse in (False, True)}
+        self._own_aligned = (po.data_ptr() | plse.data_ptr() | info.data_ptr()) & 15 == 0
+        self._specs: dict = {}
+
+    def __call__(self, out, lse) -> None:
+        write_lse = lse is not None
+        os_ = out.stride()
+        ls = lse.stride() if write_lse else (0, 0)
+        args = (self.po, self.plse, out, lse if write_lse else self.plse, self.info, os_[0], os_[1], *ls)
+        spec = None
+        if self._own_aligned and (out.data_ptr() | args[3].data_ptr()) & 15 == 0:
+            call = (write_lse, out.dtype, os_, ls)
+            spec = self._specs.get(call)
+            if spec is None:
+                if len(self._specs) >= 64:  # strides that change at every call: keep a few
+                    self._specs.clear()
+                spec = self._specs[call] = spec_key(args)
+        self._launchers[write_lse].launch_with_spec(spec, self.grid, args)
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,7 +32,7 @@ from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
 from .launch import bind
 from . import tuning
-from .merge import MERGE_INFO_COLS, launch_decode_merge
+from .merge import MERGE_INFO_COLS, DecodeMerge
 from .prefill_kernels import (RUNS_HEAD, WORK_COLS, fa2_prefill_kernel, heaviest_first_kernel, mask_tile_classes_kernel,
                               mask_tile_runs_kernel)
 from .prefill_config import CONFIG_ENV, PrefillConfig, config_from_env, default_config
@@ -226,6 +226,8 @@ class PrefillPlan:
             self.grid = (self.num_items * problem.num_qo_heads,)
             if custom:
                 self.tiles = torch.empty(list_len, dtype=torch.int32, device=dev)
+        self._merge = (DecodeMerge(self.po, self.plse, self.info, self.n_merge, 1, problem.num_qo_heads,
+                                   problem.head_dim_vo) if self.n_merge else None)
         self._mask_classes = self.tile_bits = None
         if custom and self.num_items:
             self._mask_classes = torch.empty((self.num_items, max_tiles), dtype=torch.int8, device=dev)
@@ -414,8 +416,8 @@ class PrefillPlan:
             1.0 / prm.rope_scale, math.log2(prm.rope_theta), kernel_window(p.window_left),
             q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
-        if self.n_merge:
-            launch_decode_merge(self.po, self.plse, out, lse, self.info, self.n_merge, 1)
+        if self._merge is not None:
+            self._merge(out, lse)
 
 
 def plan_prefill(problem: Problem, device: Device, params: AttentionParams,

@@ -1,0 +1,72 @@
+"""Host time of decode plan() and run(): our wrapper beside FlashInfer's, alternated in one process.
+
+The bench's `plan us`/`run us` columns are one median of 20 calls per column, taken minutes
+apart; this host's Python time drifts by 1.5-2x over that. Here both wrappers get the same
+inputs (the bench's decode data: device indptr, indices and last_page_len, the page-index check
+as configured), and each round times --calls calls of ours, then of FlashInfer's, plan then run;
+the table shows the median over --rounds rounds of each round's median call (every call after
+a device sync, as the bench's host columns). ``--profile N`` adds a cProfile of our plan and run
+at the last shape (the N functions with the most own time).
+
+    python scripts/host_vs_flashinfer.py --shapes 256x1024,64x4096,1x32768
+    python scripts/host_vs_flashinfer.py --ours fa2 --peer fa2-tc --rounds 9 --profile 25
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flashdispatch as fd  # noqa: E402
+from flashdispatch.bench.decode import (make_decode_data, parse_decode_shapes, peer_column,  # noqa: E402
+                                        wrapper_job)
+from flashdispatch.bench.peers import import_flashinfer  # noqa: E402
+from flashdispatch.bench.timing import host_time_us  # noqa: E402
+from host_overhead import profile  # noqa: E402  (scripts/, the script's own folder)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="256x1024,64x4096,16x8192,1x32768", help="decode shapes, as the bench's")
+    ap.add_argument("--ours", default="fa2", help="our backend (the wrapper's backend=)")
+    ap.add_argument("--peer", default="fa2-tc", help="FlashInfer column, as the bench's --peers")
+    ap.add_argument("--rounds", type=int, default=7, help="alternated rounds (the median is shown)")
+    ap.add_argument("--calls", type=int, default=30, help="calls per round and side")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="cProfile our plan and run (last shape)")
+    args = ap.parse_args(argv)
+    fi, why = import_flashinfer()
+    if fi is None:
+        raise SystemExit(why)
+    print(f"host us per call, median of {args.rounds} rounds x {args.calls} calls; ours fd:{args.ours}, "
+          f"peer fi:{args.peer}; torch {torch.__version__}, flashinfer {fi.__version__}")
+    print(f"{'shape':<12} {'plan ours':>9} {'plan fi':>8} {'ratio':>6} {'run ours':>9} {'run fi':>7} {'ratio':>6}")
+    ours = None
+    for shape in parse_decode_shapes(args.shapes):
+        data = make_decode_data(shape)
+        ours = wrapper_job(fd, args.ours, data)
+        peer = peer_column(fi, args.peer).build(data)
+        for job in (ours, peer):
+            job.plan()
+            job.run()
+        torch.cuda.synchronize()
+        rounds = {key: [] for key in ("po", "pf", "ro", "rf")}
+        for _ in range(args.rounds):
+            rounds["po"].append(host_time_us(ours.plan, args.calls))
+            rounds["pf"].append(host_time_us(peer.plan, args.calls))
+            rounds["ro"].append(host_time_us(ours.run, args.calls))
+            rounds["rf"].append(host_time_us(peer.run, args.calls))
+        m = {key: statistics.median(values) for key, values in rounds.items()}
+        print(f"{shape.label:<12} {m['po']:9.1f} {m['pf']:8.1f} {m['po'] / m['pf']:6.2f} "
+              f"{m['ro']:9.1f} {m['rf']:7.1f} {m['ro'] / m['rf']:6.2f}", flush=True)
+    if args.profile and ours is not None:
+        profile("our plan()", ours.plan, args.calls * 4, args.profile, torch.cuda.synchronize)
+        profile("our run()", ours.run, args.calls * 4, args.profile, torch.cuda.synchronize)
+
+
+if __name__ == "__main__":
+    main()
