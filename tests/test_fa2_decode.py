@@ -240,6 +240,17 @@ def no_merge_launch(monkeypatch):
     monkeypatch.setattr(merge.DecodeMerge, "__call__", fail)
 
 
+@pytest.mark.parametrize("config", [UNFUSED, FUSED], ids=["merge_kernel", "fused"])
+def test_every_request_split(config):
+    """The plan's shortcut where every request is split (each work item a partial, merge row =
+    request) merges like the general case, whose requests are partly split."""
+    case = _case(kv_lens=(40, 300, 17, 129), seed=49)
+    plan = _check(case, fixed_split_size=1, config=config)
+    work = plan.work.view(-1, 8)
+    assert (work[:, 5] >= 0).all() and plan.n_merge == 4
+    assert work[:, 5].tolist() == list(range(len(work))) and work[:, 7].tolist() == work[:, 0].tolist()
+
+
 def _check_fused(case, **run_kw):
     """Fused plan against the oracle; split requests merged in-kernel, counters back to zero."""
     plan = _check(case, config={**FUSED, **run_kw.pop("config", {})}, **run_kw)

@@ -374,29 +374,35 @@ class DecodePlan:
             merge_rows = np.arange(batch if splits > 1 else 0)
             merge_row_of = np.where(nsplit[req] > 1, req, -1)
             merge_first = merge_rows * splits
-        else:
+        else:  # items in order (a slice below, not an index array: plan() is host-time bound)
             n_work = len(req)
-            items = np.arange(n_work)
-            sidx = items - (nsplit.cumsum() - nsplit).repeat(nsplit)
-            split_item = nsplit[req] > 1
-            slot_of = np.where(split_item, split_item.cumsum() - 1, -1)
-            merge_rows = np.nonzero(nsplit > 1)[0]
-            merge_row_of = np.where(split_item, ((nsplit > 1).cumsum() - 1)[req], -1)
-            n_partial = int(split_item.sum())
-            merge_first = nsplit[merge_rows].cumsum() - nsplit[merge_rows]
+            items = slice(None)
+            first_item = nsplit.cumsum() - nsplit
+            sidx = np.arange(n_work) - first_item[req]
+            merge_rows = np.flatnonzero(nsplit > 1)
+            if merge_rows.size == batch:  # every request split (the usual case): every item a partial
+                slot_of, merge_row_of, n_partial, merge_first = np.arange(n_work), req, n_work, first_item
+            else:
+                split_item = nsplit[req] > 1
+                slot_of = np.where(split_item, split_item.cumsum() - 1, -1)
+                merge_row_of = np.where(split_item, ((nsplit > 1).cumsum() - 1)[req], -1)
+                n_partial = int(split_item.sum())
+                merge_first = nsplit[merge_rows].cumsum() - nsplit[merge_rows]
         n_merge = len(merge_rows)
         meta = np.zeros(n_work * WORK_COLS + n_merge * MERGE_INFO_COLS, dtype=np.int32)
         work = meta[:n_work * WORK_COLS].reshape(n_work, WORK_COLS)
         info = meta[n_work * WORK_COLS:].reshape(n_merge, MERGE_INFO_COLS)
-        work[:, 0] = -1
-        work[:, 7] = -1
+        if splits:  # the graph grid's idle items
+            work[:, 0] = -1
+            work[:, 7] = -1
         req_chunk = chunk[req] if chunk is not None else 0
         start = lo[req] + sidx * req_chunk
+        lens_req = lens[req]
         work[items, 0] = req
         work[items, 1] = page_base[req]
         work[items, 2] = start
-        work[items, 3] = np.minimum(start + req_chunk, lens[req]) if chunk is not None else lens[req]
-        work[items, 4] = lens[req]
+        work[items, 3] = np.minimum(start + req_chunk, lens_req) if chunk is not None else lens_req
+        work[items, 4] = lens_req
         work[items, 5] = slot_of
         work[items, 6] = sidx == 0
         work[items, 7] = merge_row_of
