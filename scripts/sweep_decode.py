@@ -2,8 +2,8 @@
 
 Each config of the grid (`DecodeConfig` fields; the row ``{}`` is `default_config`) is planned
 with ``plan_decode(..., config)`` on each shape and timed (median of --reps runs, each after a
-256 MB L2 flush (`--l2-flush`, as the bench's), CUDA events). TB/s counts the KV bytes read: batch x kv_len x kv_heads x
-head_dim x 2 (K, V) x the KV dtype's size. Every result is compared with a dense float32
+256 MB L2 flush (`--l2-flush`, as the bench's), CUDA events). TB/s counts the KV bytes read:
+batch x kv_len x kv_heads x head_dim x 2 (K, V) x the KV dtype's size. Every result is compared with a dense float32
 attention over the same cache (in chunks of requests, so 4 GB caches are checked too): a "!"
 after a figure means ||out - ref|| / ||ref|| > --tol or an lse error > --tol.
 
