@@ -182,23 +182,31 @@ class DecodeMerge:
         self.grid = (num_items * q_len, num_heads, head_dim // _merge_columns(head_dim))
         self._launchers = {write_lse: _decode_merge_launcher(num_heads, head_dim, q_len, write_lse, pdl)
                            for write_lse in (False, True)}
-        self._own_aligned = (po.data_ptr() | plse.data_ptr() | info.data_ptr()) & 15 == 0
+        self._plse_p, self._info_p = plse.data_ptr(), info.data_ptr()
+        self._own_aligned = (po.data_ptr() | self._plse_p | self._info_p) & 15 == 0
         self._specs: dict = {}
 
     def __call__(self, out, lse) -> None:
         write_lse = lse is not None
         os_ = out.stride()
         ls = lse.stride() if write_lse else (0, 0)
-        args = (self.po, self.plse, out, lse if write_lse else self.plse, self.info, os_[0], os_[1], *ls)
+        lse_arg = lse if write_lse else self.plse
+        o_p, l_p = out.data_ptr(), lse_arg.data_ptr()
+
+        def tensors():
+            return (self.po, self.plse, out, lse_arg, self.info, os_[0], os_[1], *ls)
+
+        # a direct launch takes the pointers as addresses (BoundKernel.launch_with_spec; po names the GPU)
+        args = (self.po, self._plse_p, o_p, l_p, self._info_p, os_[0], os_[1], *ls)
         spec = None
-        if self._own_aligned and (out.data_ptr() | args[3].data_ptr()) & 15 == 0:
+        if self._own_aligned and (o_p | l_p) & 15 == 0:
             call = (write_lse, out.dtype, os_, ls)
             spec = self._specs.get(call)
             if spec is None:
                 if len(self._specs) >= 64:  # strides that change at every call: keep a few
                     self._specs.clear()
-                spec = self._specs[call] = spec_key(args)
-        self._launchers[write_lse].launch_with_spec(spec, self.grid, args)
+                spec = self._specs[call] = spec_key(tensors())
+        self._launchers[write_lse].launch_with_spec(spec, self.grid, args, tensors)
 
 
 @functools.lru_cache(maxsize=None)
