@@ -11,7 +11,10 @@ low-level launcher, the call `JITFunction.run` makes at its end (triton 3.6 runt
                launch_metadata, launch_enter_hook, launch_exit_hook, *every kernel argument)
 
 (constexpr arguments included: the CUDA launcher skips them). With no launch hooks, the metadata
-and both hooks are None, which the launcher skips too.
+and both hooks are None, which the launcher skips too. That launcher takes a pointer argument as
+an int address as it is; for a tensor it calls data_ptr() and asks the driver for the device
+pointer (cuPointerGetAttribute). `launch_with_spec(..., tensor_args)` lets a caller that knows the
+addresses pass them to a direct launch (Triton's own path still gets the tensors).
 
 What Triton 3.6 specializes on (native_specialize_impl, specialize.cc): a tensor's dtype and
 whether its data_ptr() is a multiple of 16; an int's value == 1 (it becomes a constexpr), its
