@@ -136,12 +136,12 @@ def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
 
     merge._launchers = {False: Recorder(), True: Recorder()}
     out, lse = torch.empty(2, 2, 64), torch.empty(2, 2)
-    wide = torch.empty(2, 4, 64)[:, ::2]
+    wide = torch.empty(2, 2, 72)[:, :, :64]  # head stride 72: not a multiple of 16, another key
     misaligned = torch.empty(2 * 2 * 64 + 1)[1:].view(2, 2, 64)
     for o, lse_arg in ((out, lse), (out, lse), (out, None), (wide, lse), (misaligned, lse)):
         merge(o, lse_arg)
     specs = [spec for spec, _ in calls]
     assert specs[0] is specs[1] and specs[0] == spec_key(calls[0][1])
     assert specs[2] == spec_key(calls[2][1]) and specs[2] != specs[0]
-    assert specs[3] == spec_key(calls[3][1]) and calls[3][1][5:7] == (256, 128)
+    assert specs[3] == spec_key(calls[3][1]) and calls[3][1][5:7] == (144, 72) and specs[3] != specs[0]
     assert specs[4] is None

@@ -166,15 +166,18 @@ class BoundKernel:
         self.launch_with_spec(None, grid, args)
 
     def launch_with_spec(self, spec: tuple | None, grid: tuple, args: tuple, tensor_args=None) -> None:
-        """`__call__` with ``spec`` = ``spec_key(args)`` already known (None: work it out): a
-        caller that launches the same arguments' kinds again keeps the key (a wrong key launches
-        a kernel specialised for other arguments: keep it only while everything it covers holds).
+        """`__call__` with ``spec`` = ``spec_key(args)`` (``spec_key(tensor_args())`` when that is
+        given) already known (None: work it out): a caller that launches the same arguments' kinds
+        again keeps the key (a wrong key launches a kernel specialised for other arguments: keep it
+        only while everything it covers holds).
 
         ``tensor_args``: a callable returning ``args`` with tensors where ``args`` holds some pointer
         arguments as their addresses (``data_ptr()`` ints, which Triton's launcher takes as they
         are; a tensor costs it a ``data_ptr()`` call and a driver query each). A direct launch takes
         ``args``; everything that goes through Triton (compiling, the normal path) and the key
-        take ``tensor_args()``. ``args[0]`` stays a tensor: it names the GPU."""
+        take ``tensor_args()``. ``args[0]`` stays a tensor: it names the GPU. The caller vouches that
+        every address is memory of that GPU, read from its tensor at this call (Triton's launcher
+        checks a tensor's pointer, not an int: a host tensor passed this way is not caught)."""
         index = _cuda_index(args[0]) if args else None
         if index is not None and index != _current_cuda_device():
             with torch.cuda.device(index):

@@ -7,7 +7,8 @@ s = m + log2(sum w_k); states with s = -inf count for nothing; all -inf gives v 
 One merge step (`_merge_step`) serves three callers:
 - `merge_states` (op ``merge``): v [seq, num_states, heads, dim], s [seq, num_states, heads];
 - the split-KV decode and prefill (`DecodeMerge`): partials [P, q_len, heads, dim] float32 in the
-  workspace, one row of ``info`` per split request (out row base, first partial, count);
+  workspace, one row of ``info`` per split request (decode) or split query row (prefill): out row
+  base, first partial, count;
 - the decode kernel's fused merge (decode_kernel.py, DecodeConfig.fused_merge_max_chunks), through
   `_merge_row_block`: the rows of one KV head and row block at a time.
 """
@@ -182,8 +183,6 @@ class DecodeMerge:
         self.grid = (num_items * q_len, num_heads, head_dim // _merge_columns(head_dim))
         self._launchers = {write_lse: _decode_merge_launcher(num_heads, head_dim, q_len, write_lse, pdl)
                            for write_lse in (False, True)}
-        self._plse_p, self._info_p = plse.data_ptr(), info.data_ptr()
-        self._own_aligned = (po.data_ptr() | self._plse_p | self._info_p) & 15 == 0
         self._specs: dict = {}
 
     def __call__(self, out, lse) -> None:
@@ -191,16 +190,18 @@ class DecodeMerge:
         os_ = out.stride()
         ls = lse.stride() if write_lse else (0, 0)
         lse_arg = lse if write_lse else self.plse
-        o_p, l_p = out.data_ptr(), lse_arg.data_ptr()
+        po, plse, info = self.po, self.plse, self.info
+        # a direct launch takes the pointers as addresses (BoundKernel.launch_with_spec; po names the
+        # GPU), read at every call: the partials are views of the caller's float workspace
+        ptrs = (plse.data_ptr(), out.data_ptr(), lse_arg.data_ptr(), info.data_ptr())
 
         def tensors():
-            return (self.po, self.plse, out, lse_arg, self.info, os_[0], os_[1], *ls)
+            return (po, plse, out, lse_arg, info, os_[0], os_[1], *ls)
 
-        # a direct launch takes the pointers as addresses (BoundKernel.launch_with_spec; po names the GPU)
-        args = (self.po, self._plse_p, o_p, l_p, self._info_p, os_[0], os_[1], *ls)
+        args = (po, *ptrs, os_[0], os_[1], *ls)
         spec = None
-        if self._own_aligned and (o_p | l_p) & 15 == 0:
-            call = (write_lse, out.dtype, os_, ls)
+        if (po.data_ptr() | ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 == 0:
+            call = (write_lse, out.dtype, lse_arg.dtype, os_, ls)
             spec = self._specs.get(call)
             if spec is None:
                 if len(self._specs) >= 64:  # strides that change at every call: keep a few
