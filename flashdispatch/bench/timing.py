@@ -132,7 +132,6 @@ def copy_rate_tbs(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -
     dst = torch.empty_like(src)
     dst.copy_(src)
     ms = median(device_times_ms(lambda: dst.copy_(src), reps, None))
-    del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
@@ -144,7 +143,6 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     for _ in range(3):
         torch.matmul(a, b, out=c)
     ms = median(device_times_ms(lambda: torch.matmul(a, b, out=c), reps, None))
-    del a, b, c
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
