@@ -568,26 +568,3 @@ def test_pdl_reaches_the_merge_launch(monkeypatch):
     assert seen == [plan._merge]
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[F16])
 
-
-@pytest.mark.parametrize("config", [UNFUSED, FUSED], ids=["merge_kernel", "fused"])
-def test_run_passes_addresses_for_what_it_passes_as_tensors(monkeypatch, config):
-    """run()'s launch arguments (what a direct launch takes) are its tensor arguments with every
-    tensor after the first (q, which names the GPU) replaced by its address, in the same order,
-    read at the run: the caller's page indices and float workspace moved since plan() count."""
-    from flashdispatch.backends.fa2 import launch
-    case = _case(seed=50)
-    case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
-    case.params.fixed_split_size = 2
-    plan = plan_decode(case.problem, case.device, case.params, config)
-    before = (plan.kv_indices.data_ptr(), plan.po.data_ptr())
-    plan.kv_indices.set_(plan.kv_indices.clone())  # the caller's tensors get new storage
-    case.params.workspace.resize_(4 * WORKSPACE_BYTES)
-    assert (plan.kv_indices.data_ptr(), plan.po.data_ptr()) != before
-    seen = []
-    monkeypatch.setattr(launch.BoundKernel, "launch_with_spec",
-                        lambda self, spec, grid, args, tensor_args=None: seen.append((args, tensor_args())))
-    plan.run(case.inputs)
-    assert len(seen) == (1 if plan.fused_merge else 2)
-    for args, tensors in seen:
-        assert len(args) == len(tensors) and args[0] is tensors[0]
-        assert list(args[1:]) == [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors[1:]]

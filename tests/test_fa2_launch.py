@@ -128,28 +128,6 @@ def test_first_call_normal_then_direct(fake_cuda):
     assert bound.cached_kernels() == 1
 
 
-def test_addresses_go_to_direct_launches_only(fake_cuda, monkeypatch):
-    """launch_with_spec(..., tensor_args): Triton's own path and the specialisation key get the
-    tensors, a direct launch the arguments as given (a pointer as its address)."""
-    jit = FakeJit()
-    bound = BoundKernel(jit.fn, dict(BLOCK=64, num_warps=4))
-    x, y = torch.randn(64), torch.randn(64)
-    addressed = (x, y.data_ptr(), 32, 0.5)
-
-    def tensors():
-        return x, y, 32, 0.5
-
-    bound.launch_with_spec(None, (3,), addressed, tensors)
-    assert jit.kinds() == ["normal"] and jit.log[0][2] == (x, y, 32, 0.5)
-    bound.launch_with_spec(spec_key(tensors()), (3,), addressed, tensors)
-    bound((3,), x, y, 32, 0.5)  # the same kernel for the plain call: the key came from the tensors
-    assert jit.kinds() == ["normal", "direct", "direct"] and bound.cached_kernels() == 1
-    assert tuple(jit.log[1][1][9:]) == (x, y.data_ptr(), 32, 0.5, 64, False)
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
-    bound.launch_with_spec(None, (3,), addressed, tensors)
-    assert jit.kinds()[-1] == "normal" and jit.log[-1][2] == (x, y, 32, 0.5)
-
-
 def test_a_tensor_on_another_gpu_launches_on_that_gpu(fake_cuda, monkeypatch):
     """Triton launches on the current device; the launcher switches to the first argument's GPU
     for the launch (and back), so a wrapper used with tensors on cuda:1 never launches on cuda:0."""

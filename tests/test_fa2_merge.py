@@ -117,9 +117,8 @@ def test_decode_merge_column_blocks(head_dim, counts, with_lse):
 
 def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
     """`DecodeMerge` fixes the grid and works Triton's specialisation key out once per kind of call
-    (lse or not, out/lse strides), as `spec_key` would from the tensors; a misaligned out gets none
-    (worked out at the launch). The launch gets the plan's partials, out and lse as addresses, the
-    tensors behind `tensor_args`."""
+    (lse or not, out/lse strides), as `spec_key` would; a misaligned out gets none (worked out at
+    the launch)."""
     from flashdispatch.backends.fa2.launch import spec_key
     po, plse = torch.zeros(4, 1, 2, 64), torch.zeros(4, 1, 2)
     info = torch.zeros(2, 4, dtype=torch.int32)
@@ -128,11 +127,8 @@ def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
     calls = []
 
     class Recorder:
-        def launch_with_spec(self, spec, grid, args, tensor_args):
-            tensors = tensor_args()
-            assert args[0] is tensors[0] and args[1:5] == tuple(t.data_ptr() for t in tensors[1:5])
-            assert args[5:] == tensors[5:]
-            calls.append((spec, tensors))
+        def launch_with_spec(self, spec, grid, args):
+            calls.append((spec, args))
 
     merge._launchers = {False: Recorder(), True: Recorder()}
     out, lse = torch.empty(2, 2, 64), torch.empty(2, 2)

@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import json
 import math
-import operator
 import os
 from dataclasses import dataclass
 
@@ -524,39 +523,29 @@ class DecodePlan:
                 raise ValueError("the plan has sinks: run() needs inputs.sinks")
             sinks = dummy
         write_lse = lse is not None
+        po, plse, merge_info, counters, work, last, kv_indices, slopes = self._tables
         variant = (write_lse, q_in, k_in, v_in)
         launch = self._launchers.get(variant) or self._bind(variant)
         ls = lse.stride() if write_lse else (0, 0)
-        lse_arg = lse if write_lse else dummy
-        po, plse, merge_info, counters, work, last, kv_indices, slopes = self._tables
-        # a direct launch takes the pointers as addresses (BoundKernel.launch_with_spec; q names the
-        # GPU), read at every run: some are the caller's tensors (indices, the direct table, the
-        # float workspace the partials live in), whose storage may have moved since plan()
-        ptrs = (k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_arg.data_ptr(), po.data_ptr(), plse.data_ptr(),
-                merge_info.data_ptr(), counters.data_ptr(), work.data_ptr(), last.data_ptr(), kv_indices.data_ptr(),
-                slopes.data_ptr(), sinks.data_ptr(), q_t.data_ptr(), k_t.data_ptr(), v_t.data_ptr())
-        tail = (qk_scale, v_scale, *self._plan_scalars, qs[0], qs[1], os_[0], os_[1], *ls, ks[0], ks[1], ks[2],
-                vs[0], vs[1], vs[2])
-
-        def tensors():
-            return (q, k, v, out, lse_arg, po, plse, merge_info, counters, work, last, kv_indices, slopes, sinks,
-                    q_t, k_t, v_t, *tail)
-
-        args = (q, *ptrs, *tail)
-        # Triton's specialisation of these arguments, kept per call kind: the scalars' types are
-        # fixed; what varies is keyed here (all pointers 16-byte aligned, as nearly always;
-        # otherwise spec_key works it out for each call)
-        aligned = functools.reduce(operator.or_, ptrs, q.data_ptr()) & 15 == 0
+        args = (q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, last, kv_indices,
+                slopes,
+                sinks, q_t, k_t, v_t, qk_scale, v_scale, *self._plan_scalars, qs[0], qs[1], os_[0], os_[1], *ls,
+                ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+        # Triton's specialisation of these arguments, kept per call kind: the plan's own tensors
+        # are fixed, the scalars' types too; what varies is keyed here (all pointers 16-byte
+        # aligned, as nearly always; otherwise spec_key works it out for each call)
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | args[4].data_ptr()
+                   | sinks.data_ptr() | q_t.data_ptr() | k_t.data_ptr() | v_t.data_ptr()) & 15 == 0
         spec = None
         if aligned:
-            call = (variant, qs, os_, ls, ks, vs, q.dtype, k.dtype, out.dtype, lse_arg.dtype, sinks.dtype, q_t.dtype,
+            call = (variant, qs, os_, ls, ks, vs, q.dtype, k.dtype, out.dtype, args[4].dtype, sinks.dtype, q_t.dtype,
                     k_t.dtype, v_t.dtype)
             spec = self._specs.get(call)
             if spec is None:
                 if len(self._specs) >= 64:  # strides that change at every call: keep a few
                     self._specs.clear()
-                spec = self._specs[call] = spec_key(tensors())
-        launch.launch_with_spec(spec, self._grid, args, tensors)
+                spec = self._specs[call] = spec_key(args)
+        launch.launch_with_spec(spec, self._grid, args)
         if self._merge is not None:
             self._merge(out, lse)
 

@@ -11,10 +11,7 @@ low-level launcher, the call `JITFunction.run` makes at its end (triton 3.6 runt
                launch_metadata, launch_enter_hook, launch_exit_hook, *every kernel argument)
 
 (constexpr arguments included: the CUDA launcher skips them). With no launch hooks, the metadata
-and both hooks are None, which the launcher skips too. That launcher takes a pointer argument as
-an int address as it is; for a tensor it calls data_ptr() and asks the driver for the device
-pointer (cuPointerGetAttribute). `launch_with_spec(..., tensor_args)` lets a caller that knows the
-addresses pass them to a direct launch (Triton's own path still gets the tensors).
+and both hooks are None, which the launcher skips too.
 
 What Triton 3.6 specializes on (native_specialize_impl, specialize.cc): a tensor's dtype and
 whether its data_ptr() is a multiple of 16; an int's value == 1 (it becomes a constexpr), its
@@ -165,43 +162,33 @@ class BoundKernel:
         GPU would be read through a pointer that GPU does not own)."""
         self.launch_with_spec(None, grid, args)
 
-    def launch_with_spec(self, spec: tuple | None, grid: tuple, args: tuple, tensor_args=None) -> None:
-        """`__call__` with ``spec`` = ``spec_key(args)`` (``spec_key(tensor_args())`` when that is
-        given) already known (None: work it out): a caller that launches the same arguments' kinds
-        again keeps the key (a wrong key launches a kernel specialised for other arguments: keep it
-        only while everything it covers holds).
-
-        ``tensor_args``: a callable returning ``args`` with tensors where ``args`` holds some pointer
-        arguments as their addresses (``data_ptr()`` ints, which Triton's launcher takes as they
-        are; a tensor costs it a ``data_ptr()`` call and a driver query each). A direct launch takes
-        ``args``; everything that goes through Triton (compiling, the normal path) and the key
-        take ``tensor_args()``. ``args[0]`` stays a tensor: it names the GPU. The caller vouches that
-        every address is memory of that GPU, read from its tensor at this call (Triton's launcher
-        checks a tensor's pointer, not an int: a host tensor passed this way is not caught)."""
+    def launch_with_spec(self, spec: tuple | None, grid: tuple, args: tuple) -> None:
+        """`__call__` with ``spec`` = ``spec_key(args)`` already known (None: work it out): a
+        caller that launches the same arguments' kinds again keeps the key (a wrong key launches
+        a kernel specialised for other arguments: keep it only while everything it covers holds)."""
         index = _cuda_index(args[0]) if args else None
         if index is not None and index != _current_cuda_device():
             with torch.cuda.device(index):
-                self._launch(grid, args, spec, index, tensor_args)
+                self._launch(grid, args, spec, index)
             return
-        self._launch(grid, args, spec, index, tensor_args)
+        self._launch(grid, args, spec, index)
 
-    def _launch(self, grid: tuple, args: tuple, key: tuple | None = None, device: int | None = None,
-                tensor_args=None) -> None:
+    def _launch(self, grid: tuple, args: tuple, key: tuple | None = None, device: int | None = None) -> None:
         """Launch on the current CUDA device (``device``: its index, when the caller knows it)."""
         if not (self._direct and DIRECT_LAUNCH):
-            self._normal(grid, args, tensor_args)
+            self.fn[grid](*args, **self._kwargs)
             return
         if self._calls is None:
             self._calls = _cuda_calls()
             if self._calls is None:
                 self._direct = False
-                self._normal(grid, args, tensor_args)
+                self.fn[grid](*args, **self._kwargs)
                 return
         current_device, current_stream = self._calls
         if key is None:
-            key = spec_key(tensor_args() if tensor_args else args)
+            key = spec_key(args)
         if key is None:
-            self._normal(grid, args, tensor_args)
+            self.fn[grid](*args, **self._kwargs)
             return
         if device is None:
             device = current_device()
@@ -213,13 +200,9 @@ class BoundKernel:
             run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, current_stream(device), function,
                 metadata, None, None, None, *args, *self._tail)
             return
-        kernel = self._normal(grid, args, tensor_args)
+        kernel = self.fn[grid](*args, **self._kwargs)
         if hit is None and len(args) == self._num_runtime and getattr(kernel, "packed_metadata", None) is not None:
             self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
-
-    def _normal(self, grid: tuple, args: tuple, tensor_args):
-        """Triton's own launch (compiles if needed), with the tensors; returns its CompiledKernel."""
-        return self.fn[grid](*(tensor_args() if tensor_args else args), **self._kwargs)
 
     def cached_kernels(self) -> int:
         """How many compiled kernels this launcher launches directly (all devices)."""

@@ -189,25 +189,17 @@ class DecodeMerge:
         write_lse = lse is not None
         os_ = out.stride()
         ls = lse.stride() if write_lse else (0, 0)
-        lse_arg = lse if write_lse else self.plse
         po, plse, info = self.po, self.plse, self.info
-        # a direct launch takes the pointers as addresses (BoundKernel.launch_with_spec; po names the
-        # GPU), read at every call: the partials are views of the caller's float workspace
-        ptrs = (plse.data_ptr(), out.data_ptr(), lse_arg.data_ptr(), info.data_ptr())
-
-        def tensors():
-            return (po, plse, out, lse_arg, info, os_[0], os_[1], *ls)
-
-        args = (po, *ptrs, os_[0], os_[1], *ls)
+        args = (po, plse, out, lse if write_lse else plse, info, os_[0], os_[1], *ls)
         spec = None
-        if (po.data_ptr() | ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 == 0:
-            call = (write_lse, out.dtype, lse_arg.dtype, os_, ls)
+        if (po.data_ptr() | plse.data_ptr() | out.data_ptr() | args[3].data_ptr() | info.data_ptr()) & 15 == 0:
+            call = (write_lse, out.dtype, args[3].dtype, os_, ls)
             spec = self._specs.get(call)
             if spec is None:
                 if len(self._specs) >= 64:  # strides that change at every call: keep a few
                     self._specs.clear()
-                spec = self._specs[call] = spec_key(tensors())
-        self._launchers[write_lse].launch_with_spec(spec, self.grid, args, tensors)
+                spec = self._specs[call] = spec_key(args)
+        self._launchers[write_lse].launch_with_spec(spec, self.grid, args)
 
 
 @functools.lru_cache(maxsize=None)
