@@ -109,8 +109,8 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     _summary_launcher(used_host is None)((programs,), *args, indices if num_indices else first, num_indices,
                                           used_host or 0, buf)
     if event is not None:
-        # the device's current stream, where the kernel went (an index, not None: torch then skips
-        # working out the current device, a third of this wait's host time on the H200's host)
+        # the device's current stream, where the kernel went (an index, not None: without one torch
+        # looks the current device up through is_available() and an environment read)
         event.record(torch.cuda.current_stream(device.index))
         event.synchronize()
     host = buf.numpy()
