@@ -19,7 +19,7 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 from flashdispatch.backends.fa2 import launch
-from flashdispatch.backends.fa2.launch import BoundKernel, bind, spec_key
+from flashdispatch.backends.fa2.launch import BoundKernel, SpecKeys, bind, spec_key
 
 
 # --- the key ---------------------------------------------------------------------------------
@@ -44,6 +44,16 @@ def test_key_separates_what_triton_specializes_on():
     assert spec_key([True]) != spec_key([1]) and spec_key([1.0]) != spec_key([1])
     assert spec_key([0.5]) == spec_key([3.0]) and spec_key([None]) != spec_key([0])
     assert spec_key([aligned, 16]) != spec_key([16, aligned])
+
+
+def test_spec_keys_work_a_key_out_once_per_call_kind_up_to_the_limit():
+    keys = SpecKeys(limit=2)
+    x = torch.randn(4)
+    first = keys.get("a", (x, 16))
+    assert first == spec_key((x, 16)) and keys.get("a", (x, 3)) is first  # the caller's kind decides
+    assert keys.get("b", (x, 3)) == spec_key((x, 3))
+    assert keys.get("c", (x, 1)) == spec_key((x, 1))  # a third kind: the kept ones are dropped
+    assert keys.get("a", (x, 3)) == spec_key((x, 3))
 
 
 def test_key_unknown_types_take_the_normal_path():

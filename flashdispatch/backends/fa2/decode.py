@@ -42,7 +42,7 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
 from .decode_kernel import WORK_COLS, decode_kernel
-from .launch import BoundKernel, bind, spec_key
+from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -486,13 +486,14 @@ class DecodePlan:
                         self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope)
-        self.pdl = self.pdl_capable and self.n_merge > 0 and not self.fused_merge
+        merge_kernel = self.n_merge > 0 and not self.fused_merge
+        self.pdl = self.pdl_capable and merge_kernel
         self._merge = (DecodeMerge(self.po, self.plse, self.info, self.n_merge, self.q_len, p.num_qo_heads,
-                                   p.head_dim_vo, self.pdl) if self.n_merge and not self.fused_merge else None)
+                                   p.head_dim_vo, self.pdl) if merge_kernel else None)
         self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
                                          self.direct, self.pdl)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
-        self._specs: dict = {}  # a run's call kind -> spec_key of its arguments (see run())
+        self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
         write_lse, q_t, k_t, v_t = variant
@@ -538,13 +539,8 @@ class DecodePlan:
                    | sinks.data_ptr() | q_t.data_ptr() | k_t.data_ptr() | v_t.data_ptr()) & 15 == 0
         spec = None
         if aligned:
-            call = (variant, qs, os_, ls, ks, vs, q.dtype, k.dtype, out.dtype, args[4].dtype, sinks.dtype, q_t.dtype,
-                    k_t.dtype, v_t.dtype)
-            spec = self._specs.get(call)
-            if spec is None:
-                if len(self._specs) >= 64:  # strides that change at every call: keep a few
-                    self._specs.clear()
-                spec = self._specs[call] = spec_key(args)
+            spec = self._specs.get((variant, qs, os_, ls, ks, vs, q.dtype, k.dtype, out.dtype, args[4].dtype,
+                                    sinks.dtype, q_t.dtype, k_t.dtype, v_t.dtype), args)
         launch.launch_with_spec(spec, self._grid, args)
         if self._merge is not None:
             self._merge(out, lse)

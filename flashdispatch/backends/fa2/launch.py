@@ -75,6 +75,25 @@ def spec_key(args, _Tensor=torch.Tensor, _int=int, _float=float, _bool=bool) -> 
     return tuple(key)
 
 
+class SpecKeys:
+    """`spec_key` results kept per kind of call (``call``: whatever the caller knows the key
+    depends on beyond its fixed arguments, e.g. strides and dtypes), at most ``limit`` kinds (strides
+    that change at every call: the oldest are dropped all at once)."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._keys: dict = {}
+
+    def get(self, call, args: tuple) -> tuple | None:
+        """The key of ``args``, worked out once per ``call``."""
+        key = self._keys.get(call)
+        if key is None:
+            if len(self._keys) >= self.limit:
+                self._keys.clear()
+            key = self._keys[call] = spec_key(args)
+        return key
+
+
 def _version_verified() -> bool:
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     return (major, minor) in VERIFIED_TRITON

@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_wait
 from ...dispatch.caps import Caps
 from ..base import MergeInputs
 from ..common import TRITON_INTERPRETED
-from .launch import BoundKernel, bind, spec_key
+from .launch import BoundKernel, SpecKeys, bind
 
 MERGE_CAPS = Caps(
     ops=frozenset({"merge"}),
@@ -183,7 +183,7 @@ class DecodeMerge:
         self.grid = (num_items * q_len, num_heads, head_dim // _merge_columns(head_dim))
         self._launchers = {write_lse: _decode_merge_launcher(num_heads, head_dim, q_len, write_lse, pdl)
                            for write_lse in (False, True)}
-        self._specs: dict = {}
+        self._specs = SpecKeys()
 
     def __call__(self, out, lse) -> None:
         write_lse = lse is not None
@@ -193,12 +193,7 @@ class DecodeMerge:
         args = (po, plse, out, lse if write_lse else plse, info, os_[0], os_[1], *ls)
         spec = None
         if (po.data_ptr() | plse.data_ptr() | out.data_ptr() | args[3].data_ptr() | info.data_ptr()) & 15 == 0:
-            call = (write_lse, out.dtype, args[3].dtype, os_, ls)
-            spec = self._specs.get(call)
-            if spec is None:
-                if len(self._specs) >= 64:  # strides that change at every call: keep a few
-                    self._specs.clear()
-                spec = self._specs[call] = spec_key(args)
+            spec = self._specs.get((write_lse, out.dtype, args[3].dtype, os_, ls), args)
         self._launchers[write_lse].launch_with_spec(spec, self.grid, args)
 
 
