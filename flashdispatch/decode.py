@@ -110,6 +110,7 @@ class _DecodePlanArgs(NamedTuple):
     kv_max: int
     max_page_index: int
     scalars: tuple
+    workspace: torch.Tensor
 
 
 class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
@@ -201,9 +202,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
                              f"(paged_kv_indptr_buffer), got indptr for batch_size={batch}")
+        last = self._plan_args
         self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
-                                          int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars)
-        self._plan_variants()
+                                          int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars,
+                                          self._workspace())
+        self._plan_variants(refresh=last is not None and last.scalars is scalars and last.kv_lens_h.size == batch
+                            and last.workspace is self._plan_args.workspace)
 
     def _check_scalars(self, q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim, page_size,
                        pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
@@ -240,12 +244,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                 self._graph_buffers, (indptr, indices[: a.used_pages], last),
                 ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")))
         params = paged_params(self._qo_indptr(batch, q_len), a.kv_lens_h, indptr, indices, last, self._device,
-                              qo_lens_host=[q_len] * batch, workspace=self._workspace(),
+                              qo_lens_host=[q_len] * batch, workspace=a.workspace,
                               int_workspace=self._int_workspace(key) if self._use_cuda_graph else None,
                               **scalars)
         workload = Workload(batch, batch * q_len, q_len if batch else 0, a.kv_total, a.kv_max)
         return self._plan(problem, params, total_q=batch * q_len, max_page_index=a.max_page_index,
-                          workload=workload)
+                          workload=workload, previous=self._refreshable.get(key))
 
     def _qo_indptr(self, batch: int, q_len: int) -> torch.Tensor:
         """``arange(batch + 1) * q_len`` (int32) on the device, kept while the batch size stays."""

@@ -72,14 +72,22 @@ class PlannedAttention:
 
 def plan_problem(problem: Problem, torch_device: torch.device, params, requested: str, *, total_q: int,
                  max_page_index: int = -1, total_kv: int = 0, device: Device | None = None,
-                 workload: Workload | None = None) -> PlannedAttention:
-    """Select the backend for ``problem`` and let it plan; raises `Unsupported` with every reason."""
+                 workload: Workload | None = None, previous: PlannedAttention | None = None) -> PlannedAttention:
+    """Select the backend for ``problem`` and let it plan; raises `Unsupported` with every reason.
+
+    ``previous``: the plan of the same problem from a wrapper's last plan(), made with the same
+    device, batch size and scalar arguments; when the same backend is selected it may refresh that
+    plan for the new lengths and tables (`Backend.replan`) instead of planning afresh."""
     device = device_of(torch_device) if device is None else device
     if workload is None:
         workload = host_workload(params.qo_lens_host, params.kv_lens_host)
     decision = select(problem, device, workload, requested)
     backend = get_backend(decision.backend)
-    backend_plan = backend.plan(problem, device, params)
+    backend_plan = None
+    if previous is not None and previous.backend is backend and previous.problem == problem:
+        backend_plan = backend.replan(previous.plan, problem, device, params)
+    if backend_plan is None:
+        backend_plan = backend.plan(problem, device, params)
     return PlannedAttention(problem, device, torch_device, decision, params, backend_plan, backend, total_q,
                             max_page_index, total_kv)
 
@@ -342,6 +350,7 @@ class WrapperBase:
         self._planned: PlannedAttention | None = None  # the plan run() used last (explain() shows it)
         self._base_plan: tuple | None = None
         self._variants: dict = {}
+        self._refreshable: dict = {}  # variant -> its plan from the last plan(), when refreshable
         self._int_workspace_buffer: torch.Tensor | None = None  # the user's, from reset_workspace_buffer()
         self._int_workspaces: dict = {}  # plan variant -> its own metadata buffer (graph mode)
         self._scalar_key: tuple | None = None
@@ -391,11 +400,14 @@ class WrapperBase:
         self._base_plan = (problem, params, plan_kw)
         self._plan_variants()
 
-    def _plan_variants(self) -> None:
+    def _plan_variants(self, refresh: bool = False) -> None:
         """Plan the default variant now (errors surface at plan()); a run() asking for another
         plans that one once (see `_variant`). In graph mode every variant used before is planned
         again now, into its own metadata buffer, so a graph captured on any of them replays the
-        new plan."""
+        new plan. ``refresh``: this plan() has the last one's batch size, scalar arguments and
+        workspace, so the last plans of the variants may be refreshed (`plan_problem`'s
+        ``previous``, which a wrapper passes from ``_refreshable``)."""
+        self._refreshable = self._variants if refresh else {}
         self._variants = {}
         default = self._DEFAULT_VARIANT
         if self._use_cuda_graph:

@@ -38,9 +38,10 @@ def api(module: str = ""):
 
 
 def stub_backend(name: str) -> None:
-    """Make backend ``name``'s plan() and run() no-ops (instance attributes, this process only)."""
+    """Make backend ``name``'s plan(), replan() and run() no-ops (instance attributes, this process only)."""
     backend = api("dispatch.registry").get_backend(name)
     backend.plan = lambda problem, device, params: None
+    backend.replan = lambda plan, problem, device, params: None
     backend.run = lambda plan, inputs: None
 
 

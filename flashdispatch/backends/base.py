@@ -287,6 +287,13 @@ class Backend:
         per wrapper.plan(); run() must not decide anything that plan() could."""
         raise NotImplementedError(f"{self.name} does not plan {problem.op}")
 
+    def replan(self, plan: Any, problem: Problem, device: Device, params: AttentionParams | MLAParams) -> Any | None:
+        """``plan`` for the new lengths and index tensors of ``params``, of a re-plan with the same
+        problem, device, batch size and scalar arguments (a wrapper's next plan()), or None to plan
+        afresh. Here: always None; a backend whose plan holds little that depends on the lengths
+        refreshes only that."""
+        return None
+
     def replan_mask(self, plan: Any, problem: Problem, device: Device, params: AttentionParams) -> Any:
         """``plan`` for the new custom mask in ``params.packed_mask`` (same lengths and mask
         layout as planned: a kept single-request plan called with another mask). Here: planned

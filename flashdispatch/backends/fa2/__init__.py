@@ -48,6 +48,10 @@ class FA2Backend(Backend):
             return plan_decode(problem, device, params)
         return plan_prefill(problem, device, params)
 
+    def replan(self, plan, problem, device, params: AttentionParams):
+        """Decode: the plan with the new tables when it reads them directly and splits no request."""
+        return plan.refreshed(device, params) if problem.op == "decode" else None
+
     def replan_mask(self, plan, problem, device, params: AttentionParams):
         """Prefill: the tile lists are rebuilt from the new mask on the device (no host work)."""
         if problem.op == "decode":

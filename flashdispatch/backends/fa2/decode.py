@@ -245,16 +245,22 @@ def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray
     return np.maximum(block_n, -(-per // block_n) * block_n)
 
 
+def _never_split(batch: int, params: AttentionParams, cfg: DecodeConfig, units: int, sm_count: int) -> bool:
+    """Whether `_chunk_tokens` splits no request whatever the lengths: split-KV off, no request,
+    or (the policy's split) work items enough to fill the GPU unsplit."""
+    if params.disable_split_kv or batch == 0:
+        return True
+    return params.fixed_split_size is None and batch * units >= max(sm_count, 1) * cfg.ctas_per_sm
+
+
 def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
                   units: int, sm_count: int) -> np.ndarray | None:
     """Chunk length in tokens per request, or None: no request is split."""
-    if params.disable_split_kv or len(eff) == 0:
+    if _never_split(len(eff), params, cfg, units, sm_count):
         return None
     if params.fixed_split_size is not None:
         return np.full_like(eff, max(1, params.fixed_split_size) * problem.page_size)
     target = max(sm_count, 1) * cfg.ctas_per_sm
-    if len(eff) * units >= target:
-        return None
     # Chunks per request rounded down: the grid stays within the target (one more chunk each
     # would start a second, mostly idle wave: 32 x 4096 ran at 3.06 TB/s with 3 chunks, 3.73 with 2).
     chunk = max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
@@ -323,23 +329,50 @@ class DecodePlan:
         self.kv_indices = params.kv_indices
         run_device = params.kv_indices.device
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
+        self.units = p.num_kv_heads * self.row_blocks  # programs per work item
         self._build(device, params, run_device)
 
+    def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
+        """This plan for the new lengths and index tensors of ``params`` (same problem, device,
+        batch size and scalars): when the kernel reads the page table directly and still no request
+        is split, only the tables change (a copy of the plan with the new ones); None otherwise,
+        to plan afresh."""
+        if not self.direct or params.batch_size != self.n_work:
+            return None
+        if not _never_split(self.n_work, params, self.config, self.units, device.sm_count or 8):
+            _, _, splits, chunk = self._partition(device, params)
+            if chunk is not None or splits > 1:
+                return None
+        plan = object.__new__(DecodePlan)  # a shallow copy (copy.copy takes the slower __reduce_ex__ path)
+        plan.__dict__.update(self.__dict__)
+        plan.kv_indices = params.kv_indices
+        plan.work, plan.last = params.kv_indptr, params.kv_last_page_len
+        plan.plse = plan.po = plan.work
+        plan._set_tables()
+        return plan
+
     # --- planning --------------------------------------------------------------------------
-    def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
+    def _partition(self, device: Device, params: AttentionParams):
+        """(kv lengths, window starts, graph splits, chunk tokens per request or None) of
+        ``params``' requests: the split-KV partition (see `_chunk_tokens`, `_graph_splits`)."""
         p, cfg, ql = self.problem, self.config, self.q_len
         lens = np.array(params.kv_lens_host, dtype=np.int64)
         batch = len(lens)
         lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros(batch, np.int64)
         eff = lens - lo
-        units = self.units = p.num_kv_heads * self.row_blocks
         sm_count = device.sm_count or 8
-        splits = self._graph_splits(batch, units, sm_count, params) if p.use_cuda_graph else 0
+        splits = self._graph_splits(batch, self.units, sm_count, params) if p.use_cuda_graph else 0
         if splits > 1 and params.fixed_split_size is None:
             chunk = _balanced_chunks(eff, np.minimum(-(-eff // cfg.min_chunk_tokens), splits), cfg.block_n)
         else:
-            chunk = _chunk_tokens(eff, p, params, cfg, units, sm_count)
+            chunk = _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
+        return lens, lo, splits, chunk
 
+    def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
+        p, cfg, ql = self.problem, self.config, self.q_len
+        lens, lo, splits, chunk = self._partition(device, params)
+        batch = len(lens)
+        eff = lens - lo
         unsplit = chunk is None and splits <= 1  # one work item per request, nothing to merge
         if unsplit:
             self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
@@ -480,11 +513,6 @@ class DecodePlan:
         """Everything of the decode launch that run() does not learn from the inputs."""
         p = self.problem
         self._grid = (self.n_work * p.num_kv_heads * self.row_blocks,)
-        dummy = self.plse
-        self._tables = (self.po, self.plse, self.info if self.fused_merge else dummy,
-                        self.counters if self.fused_merge else dummy, self.work,
-                        self.last if self.direct else dummy, self.kv_indices,
-                        self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope)
         merge_kernel = self.n_merge > 0 and not self.fused_merge
         self.pdl = self.pdl_capable and merge_kernel
@@ -493,6 +521,16 @@ class DecodePlan:
         self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
                                          self.direct, self.pdl)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
+        self._set_tables()
+
+    def _set_tables(self) -> None:
+        """The plan's tensors in the launch's order, and the specialisation keys of launches with
+        them (what a `refreshed` plan changes)."""
+        dummy = self.plse
+        self._tables = (self.po, self.plse, self.info if self.fused_merge else dummy,
+                        self.counters if self.fused_merge else dummy, self.work,
+                        self.last if self.direct else dummy, self.kv_indices,
+                        self.slopes if self.slopes is not None else dummy)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
