@@ -202,12 +202,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
                              f"(paged_kv_indptr_buffer), got indptr for batch_size={batch}")
-        last = self._plan_args
+        previous = self._plan_args
         self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
                                           int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars,
                                           self._workspace())
-        self._plan_variants(refresh=last is not None and last.scalars is scalars and last.kv_lens_h.size == batch
-                            and last.workspace is self._plan_args.workspace)
+        self._plan_variants(refresh=previous is not None and previous.scalars is scalars
+                            and previous.kv_lens_h.size == batch and previous.workspace is self._plan_args.workspace)
 
     def _check_scalars(self, q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim, page_size,
                        pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
