@@ -107,10 +107,10 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     for i in range(MAX_TENSORS):
         args += [tensors[i] if i < len(tensors) else first, sizes[i]]
     args += [indices if num_indices else first, num_indices, used_host or 0, buf]
-    # Triton specialises this kernel on its pointers' 16-byte alignment and its ints' widths alone
-    # (every int is do_not_specialize): that key, shorter to work out than spec_key's
+    # Triton specialises this kernel on its pointers' dtypes and 16-byte alignment and its ints'
+    # widths alone (every int is do_not_specialize): that key, shorter to work out than spec_key's
     pointers = args[0:6:2] + args[6:10:3]
-    spec = (*[t.data_ptr() & 15 == 0 for t in pointers], max(n, num_indices, used_host or 0) > _I32_MAX)
+    spec = (*[(t.dtype, t.data_ptr() & 15 == 0) for t in pointers], max(n, num_indices, used_host or 0) > _I32_MAX)
     _summary_launcher(used_host is None).launch_with_spec(spec, (programs,), args)
     if event is not None:
         # the device's current stream, where the kernel went (an index, not None: without one torch

@@ -52,15 +52,19 @@ def _check(wrapper, kv, table, sm_scale=None, return_lse=False):
 
 
 @interpreted
-def test_replan_refreshes_the_table_and_stays_exact(fresh_plans):
+@pytest.mark.parametrize("repeat", [1, 4], ids=["partitioned", "never-split"])
+def test_replan_refreshes_the_table_and_stays_exact(fresh_plans, repeat):
+    """4 requests x 2 KV heads: the refresh works the partition out (under the 8-SM CPU target);
+    16 x 2 fill it, so no length can split a request (the refresh's shortcut)."""
     torch.manual_seed(0)
-    kv = torch.randn(PAGES, 2, PAGE, HKV, D).half()
+    kv = torch.randn(PAGES * repeat, 2, PAGE, HKV, D).half()
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 22, dtype=torch.uint8), backend="fa2")
-    w.plan(*_table([40, 0, 130, 17], 0), HQ, HKV, D, PAGE, data_type=torch.float16)
+    w.plan(*_table([40, 0, 130, 17] * repeat, 0, PAGES * repeat), HQ, HKV, D, PAGE, data_type=torch.float16)
     assert w._planned.plan.direct, "the case must plan the direct-table kernel, the one a re-plan refreshes"
     assert len(fresh_plans) == 1
     for seed, lens in enumerate(([16, 77, 3, 200], [1, 1, 0, 48], [250, 9, 64, 33]), 1):
-        table = _table(lens, seed)
+        lens = lens * repeat
+        table = _table(lens, seed, PAGES * repeat)
         w.plan(*table, HQ, HKV, D, PAGE, data_type=torch.float16)
         _check(w, kv, table)
         _check(w, kv, table, return_lse=True)  # a variant first asked for after the re-plan

@@ -335,8 +335,9 @@ class DecodePlan:
     def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
         batch size and scalars): when the kernel reads the page table directly and still no request
-        is split, only the tables change (a copy of the plan with the new ones); None otherwise,
-        to plan afresh."""
+        is split, only the tables change (a copy of the plan with the new ones, its config too:
+        FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
+        plan afresh."""
         if not self.direct or params.batch_size != self.n_work:
             return None
         if not _never_split(self.n_work, params, self.config, self.units, device.sm_count or 8):
