@@ -40,7 +40,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashdispatch.backends.fa2 import decode as fa2_decode  # noqa: E402
+from flashdispatch.backends.fa2 import decode_config as fa2_decode_config  # noqa: E402
 from flashdispatch.backends.fa2.prefill_config import default_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel  # noqa: E402
@@ -98,7 +98,7 @@ def prefill_variant(head: int, rope: bool, split: bool, tiles: list[int] | None)
 def decode_variant(head: int, rope: bool, split: bool, tiles: list[int] | None):
     """(kernel, signature, constexprs, options, config text) of one decode variant (``split`` unused)."""
     del split
-    cfg = fa2_decode.default_config(_problem("decode", head, rope))
+    cfg = fa2_decode_config.default_config(_problem("decode", head, rope))
     if tiles:
         cfg = dataclasses.replace(cfg, **dict(zip(("block_n", "num_warps", "num_stages"), tiles)))
     group = QO_HEADS // KV_HEADS
@@ -107,7 +107,7 @@ def decode_variant(head: int, rope: bool, split: bool, tiles: list[int] | None):
                  WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, SINKS=False, WRITE_LSE=True,
                  Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, K_ROWS=cfg.k_rows,
                  FP16_DOTS=False, HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
-                 V_STAGED=False, FUSED_MERGE=False, MERGE_BLOCK_R=1, MERGE_BLOCK_S=1, DIRECT=False,
+                 V_STAGED=False, FUSED_MERGE=False, MERGE_BLOCK_R=1, MERGE_BLOCK_S=1, DIRECT=False, DIRECT_SPLIT=False,
                  PDL_TRIGGER=False)
     fp16 = {name: "*fp16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     f32 = {name: "*fp32" for name in ("lse_ptr", "po_ptr", "plse_ptr", "slopes_ptr", "sinks_ptr",

@@ -31,6 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from flashdispatch.backends.fa2 import decode as fdec  # noqa: E402
+from flashdispatch.backends.fa2 import decode_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
 from offline_compile import compile_like_launch, ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
@@ -72,33 +73,39 @@ def main() -> None:
     q_dtype = torch.bfloat16
     p = Problem("decode", q_dtype, KV[args.kv], q_dtype, hq, hk, args.head_dim, args.head_dim,
                 page_size=args.page_size, q_len_per_req=args.q_len)
-    cfg = fdec.resolve_config(p, json.loads(args.config))
+    cfg = decode_config.resolve_config(p, json.loads(args.config))
     rows = args.q_len * (hq // hk)
     block_m = max(16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
     row_blocks = -(-rows // block_m)
     print(f"triton {triton.__version__}, sm90; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")
-    for direct in (False, True):
-        for capped in ((True, False) if cfg.max_registers else (False,)):
-            variant_cfg = cfg if capped else fdec._apply(cfg, {"max_registers": 0})
-            consts = fdec._kernel_constants(p, variant_cfg, block_m, row_blocks, False, direct, False)
-            consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
-            # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
-            consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
-            if capped and "maxnreg" not in consts:  # _register_cap: not this variant
-                continue
-            k = compile_variant(consts, q_dtype, KV[args.kv])
-            regs, spill = ptxas_usage(k.asm["ptx"])
-            if regs is None:
-                raise RuntimeError(f"ptxas gave no register count for {direct=}, {capped=}")
-            spill = spill or 0
-            threads = 32 * consts["num_warps"]
-            per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), SM_SHARED // max(k.metadata.shared + 1024, 1),
-                         SM_THREADS // threads, 32)
-            name = ("direct table" if direct else "work array") + (f", cap {cfg.max_registers}" if capped else "")
-            print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
-
+    # the work array and the direct table, capped and not; the direct split with the policy's
+    # split config (DecodePlan: split_block_n, uncapped), as the split plans that use it run
+    caps = (True, False) if cfg.max_registers else (False,)
+    variants = [(direct, False, capped) for direct in (False, True) for capped in caps] + [(True, True, False)]
+    for direct, split, capped in variants:
+        if split and cfg.split_block_n:
+            variant_cfg = decode_config.with_split_block(cfg)
+        else:
+            variant_cfg = cfg if capped else decode_config.apply_overrides(cfg, {"max_registers": 0})
+        consts = fdec._kernel_constants(p, variant_cfg, block_m, row_blocks, False, direct, split, False)
+        consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
+        # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
+        consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
+        if capped and "maxnreg" not in consts:  # _register_cap: not this variant
+            continue
+        k = compile_variant(consts, q_dtype, KV[args.kv])
+        regs, spill = ptxas_usage(k.asm["ptx"])
+        if regs is None:
+            raise RuntimeError(f"ptxas gave no register count for {direct=}, {split=}, {capped=}")
+        spill = spill or 0
+        threads = 32 * consts["num_warps"]
+        per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), SM_SHARED // max(k.metadata.shared + 1024, 1),
+                     SM_THREADS // threads, 32)
+        name = ("direct split" if split else "direct table" if direct else "work array") + \
+            (f", cap {cfg.max_registers}" if capped else "")
+        print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -89,37 +89,62 @@ def test_replan_plans_afresh_when_the_scalars_batch_or_workspace_change(fresh_pl
 
 
 @interpreted
-def test_replan_that_needs_a_split_plans_afresh(fresh_plans):
-    """One short request plans the direct kernel; a long one must be split (partials, merge)."""
+@pytest.mark.parametrize("merge", ["fused", "merge_kernel"])
+def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_plans, monkeypatch, merge):
+    """A short request plans the unsplit direct kernel; a long one needs the policy's split, which
+    the kernel derives itself from the tables (chunk slots per request): planned afresh. Re-plans
+    whose lengths keep the slot count are refreshed (the split length may change), ones that need
+    other slots plan afresh, and one that would idle most of its grid (a long request among short
+    ones) takes the work array. Each plan() and its lse variant count two fresh plans; every run
+    is checked against the dense computation, lse too. The fused merge (in the decode kernel) and
+    the merge kernel (info rows the decode kernel writes) both."""
+    if merge == "merge_kernel":
+        monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"fused_merge_max_chunks": 0}')
     torch.manual_seed(2)
-    kv = torch.randn(PAGES, 2, PAGE, HKV, D).half()
+    pages = 420
+    kv = torch.randn(pages, 2, PAGE, HKV, D).half()
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 22, dtype=torch.uint8), backend="fa2")
-    w.plan(*_table([20], 0), HQ, HKV, D, PAGE, data_type=torch.float16)
-    assert w._planned.plan.direct
-    table = _table([1500], 1)
-    w.plan(*table, HQ, HKV, D, PAGE, data_type=torch.float16)
-    assert not w._planned.plan.direct and w._planned.plan.n_work > 1
-    _check(w, kv, table)
-    assert len(fresh_plans) == 2
+
+    def plan(lens, seed):
+        table = _table(lens, seed, pages)
+        w.plan(*table, HQ, HKV, D, PAGE, data_type=torch.float16)
+        _check(w, kv, table, return_lse=True)
+        p = w._planned.plan
+        return (p.direct, p.split_slots, p.split_tokens, len(fresh_plans))
+
+    assert plan([20], 0) == (True, 1, 0, 2)
+    assert plan([1500], 1) == (True, 5, 256, 4)
+    assert plan([1400], 2) == (True, 5, 256, 4)  # refreshed
+    assert plan([3000, 2900], 3) == (True, 8, 369, 6)
+    assert plan([3200, 3100], 4) == (True, 8, 394, 6)  # refreshed with another split length
+    assert plan([3300, 2000], 5) == (True, 9, 332, 8)
+    assert plan([1200, 30, 30, 30], 6)[::3] == (False, 10)  # 4 x 4 slots for 7 chunks: the work array
+    assert w._planned.plan.fused_merge == (merge == "fused")
 
 
 @pytest.mark.gpu
-def test_replan_on_the_gpu_matches_the_reference(fresh_plans):
-    """bf16, batch 128 x 8 KV heads (no split on a GPU of up to 256 SMs): re-plans with new lengths
-    and pages, on device tables, each run against the reference backend's."""
+@pytest.mark.parametrize("batch, max_len, split", [(128, 640, False), (16, 2048, True), (2, 9000, True)],
+                         ids=["unsplit", "split-fused", "split-merge-kernel"])
+def test_replan_on_the_gpu_matches_the_reference(fresh_plans, batch, max_len, split):
+    """bf16, 32/8 heads: batch 128 splits nothing (on a GPU of up to 256 SMs); 16 requests of up to
+    2048 tokens split into at most 16 chunks (the fused merge), 2 of up to 9000 into more (the
+    merge kernel, after the decode kernel's info rows). Re-plans with new lengths and pages, on
+    device tables, each run against the reference backend's, lse too."""
     torch.manual_seed(3)
-    batch, hq, hkv, d, pages = 128, 32, 8, 128, 128 * 40
+    hq, hkv, d = 32, 8, 128
+    pages = batch * (max_len // PAGE + 1)
     kv = torch.randn(pages, 2, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, backend="fa2")
     ref = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros_like(ws), backend="reference")
     g = torch.Generator().manual_seed(4)
     for seed in range(4):
-        lens = torch.randint(0, 40 * PAGE + 1, (batch,), generator=g).tolist()
+        low = max_len * 9 // 10 if split else 0  # similar lengths: the kernel's own split
+        lens = torch.randint(low, max_len + 1, (batch,), generator=g).tolist()
         table = _table(lens, seed, pages, "cuda")
         for wrapper in (w, ref):
             wrapper.plan(*table, hq, hkv, d, PAGE, data_type=torch.bfloat16)
-        assert w._planned.plan.direct
+        assert w._planned.plan.direct and (w._planned.plan.split_slots > 1) == split
         q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
         out, lse = w.run(q, kv, return_lse=True)
         ref_out, ref_lse = ref.run(q, kv, return_lse=True)
@@ -127,4 +152,5 @@ def test_replan_on_the_gpu_matches_the_reference(fresh_plans):
         full = torch.tensor(lens, device="cuda") > 0
         assert torch.allclose(lse[full], ref_lse[full], atol=2e-2)
         assert torch.equal(out[~full], torch.zeros_like(out[~full])) and bool(torch.isneginf(lse[~full]).all())
-    assert len(fresh_plans) == 2  # the first plan, and its lse variant at the first run
+    if not split:
+        assert len(fresh_plans) == 2  # the first plan, and its lse variant at the first run

@@ -1,10 +1,12 @@
 """fa2 paged batch decode: split-KV planning and the launcher (kernel in decode_kernel.py).
 
-plan() does all index work on the host with numpy: it clips each request's tokens to the
-window, cuts them into chunks so that (chunks x KV heads) fills the GPU, and copies one
-int32 array (work rows + merge rows) to the device. A request with one chunk is written to
-out/lse by the decode kernel; the partials of a split request go to the workspace and the
-merge kernel (merge.py) combines them. run() only launches.
+plan() decides on the host with numpy: it clips each request's tokens to the window, cuts them
+into chunks so that (chunks x KV heads) fills the GPU, and copies one int32 array (work rows +
+merge rows) to the device, unless the kernel reads the API's page table itself
+(`DecodeConfig.direct_table`: then it also derives its chunk of the policy's split from the
+length). A request with one chunk is written to out/lse by the decode kernel; the partials of a
+split request go to the workspace and the merge kernel (merge.py) combines them. run() only
+launches.
 
 Fused merge (DecodeConfig.fused_merge_max_chunks): when no request has more chunks than that,
 the decode kernel merges in place of the merge kernel, one launch in all. Work column 7 holds
@@ -28,10 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,6 +40,7 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
+from .decode_config import DecodeConfig, resolve_config, with_busy_tiles, with_split_block
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -62,155 +62,7 @@ DECODE_CAPS = Caps(
     max_q_len_per_req=64,
 )
 
-CONFIG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
 _ALIGN = 256  # byte alignment of the workspace regions
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Kernel and split-policy knobs.
-
-    block_n: tokens per inner step; num_warps / num_stages: Triton launch options;
-    max_registers: per-thread register cap handed to ptxas (Triton's ``maxnreg``); 0: ptxas
-    chooses. It sets how many programs fit on an SM, which bounds the KV reads in flight (sm90
-    d128, 4 warps, block_n 32: ptxas gave group 4's direct-table variant and group 16's 79-80
-    registers, 6 programs per SM, where 64 fits 8; see docs/perf-notes.md). Only the variant it
-    was measured on takes it (`_register_cap`: one query row per request, one 16-row block, no
-    RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to ``split_block_n``
-    or the busy tiles or override block_n, run uncapped (under 64 they spill, or do not compile
-    at 64 rows).
-    max_block_m: most query rows per program (more rows use several row blocks);
-    ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
-    worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
-    k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
-    split_block_n: block_n for plans that split requests by the default policy (few requests,
-    long contexts: fewer, longer steps pay off there); None: block_n.
-    fp8_dot_dtype (fp8 KV only): "q" runs both dots in q's dtype (fp8 -> bf16 is a slow
-    conversion on sm90), "fp16" runs them in fp16 with q row-scaled by powers of two (see
-    decode_kernel.py for the ranges).
-    heads_fastest: program order of the 1-D grid: all (kv head, row block) units of a work item
-    next to each other (whole pages read together), or one unit of every item at a time.
-    page_prefetch: load the next tile's page numbers one step ahead, so that K/V get
-    num_stages - 1 buffers (else one buffer below num_stages 5: no copy in flight during compute).
-    fp8_v_convert (fp8 KV with fp16 dots): "operand" converts V inside the dot operand layout
-    (one ld.shared.b8 per value), "staged" converts it in registers and stages it as fp16 in
-    shared memory (more shared memory, far fewer instructions); the interpreter and GPUs before
-    sm89 (whose ptxas has no fp8x2 cvt) run "operand".
-    fused_merge_max_chunks: plans whose requests have at most this many chunks merge the partials
-    inside the decode kernel (the last program of each split request to finish merges, through an
-    arrival counter) instead of in a second kernel launch; 0: never. That last program merges
-    alone, so many chunks favour the merge kernel (H200 sweeps, TB/s unfused -> fused: 32x4096 with
-    2 chunks 3.70-3.75 -> 3.82-3.92, 16x8192 with 4 3.74-3.85 -> 3.82-3.92, 1x32768 with 64
-    2.58-2.60 -> 2.47-2.50).
-    direct_table: a plan that splits no request (and is not a CUDA-graph grid) gives the kernel
-    the API's kv_indptr and last_page_len instead of a work array: one program per (request, KV
-    head, row block) reads its pages and length from them, so plan() builds and uploads nothing
-    (H200 bf16 GQA d128 with max_registers 64, TB/s work array -> direct: 256x1024 4.15 -> 4.15,
-    128x2048 4.15 -> 4.15, 256x4096 4.39 -> 4.38; batch-256 plan() ~60-100 us less host time).
-    default_config turns it on for 16-bit GQA KV up to d128, where it was measured; fp8 KV and
-    MHA measured slower with it, d256 is not measured.
-    busy_programs: plans of at least this many programs (request x KV head x row block) run
-    ``busy_block_n`` tokens per step in ``busy_stages`` stages; 0: never. The fp8 GQA default
-    takes 1536 -> 32 x 4 (H200 fp8 e4m3, 32/8 heads, TB/s, 64 x 3 -> 32 x 4: 192x4096 3.68 ->
-    3.70, 256x1024 3.24 -> 3.34, 256x2048 3.54 -> 3.62, 256x4096 3.71 -> 3.77, 384x2048 3.63 ->
-    3.68, 512x4096 3.80 -> 3.83; fewer programs lose: 128x4096 3.62 -> 3.28, 64x4096 3.45 ->
-    3.22). A config that sets block_n or num_stages turns them off.
-    pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
-    every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
-    grid is launched while the decode grid runs, and each merge program waits
-    (griddepcontrol.wait) until the decode grid has finished and its stores are visible. The
-    second launch's latency leaves the critical path (H200 bf16 32/8 heads, TB/s off -> on:
-    1x32768 2.66 -> 2.76, 2x16384 2.68 -> 2.75).
-    """
-
-    block_n: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
-    max_block_m: int = 64
-    ctas_per_sm: int = 4
-    min_chunk_tokens: int = 256
-    max_splits: int = 64
-    k_rows: bool = False
-    split_block_n: int | None = None
-    fp8_dot_dtype: str = "q"
-    heads_fastest: bool = True
-    page_prefetch: bool = False
-    fp8_v_convert: str = "operand"
-    fused_merge_max_chunks: int = 16
-    direct_table: bool = False
-    max_registers: int = 0
-    busy_programs: int = 0
-    busy_block_n: int = 32
-    busy_stages: int = 4
-    pdl: bool = True
-
-    def __post_init__(self):
-        if self.fp8_dot_dtype not in ("q", "fp16"):
-            raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
-        if self.fp8_v_convert not in ("operand", "staged"):
-            raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
-        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        for name, low in (("fused_merge_max_chunks", 0), ("busy_programs", 0), ("busy_block_n", 1),
-                          ("busy_stages", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
-        if not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool) \
-                or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
-            raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "
-                             f"[24, 255], got {self.max_registers!r}")
-
-
-def default_config(problem: Problem) -> DecodeConfig:
-    """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
-    d = problem.head_dim_qk
-    # direct_table where the H200 sweep (session 6, TB/s work array / direct) found parity:
-    # 16-bit GQA (group 4 and 16, page 16 and 1, d64 and d128); fp8 256x4096 3.69 / 3.66, MHA
-    # 64x4096 4.39 / 4.20 (twice) measured slower, d256 not measured
-    gqa = problem.num_qo_heads != problem.num_kv_heads
-    if problem.kv_dtype in FP8_DTYPES:
-        if d <= 128:
-            return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
-                                page_prefetch=True, fp8_v_convert="staged", busy_programs=1536 if gqa else 0)
-        return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
-    if problem.page_size == 1 and d <= 128:
-        return DecodeConfig(block_n=128, direct_table=gqa)
-    if not gqa and d <= 128:
-        return DecodeConfig(block_n=64, num_stages=3)
-    if d <= 64:
-        return DecodeConfig(block_n=64, direct_table=True)
-    if d <= 128:
-        return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True)
-    return DecodeConfig(block_n=32)
-
-
-def _apply(cfg: DecodeConfig, source: dict) -> DecodeConfig:
-    unknown = set(source) - {f.name for f in dataclasses.fields(DecodeConfig)}
-    if unknown:
-        raise ValueError(f"unknown fa2 decode config keys {sorted(unknown)}; "
-                         f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
-    if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
-        source = {"split_block_n": None, "max_registers": 0, **source}
-    if "block_n" in source or "num_stages" in source:  # the busy tiles would replace both
-        source = {"busy_programs": 0, **source}
-    return dataclasses.replace(cfg, **source)
-
-
-@functools.lru_cache(maxsize=256)
-def _base_config(head_dim: int, kv_dtype: torch.dtype, page_size: int, group: int,
-                 env: str | None) -> DecodeConfig:
-    cfg = default_config(Problem("decode", torch.float16, kv_dtype, torch.float16, group, 1, head_dim, head_dim,
-                                 page_size=page_size))
-    return _apply(cfg, json.loads(env)) if env else cfg
-
-
-def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeConfig:
-    """Defaults, then FLASHDISPATCH_FA2_DECODE_CONFIG (JSON), then ``overrides``."""
-    cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size,
-                       problem.num_qo_heads // problem.num_kv_heads, os.environ.get(CONFIG_ENV))
-    return _apply(cfg, overrides) if overrides else cfg
 
 
 def _align(n: int) -> int:
@@ -225,18 +77,6 @@ def _merge_tile(rows: int, head_dim: int) -> tuple[int, int]:
     pairs = max(4, 4096 // head_dim)
     block_r = min(1 << (rows - 1).bit_length(), pairs // 2)
     return block_r, pairs // block_r
-
-
-@functools.lru_cache(maxsize=64)
-def _with_split_block(cfg: DecodeConfig) -> DecodeConfig:
-    """``cfg`` with block_n = split_block_n (cached: plan() is host-time bound)."""
-    return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
-
-
-@functools.lru_cache(maxsize=64)
-def _with_busy_tiles(cfg: DecodeConfig) -> DecodeConfig:
-    """``cfg`` with block_n / num_stages = busy_block_n / busy_stages (cached like the split block)."""
-    return dataclasses.replace(cfg, block_n=cfg.busy_block_n, num_stages=cfg.busy_stages, max_registers=0)
 
 
 def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
@@ -260,12 +100,17 @@ def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cf
         return None
     if params.fixed_split_size is not None:
         return np.full_like(eff, max(1, params.fixed_split_size) * problem.page_size)
-    target = max(sm_count, 1) * cfg.ctas_per_sm
     # Chunks per request rounded down: the grid stays within the target (one more chunk each
     # would start a second, mostly idle wave: 32 x 4096 ran at 3.06 TB/s with 3 chunks, 3.73 with 2).
-    chunk = max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
-    n = np.minimum(np.maximum(eff // chunk, 1), cfg.max_splits)
+    n = np.minimum(np.maximum(eff // _policy_tokens(eff, cfg, units, sm_count), 1), cfg.max_splits)
     return _balanced_chunks(eff, n, cfg.block_n) if n.max() > 1 else None
+
+
+def _policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, sm_count: int) -> int:
+    """The split policy's chunk length before balancing: the tokens that give each of the
+    target's programs an equal share, at least ``min_chunk_tokens``."""
+    target = max(sm_count, 1) * cfg.ctas_per_sm
+    return max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
 
 
 def _register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool) -> int:
@@ -280,7 +125,7 @@ def _register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool
 
 @functools.lru_cache(maxsize=256)
 def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool,
-                      direct: bool, pdl: bool) -> dict:
+                      direct: bool, direct_split: bool, pdl: bool) -> dict:
     """The decode kernel's constexprs and launch options of a plan (cached: plan() is host-time
     bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
     q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
@@ -296,7 +141,8 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
         FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
         HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
-        FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct, PDL_TRIGGER=pdl,
+        FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
+        DIRECT_SPLIT=direct_split, PDL_TRIGGER=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cap} if cap and not TRITON_INTERPRETED else {}))
 
@@ -318,9 +164,9 @@ class DecodePlan:
         target = (device.sm_count or 8) * cfg.ctas_per_sm
         programs = params.batch_size * p.num_kv_heads * self.row_blocks
         if cfg.split_block_n and policy_splits and programs < target:
-            cfg = _with_split_block(cfg)
+            cfg = with_split_block(cfg)
         elif cfg.busy_programs and programs >= cfg.busy_programs:
-            cfg = _with_busy_tiles(cfg)
+            cfg = with_busy_tiles(cfg)
         self.problem, self.config = problem, cfg
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)
@@ -330,25 +176,32 @@ class DecodePlan:
         run_device = params.kv_indices.device
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
         self.units = p.num_kv_heads * self.row_blocks  # programs per work item
+        self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
         self._build(device, params, run_device)
 
     def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
-        batch size and scalars): when the kernel reads the page table directly and still no request
-        is split, only the tables change (a copy of the plan with the new ones, its config too:
-        FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
-        plan afresh."""
-        if not self.direct or params.batch_size != self.n_work:
+        batch size and scalars): when the kernel reads the page table directly and the new lengths
+        keep its layout (no request split, or the kernel's own split with as many chunk slots),
+        only the tables and the split length change (a copy of the plan with the new ones, its
+        config too: FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None
+        otherwise, to plan afresh."""
+        if not self.direct or params.batch_size != self.batch:
             return None
-        if not _never_split(self.n_work, params, self.config, self.units, device.sm_count or 8):
-            _, _, splits, chunk = self._partition(device, params)
-            if chunk is not None or splits > 1:
-                return None
+        split = (0, 1)
+        if not _never_split(self.batch, params, self.config, self.units, device.sm_count or 8):
+            lens, lo, splits, chunk = self._partition(device, params)
+            if chunk is not None:
+                split = self._direct_split(lens - lo, chunk, params, device)
+        if split is None or split[1] != self.split_slots:
+            return None
         plan = object.__new__(DecodePlan)  # a shallow copy (copy.copy takes the slower __reduce_ex__ path)
         plan.__dict__.update(self.__dict__)
         plan.kv_indices = params.kv_indices
         plan.work, plan.last = params.kv_indptr, params.kv_last_page_len
-        plan.plse = plan.po = plan.work
+        if plan.split_slots == 1:
+            plan.plse = plan.po = plan.work
+        plan.split_tokens = split[0]
         plan._set_tables()
         return plan
 
@@ -369,16 +222,35 @@ class DecodePlan:
             chunk = _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
         return lens, lo, splits, chunk
 
+    def _direct_split(self, eff: np.ndarray, chunk: np.ndarray, params: AttentionParams,
+                      device: Device) -> tuple[int, int] | None:
+        """(split tokens, chunk slots per request) when the kernel derives the policy's split of
+        these requests itself from the tables (`DecodeConfig.direct_table`, no fixed_split_size, no
+        CUDA graph) and idles at most half of its requests x slots grid; else None (the host
+        builds the work array). ``chunk``: `_chunk_tokens`' result."""
+        if not self.config.direct_table or self.problem.use_cuda_graph or params.fixed_split_size is not None:
+            return None
+        nsplit = np.maximum(1, -(-eff // chunk))
+        slots = int(nsplit.max())
+        if len(eff) * slots > 2 * int(nsplit.sum()):
+            return None
+        return _policy_tokens(eff, self.config, self.units, device.sm_count or 8), slots
+
     def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
         p, cfg, ql = self.problem, self.config, self.q_len
         lens, lo, splits, chunk = self._partition(device, params)
-        batch = len(lens)
+        batch = self.batch = len(lens)
         eff = lens - lo
         unsplit = chunk is None and splits <= 1  # one work item per request, nothing to merge
         if unsplit:
             self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
             if cfg.direct_table and not p.use_cuda_graph:
-                self._place_direct(params)
+                self._place_direct(params, run_device)
+                return
+        elif not splits:
+            split = self._direct_split(eff, chunk, params, device)
+            if split is not None:
+                self._place_direct(params, run_device, *split)
                 return
         pages = -(-lens // p.page_size)
         page_base = pages.cumsum() - pages
@@ -456,37 +328,61 @@ class DecodePlan:
         target = sm_count * self.config.ctas_per_sm
         return max(1, min(self.config.max_splits, target // max(batch * units, 1)))
 
-    def _place_direct(self, params: AttentionParams) -> None:
+    def _place_direct(self, params: AttentionParams, run_device: torch.device, split_tokens: int = 0,
+                      split_slots: int = 1) -> None:
         """`DecodeConfig.direct_table`: the kernel reads kv_indptr / last_page_len (on the run
-        device: a host one is uploaded here, with the API's other host arrays) for its request."""
+        device: a host one is uploaded here, with the API's other host arrays) for its request.
+        ``split_slots`` > 1: each request has that many work items (chunk slots) and the kernel
+        splits it as `_chunk_tokens` would (see `_direct_split`); its partials take slots
+        request x split_slots + chunk, the fused merge's counters are zeroed here once (the merging
+        program resets its own), else the kernel writes the merge kernel's info row per request."""
         self.direct = True
-        self.fused_merge = False
         self.work, self.last = params.kv_indptr, params.kv_last_page_len
+        self.split_tokens, self.split_slots = split_tokens, split_slots
         self.info = self.counters = None
-        self.plse = self.po = self.work  # never written: no request is split
-        self.workspace_bytes = 0
+        if split_slots > 1:
+            self.n_work, self.n_merge, self.max_chunks = self.batch * split_slots, self.batch, split_slots
+            self.fused_merge = split_slots <= self.config.fused_merge_max_chunks
+            if self.fused_merge:
+                self.counters = torch.zeros(self.batch * self.units, dtype=torch.int32, device=run_device)
+            else:
+                self.info = torch.empty(self.batch * MERGE_INFO_COLS, dtype=torch.int32, device=run_device)
+            self.plse, self.po, self.workspace_bytes = self._partials(self.n_work, params)
+        else:
+            self.fused_merge = False
+            self.plse = self.po = self.work  # never written: no request is split
+            self.workspace_bytes = 0
         self._launch_constants()
+
+    def _partials(self, n_partial: int, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(lse, out, bytes): the split-KV partials' float32 views at fixed offsets of the (possibly
+        shared) float workspace, scratch of run(); (None, None, 0) for none."""
+        p, ql = self.problem, self.q_len
+        heads, d = p.num_qo_heads, p.head_dim_vo
+        if not n_partial:
+            return None, None, 0
+        lse_bytes = _align(n_partial * ql * heads * 4)
+        need = lse_bytes + n_partial * ql * heads * d * 4
+        ws = params.workspace
+        have = 0 if ws is None else ws.numel() * ws.element_size()
+        if need > have:
+            raise ValueError(f"float_workspace_buffer too small: {have} bytes, this decode plan needs {need} "
+                             f"bytes ({n_partial} split-KV partials of {ql}x{heads}x{d} float32)")
+        return (ws[:n_partial * ql * heads * 4].view(torch.float32),
+                ws[lse_bytes:lse_bytes + n_partial * ql * heads * d * 4].view(torch.float32), need)
 
     def _place(self, meta: np.ndarray, n_work: int, n_partial: int, params: AttentionParams,
                run_device: torch.device) -> None:
         """Copy the plan arrays (and the fused merge's zeroed counters after them) to the device
         and carve the partials out of the workspace."""
-        p, ql = self.problem, self.q_len
-        heads, d = p.num_qo_heads, p.head_dim_vo
-        graph = p.use_cuda_graph
+        graph = self.problem.use_cuda_graph
         self.direct, self.last = False, None
         self.fused_merge = self.n_merge > 0 and self.max_chunks <= self.config.fused_merge_max_chunks
         n_meta = meta.size
         if self.fused_merge:
             counters_at = _align(meta.nbytes) // 4
             meta = np.concatenate([meta, np.zeros(counters_at - n_meta + self.n_merge * self.units, np.int32)])
-        lse_bytes = _align(n_partial * ql * heads * 4)
-        need = lse_bytes + n_partial * ql * heads * d * 4 if n_partial else 0
-        ws = params.workspace
-        have = 0 if ws is None else ws.numel() * ws.element_size()
-        if need > have:
-            raise ValueError(f"float_workspace_buffer too small: {have} bytes, this decode plan needs {need} "
-                             f"bytes ({n_partial} split-KV partials of {ql}x{heads}x{d} float32)")
+        plse, po, need = self._partials(n_partial, params)
         host = torch.from_numpy(meta)  # pageable: a copy returns once the driver has staged it
         if graph:
             # the wrapper's own int workspace: same addresses at every re-plan, never shared
@@ -501,11 +397,8 @@ class DecodePlan:
         self.work = dst[:n_work * WORK_COLS]
         self.info = dst[n_work * WORK_COLS:n_meta]
         self.counters = dst[counters_at:] if self.fused_merge else None
-        if need:  # partials: scratch of run(), at fixed offsets of the (possibly shared) float workspace
-            self.plse = ws[:n_partial * ql * heads * 4].view(torch.float32)
-            self.po = ws[lse_bytes:lse_bytes + n_partial * ql * heads * d * 4].view(torch.float32)
-        else:
-            self.plse = self.po = self.work  # never written: no request is split
+        # never written when no request is split
+        self.plse, self.po = (plse, po) if need else (self.work, self.work)
         self.workspace_bytes = need
         self._launch_constants()
 
@@ -514,24 +407,25 @@ class DecodePlan:
         """Everything of the decode launch that run() does not learn from the inputs."""
         p = self.problem
         self._grid = (self.n_work * p.num_kv_heads * self.row_blocks,)
-        self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope)
         merge_kernel = self.n_merge > 0 and not self.fused_merge
         self.pdl = self.pdl_capable and merge_kernel
         self._merge = (DecodeMerge(self.po, self.plse, self.info, self.n_merge, self.q_len, p.num_qo_heads,
                                    p.head_dim_vo, self.pdl) if merge_kernel else None)
         self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
-                                         self.direct, self.pdl)
+                                         self.direct, self.split_slots > 1, self.pdl)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
         self._set_tables()
 
     def _set_tables(self) -> None:
-        """The plan's tensors in the launch's order, and the specialisation keys of launches with
-        them (what a `refreshed` plan changes)."""
-        dummy = self.plse
-        self._tables = (self.po, self.plse, self.info if self.fused_merge else dummy,
+        """The plan's tensors and scalars in the launch's order, and the specialisation keys of
+        launches with them (what a `refreshed` plan changes)."""
+        p, dummy = self.problem, self.plse
+        self._tables = (self.po, self.plse, self.info if self.info is not None else dummy,
                         self.counters if self.fused_merge else dummy, self.work,
                         self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
+        self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope,
+                              self.split_tokens, self.split_slots, self.config.max_splits)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:

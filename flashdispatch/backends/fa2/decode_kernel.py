@@ -15,6 +15,15 @@ A request index < 0 marks an idle program (CUDA-graph grids are fixed). Column 7
 split request's merge row (-1 for direct writes): its row of the merge info array
 (merge.py: out row base, first partial slot, number of chunks) and of the arrival counters.
 
+DIRECT: no work array; work_ptr is the API's kv_indptr and last_ptr its last_page_len. Without
+DIRECT_SPLIT a work item is a request, read whole. With it a work item is (request, chunk slot),
+split_slots slots per request: the program applies decode.py's split policy to its request's
+length (split_tokens, max_splits, balanced BLOCK_N-rounded chunks), exits when its slot is past
+the request's chunks, writes its partial to slot request x split_slots + chunk (directly to out
+when the request has one chunk), and the merge row is the request (the merge kernel's info row
+is written by chunk 0's first unit; its count is 1 for a request not split, which the merge
+kernel skips).
+
 FUSED_MERGE (DecodeConfig.fused_merge_max_chunks): no second kernel merges the partials. Each
 program of a split work item, once its partial rows are stored, passes a CTA barrier (every
 thread's stores issued before) and adds 1 to the int32 counter of its (merge row, KV head, row
@@ -114,15 +123,13 @@ def _fp8_to_f16_regs(x, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, merge_info_ptr, counter_ptr, merge_row, req, hk, rb,
+def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, counter_ptr, first, chunks, req, hk, rb,
                    stride_ot, stride_oh, stride_lt, stride_lh, NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr,
                    QLEN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Count this program's partial in; the last of the request's chunks merges the program's rows
-    (KV head hk, row block rb), BLOCK_R at a time, into out/lse and resets the counter (see
-    FUSED_MERGE above)."""
-    first = tl.load(merge_info_ptr + merge_row * 4 + 1)  # MERGE_INFO_COLS
-    chunks = tl.load(merge_info_ptr + merge_row * 4 + 2)
+    """Count this program's partial in; the last of the request's ``chunks`` chunks (partials
+    ``first``...) merges the program's rows (KV head hk, row block rb), BLOCK_R at a time, into
+    out/lse and resets the counter (see FUSED_MERGE above)."""
     tl.debug_barrier()  # all threads' partial stores come before the release below
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == chunks - 1:
@@ -140,11 +147,11 @@ def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, merge_info_ptr, counter_p
         tl.store(counter_ptr, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits"])  # they change per plan
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta,
+    qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -154,7 +161,7 @@ def decode_kernel(
     Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
     FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    DIRECT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
     if PDL_TRIGGER:  # the merge kernel may launch now (DecodeConfig.pdl); it waits for this grid
         gdc_launch_dependents()
@@ -169,17 +176,44 @@ def decode_kernel(
         unit = tl.program_id(0) // n_items
         item = tl.program_id(0) % n_items
     wrow = work_ptr + item * 8  # WORK_COLS
-    if DIRECT:  # work_ptr is kv_indptr: item = request, its whole KV, written directly
-        req = item
-        page_base = tl.load(work_ptr + item)
-        pages = tl.load(work_ptr + item + 1) - page_base
-        kv_len = tl.where(pages > 0, (pages - 1) * PAGE + tl.load(last_ptr + item), 0)
+    if DIRECT:  # work_ptr is kv_indptr: the request's pages and length from the API's tables
+        if DIRECT_SPLIT:  # item = request x split_slots chunk slots
+            req = item // split_slots
+            chunk_idx = item % split_slots
+        else:  # item = request, its whole KV
+            req = item
+            chunk_idx = 0
+        page_base = tl.load(work_ptr + req)
+        pages = tl.load(work_ptr + req + 1) - page_base
+        kv_len = tl.where(pages > 0, (pages - 1) * PAGE + tl.load(last_ptr + req), 0)
         tok_start = 0
         if WINDOW:
             tok_start = tl.maximum(kv_len - QLEN - window_left, 0)
         tok_end = kv_len
         slot = -1
         is_first = 1
+        if DIRECT_SPLIT:
+            # decode.py's split policy for this request (_chunk_tokens): n chunks of split_tokens
+            # (at most max_splits), balanced and rounded up to whole BLOCK_N steps, then as many
+            # chunks of that length as the tokens need; a chunk slot past them is idle
+            eff = kv_len - tok_start
+            n_chunks = tl.minimum(tl.maximum(eff // split_tokens, 1), max_splits)
+            per = (eff + n_chunks - 1) // n_chunks
+            chunk = tl.maximum(BLOCK_N, (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+            n_chunks = tl.maximum((eff + chunk - 1) // chunk, 1)
+            if chunk_idx >= n_chunks:
+                return
+            if not FUSED_MERGE:  # the merge kernel's row of this request: out row, first partial, chunks
+                if chunk_idx == 0 and unit == 0:
+                    info = merge_info_ptr + req * 4
+                    tl.store(info, req * QLEN)
+                    tl.store(info + 1, req * split_slots)
+                    tl.store(info + 2, n_chunks)
+            tok_start += chunk_idx * chunk
+            tok_end = tl.minimum(tok_start + chunk, kv_len)
+            if n_chunks > 1:
+                slot = req * split_slots + chunk_idx
+            is_first = (chunk_idx == 0).to(tl.int32)
     else:
         req = tl.load(wrow)
         if req < 0:
@@ -327,7 +361,15 @@ def decode_kernel(
         tl.store(po_ptr + prow[:, None] * HEAD_DIM + offs_dv[None, :], o, mask=row_ok[:, None])
         tl.store(plse_ptr + prow, lse, mask=row_ok)
         if FUSED_MERGE:
-            merge_row = tl.load(wrow + 7)
-            _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, merge_info_ptr, counters_ptr + merge_row * UNITS + unit,
-                           merge_row, req, hk, rb, stride_ot, stride_oh, stride_lt, stride_lh,
+            if DIRECT_SPLIT:  # merge row = request
+                merge_row = req
+                merge_first = req * split_slots
+                merge_chunks = n_chunks
+            else:
+                merge_row = tl.load(wrow + 7)
+                merge_first = tl.load(merge_info_ptr + merge_row * 4 + 1)  # MERGE_INFO_COLS
+                merge_chunks = tl.load(merge_info_ptr + merge_row * 4 + 2)
+            _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, counters_ptr + merge_row * UNITS + unit, merge_first,
+                           merge_chunks,
+                           req, hk, rb, stride_ot, stride_oh, stride_lt, stride_lh,
                            NUM_QO_HEADS, GROUP, QLEN, BLOCK_M, HEAD_DIM, MERGE_BLOCK_R, MERGE_BLOCK_S, WRITE_LSE)

@@ -1,0 +1,178 @@
+"""fa2 decode's knobs: `DecodeConfig`, its defaults by problem and the overrides
+(FLASHDISPATCH_FA2_DECODE_CONFIG, a plan's ``config``), and the variants a plan switches to (the
+split block, the busy tiles)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...dispatch.problem import FP8_DTYPES, Problem
+
+CONFIG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Kernel and split-policy knobs.
+
+    block_n: tokens per inner step; num_warps / num_stages: Triton launch options;
+    max_registers: per-thread register cap handed to ptxas (Triton's ``maxnreg``); 0: ptxas
+    chooses. It sets how many programs fit on an SM, which bounds the KV reads in flight (sm90
+    d128, 4 warps, block_n 32: ptxas gave group 4's direct-table variant and group 16's 79-80
+    registers, 6 programs per SM, where 64 fits 8; see docs/perf-notes.md). Only the variant it
+    was measured on takes it (`_register_cap`: one query row per request, one 16-row block, no
+    RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to ``split_block_n``
+    or the busy tiles or override block_n, run uncapped (under 64 they spill, or do not compile
+    at 64 rows).
+    max_block_m: most query rows per program (more rows use several row blocks);
+    ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
+    worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
+    k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
+    split_block_n: block_n for plans that split requests by the default policy (few requests,
+    long contexts: fewer, longer steps pay off there); None: block_n.
+    fp8_dot_dtype (fp8 KV only): "q" runs both dots in q's dtype (fp8 -> bf16 is a slow
+    conversion on sm90), "fp16" runs them in fp16 with q row-scaled by powers of two (see
+    decode_kernel.py for the ranges).
+    heads_fastest: program order of the 1-D grid: all (kv head, row block) units of a work item
+    next to each other (whole pages read together), or one unit of every item at a time.
+    page_prefetch: load the next tile's page numbers one step ahead, so that K/V get
+    num_stages - 1 buffers (else one buffer below num_stages 5: no copy in flight during compute).
+    fp8_v_convert (fp8 KV with fp16 dots): "operand" converts V inside the dot operand layout
+    (one ld.shared.b8 per value), "staged" converts it in registers and stages it as fp16 in
+    shared memory (more shared memory, far fewer instructions); the interpreter and GPUs before
+    sm89 (whose ptxas has no fp8x2 cvt) run "operand".
+    fused_merge_max_chunks: plans whose requests have at most this many chunks merge the partials
+    inside the decode kernel (the last program of each split request to finish merges, through an
+    arrival counter) instead of in a second kernel launch; 0: never. That last program merges
+    alone, so many chunks favour the merge kernel (H200 sweeps, TB/s unfused -> fused: 32x4096 with
+    2 chunks 3.70-3.75 -> 3.82-3.92, 16x8192 with 4 3.74-3.85 -> 3.82-3.92, 1x32768 with 64
+    2.58-2.60 -> 2.47-2.50).
+    direct_table: a plan that is not a CUDA-graph grid gives the kernel the API's kv_indptr and
+    last_page_len instead of a work array: one program per (request, KV head, row block) reads its
+    pages and length from them, so plan() builds and uploads nothing (H200 bf16 GQA d128 with
+    max_registers 64, TB/s work array -> direct: 256x1024 4.15 -> 4.15, 128x2048 4.15 -> 4.15,
+    256x4096 4.39 -> 4.38; batch-256 plan() ~60-100 us less host time). A plan that splits
+    requests by the default policy does too when at most half of its grid would idle: a program
+    per (request, chunk slot, KV head, row block) works its request's chunk out from the length,
+    as plan() would (`DecodePlan._direct_split`), and a re-plan only passes the new split length.
+    default_config turns it on for 16-bit GQA KV up to d128, where it was measured; fp8 KV and
+    MHA measured slower with it, d256 is not measured.
+    busy_programs: plans of at least this many programs (request x KV head x row block) run
+    ``busy_block_n`` tokens per step in ``busy_stages`` stages; 0: never. The fp8 GQA default
+    takes 1536 -> 32 x 4 (H200 fp8 e4m3, 32/8 heads, TB/s, 64 x 3 -> 32 x 4: 192x4096 3.68 ->
+    3.70, 256x1024 3.24 -> 3.34, 256x2048 3.54 -> 3.62, 256x4096 3.71 -> 3.77, 384x2048 3.63 ->
+    3.68, 512x4096 3.80 -> 3.83; fewer programs lose: 128x4096 3.62 -> 3.28, 64x4096 3.45 ->
+    3.22). A config that sets block_n or num_stages turns them off.
+    pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
+    every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
+    grid is launched while the decode grid runs, and each merge program waits
+    (griddepcontrol.wait) until the decode grid has finished and its stores are visible. The
+    second launch's latency leaves the critical path (H200 bf16 32/8 heads, TB/s off -> on:
+    1x32768 2.66 -> 2.76, 2x16384 2.68 -> 2.75).
+    """
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    max_block_m: int = 64
+    ctas_per_sm: int = 4
+    min_chunk_tokens: int = 256
+    max_splits: int = 64
+    k_rows: bool = False
+    split_block_n: int | None = None
+    fp8_dot_dtype: str = "q"
+    heads_fastest: bool = True
+    page_prefetch: bool = False
+    fp8_v_convert: str = "operand"
+    fused_merge_max_chunks: int = 16
+    direct_table: bool = False
+    max_registers: int = 0
+    busy_programs: int = 0
+    busy_block_n: int = 32
+    busy_stages: int = 4
+    pdl: bool = True
+
+    def __post_init__(self):
+        if self.fp8_dot_dtype not in ("q", "fp16"):
+            raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
+        if self.fp8_v_convert not in ("operand", "staged"):
+            raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
+        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
+        for name, low in (("fused_merge_max_chunks", 0), ("busy_programs", 0), ("busy_block_n", 1),
+                          ("busy_stages", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
+        if not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool) \
+                or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
+            raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "
+                             f"[24, 255], got {self.max_registers!r}")
+
+
+def default_config(problem: Problem) -> DecodeConfig:
+    """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
+    d = problem.head_dim_qk
+    # direct_table where the H200 sweep (session 6, TB/s work array / direct) found parity:
+    # 16-bit GQA (group 4 and 16, page 16 and 1, d64 and d128); fp8 256x4096 3.69 / 3.66, MHA
+    # 64x4096 4.39 / 4.20 (twice) measured slower, d256 not measured
+    gqa = problem.num_qo_heads != problem.num_kv_heads
+    if problem.kv_dtype in FP8_DTYPES:
+        if d <= 128:
+            return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
+                                page_prefetch=True, fp8_v_convert="staged", busy_programs=1536 if gqa else 0)
+        return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
+    if problem.page_size == 1 and d <= 128:
+        return DecodeConfig(block_n=128, direct_table=gqa)
+    if not gqa and d <= 128:
+        return DecodeConfig(block_n=64, num_stages=3)
+    if d <= 64:
+        return DecodeConfig(block_n=64, direct_table=True)
+    if d <= 128:
+        return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True)
+    return DecodeConfig(block_n=32)
+
+
+def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
+    unknown = set(source) - {f.name for f in dataclasses.fields(DecodeConfig)}
+    if unknown:
+        raise ValueError(f"unknown fa2 decode config keys {sorted(unknown)}; "
+                         f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
+    if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
+        source = {"split_block_n": None, "max_registers": 0, **source}
+    if "block_n" in source or "num_stages" in source:  # the busy tiles would replace both
+        source = {"busy_programs": 0, **source}
+    return dataclasses.replace(cfg, **source)
+
+
+@functools.lru_cache(maxsize=256)
+def _base_config(head_dim: int, kv_dtype: torch.dtype, page_size: int, group: int,
+                 env: str | None) -> DecodeConfig:
+    cfg = default_config(Problem("decode", torch.float16, kv_dtype, torch.float16, group, 1, head_dim, head_dim,
+                                 page_size=page_size))
+    return apply_overrides(cfg, json.loads(env)) if env else cfg
+
+
+def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeConfig:
+    """Defaults, then FLASHDISPATCH_FA2_DECODE_CONFIG (JSON), then ``overrides``."""
+    cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size,
+                       problem.num_qo_heads // problem.num_kv_heads, os.environ.get(CONFIG_ENV))
+    return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+@functools.lru_cache(maxsize=64)
+def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` with block_n = split_block_n (cached: plan() is host-time bound)."""
+    return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
+
+
+@functools.lru_cache(maxsize=64)
+def with_busy_tiles(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` with block_n / num_stages = busy_block_n / busy_stages (cached like the split block)."""
+    return dataclasses.replace(cfg, block_n=cfg.busy_block_n, num_stages=cfg.busy_stages, max_registers=0)

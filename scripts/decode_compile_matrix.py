@@ -1,0 +1,55 @@
+"""Offline sm90 compile of the fa2 decode kernel over its feature combinations (no GPU needed).
+
+Triton's interpreter (the CPU tests) runs the kernel without the compiler's type checks, so a
+combination that fails to compile on a GPU can pass every CPU test (session 12: a name the fused
+merge redefined with another type under sinks). This compiles each combination of features
+(plain; sinks + window + soft cap; ALiBi; RoPE with two causal query rows) x work layout (work
+array with and without the fused merge, direct table, the kernel's own split with and without
+the fused merge; fp8 KV: the work array only, as its configs use) for GPUTarget("cuda", 90, 32),
+and prints one line per combination; it exits non-zero at the first one that fails.
+
+    .venv/bin/python scripts/decode_compile_matrix.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_registers as regs  # noqa: E402  (sets up an offline Triton: no interpreter, own cache)
+import torch  # noqa: E402
+
+from flashdispatch.backends.fa2 import decode as fdec  # noqa: E402
+from flashdispatch.backends.fa2.decode_config import resolve_config  # noqa: E402
+from flashdispatch.dispatch.problem import Problem  # noqa: E402
+
+FEATURES = {
+    "plain": {},
+    "sinks+window+soft_cap": {"sinks": True, "window_left": 100, "logits_soft_cap": 30.0},
+    "alibi": {"pos_encoding_mode": "ALIBI"},
+    "rope+q_len2": {"pos_encoding_mode": "ROPE_LLAMA", "q_len_per_req": 2, "mask_mode": "causal"},
+}
+# (name, fused merge, direct table, direct split)
+LAYOUTS = [("work array", False, False, False), ("work array, fused", True, False, False),
+           ("direct table", False, True, False), ("direct split", False, True, True),
+           ("direct split, fused", True, True, True)]
+
+
+def main() -> None:
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        for feature, changes in FEATURES.items():
+            p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, 128, 128, page_size=16, **changes)
+            cfg = resolve_config(p, None)
+            rows = p.q_len_per_req * p.num_qo_heads // p.num_kv_heads  # as DecodePlan picks its row block
+            block_m = max(16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
+            for name, fused, direct, split in LAYOUTS:
+                if direct and kv != torch.bfloat16:
+                    continue
+                consts = fdec._kernel_constants(p, cfg, block_m, 1, fused, direct, split, False)
+                consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
+                regs.compile_variant(consts, torch.bfloat16, kv)
+                print(f"{str(kv).removeprefix('torch.'):14} {feature:22} {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
