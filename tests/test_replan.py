@@ -1,7 +1,8 @@
 """A wrapper's next plan() with the same batch size and scalar arguments refreshes the last plan
 (`Backend.replan`) where the backend can: fa2 decode swaps in the new page table when it reads the
-table directly and still splits no request. Every refreshed run is checked against a float64
-dense computation on new lengths and pages; anything else must plan afresh."""
+table directly and its layout stays (no request split, or the kernel's own split with as many
+chunk slots). Every refreshed run is checked against a float64 dense computation on new lengths
+and pages; anything else must plan afresh."""
 import pytest
 import torch
 

@@ -49,7 +49,8 @@ class FA2Backend(Backend):
         return plan_prefill(problem, device, params)
 
     def replan(self, plan, problem, device, params: AttentionParams):
-        """Decode: the plan with the new tables when it reads them directly and splits no request."""
+        """Decode: the plan with the new tables when it reads them directly and keeps its layout
+        (`DecodePlan.refreshed`)."""
         return plan.refreshed(device, params) if problem.op == "decode" else None
 
     def replan_mask(self, plan, problem, device, params: AttentionParams):

@@ -17,14 +17,17 @@ boundary), zeros from the host, so the plan's one stream-ordered copy zeroes the
 host sync). Without CUDA graphs that copy is a tensor the plan owns. With them it is the
 wrapper's int workspace: the counters' offset is the plan arrays' size, batch x graph-splits
 work rows + batch merge rows, fixed by the batch size as the grid a captured graph replays is,
-so every re-plan zeroes them at the same address.
+so every re-plan zeroes them at the same address. The kernel's own split (direct table) has no
+work rows: the merge row is the request, and its counters are a tensor of the plan zeroed when
+the plan is made (a refreshed plan keeps them: each launch leaves them at zero).
 
 CUDA graphs: the grid is fixed by the batch size (batch x max_splits programs, idle ones
 exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, updated in place,
 so a graph captured once replays correctly after a later plan() of the same batch size.
 
-Tuning: `DecodeConfig` fields can be overridden per plan (``plan_decode(..., config={...})``)
-or through FLASHDISPATCH_FA2_DECODE_CONFIG='{"block_n": 64, "num_stages": 3, ...}'.
+Tuning: `DecodeConfig` (decode_config.py) fields can be overridden per plan
+(``plan_decode(..., config={...})``) or through
+FLASHDISPATCH_FA2_DECODE_CONFIG='{"block_n": 64, "num_stages": 3, ...}'.
 """
 from __future__ import annotations
 

@@ -195,12 +195,14 @@ def decode_kernel(
         if DIRECT_SPLIT:
             # decode.py's split policy for this request (_chunk_tokens): n chunks of split_tokens
             # (at most max_splits), balanced and rounded up to whole BLOCK_N steps, then as many
-            # chunks of that length as the tokens need; a chunk slot past them is idle
+            # chunks of that length as the tokens need; a chunk slot past them is idle. Tables
+            # changed after plan() could need more chunks than the plan's slots: the last slot then
+            # takes the rest, so every chunk arrives (the fused merge's counters return to 0).
             eff = kv_len - tok_start
             n_chunks = tl.minimum(tl.maximum(eff // split_tokens, 1), max_splits)
             per = (eff + n_chunks - 1) // n_chunks
             chunk = tl.maximum(BLOCK_N, (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
-            n_chunks = tl.maximum((eff + chunk - 1) // chunk, 1)
+            n_chunks = tl.minimum(tl.maximum((eff + chunk - 1) // chunk, 1), split_slots)
             if chunk_idx >= n_chunks:
                 return
             if not FUSED_MERGE:  # the merge kernel's row of this request: out row, first partial, chunks
@@ -210,7 +212,7 @@ def decode_kernel(
                     tl.store(info + 1, req * split_slots)
                     tl.store(info + 2, n_chunks)
             tok_start += chunk_idx * chunk
-            tok_end = tl.minimum(tok_start + chunk, kv_len)
+            tok_end = tl.where(chunk_idx == n_chunks - 1, kv_len, tl.minimum(tok_start + chunk, kv_len))
             if n_chunks > 1:
                 slot = req * split_slots + chunk_idx
             is_first = (chunk_idx == 0).to(tl.int32)

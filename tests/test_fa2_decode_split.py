@@ -1,0 +1,49 @@
+"""The fa2 decode kernel's own split (direct table): each program works its request's chunk out
+from kv_indptr / last_page_len. It must split exactly as plan()'s host partition would (the plan
+sizes the grid and the partials from that), over the features that change the arithmetic: query
+rows per request, the window, several row blocks, the max_splits cap, program order. Checked
+against the oracle, and, with the merge kernel, the info rows the kernel writes (chunks per
+request) against the host's count."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashdispatch.backends.common import TRITON_INTERPRETED
+
+from test_fa2_decode import _case, _check
+
+pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+
+UNFUSED = {"direct_table": True, "fused_merge_max_chunks": 0}
+FEATURES = {
+    "plain": {},
+    "q_len2-causal": dict(q_len_per_req=2, mask_mode="causal"),
+    "window": dict(window_left=900),
+    "q_len3-window": dict(q_len_per_req=3, mask_mode="causal", window_left=700),
+    "two-row-blocks": dict(q_len_per_req=8, mask_mode="causal", num_qo_heads=16, num_kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("config", [UNFUSED, {**UNFUSED, "heads_fastest": False}, {**UNFUSED, "max_splits": 3}],
+                         ids=["merge-kernel", "units-slowest", "max-splits-3"])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_kernel_split_matches_the_host_partition(feature, config):
+    case = _case((1200, 1000, 0, 1320, 870), seed=60, **FEATURES[feature])
+    plan = _check(case, config=config)
+    assert plan.direct and plan.split_slots > 1, "the case must take the kernel's own split"
+    lens, lo, _, chunk = plan._partition(case.device, case.params)
+    nsplit = np.maximum(1, -(-(lens - lo) // chunk))
+    info = plan.info.view(-1, 4)
+    assert plan.split_slots == nsplit.max()
+    assert info[:, 2].tolist() == nsplit.tolist()
+    assert info[:, 0].tolist() == [r * plan.q_len for r in range(len(lens))]
+    assert info[:, 1].tolist() == [r * plan.split_slots for r in range(len(lens))]
+
+
+@pytest.mark.parametrize("feature", ["plain", "q_len3-window"])
+def test_kernel_split_with_the_fused_merge(feature):
+    case = _case((1200, 1000, 0, 1320, 870), seed=61, **FEATURES[feature])
+    plan = _check(case, config={"direct_table": True, "fused_merge_max_chunks": 64})
+    assert plan.direct and plan.split_slots > 1 and plan.fused_merge
+    assert not plan.counters.any(), "each merging program resets its counter"
