@@ -371,7 +371,6 @@ def decode_kernel(
                 merge_row = tl.load(wrow + 7)
                 merge_first = tl.load(merge_info_ptr + merge_row * 4 + 1)  # MERGE_INFO_COLS
                 merge_chunks = tl.load(merge_info_ptr + merge_row * 4 + 2)
-            _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, counters_ptr + merge_row * UNITS + unit, merge_first,
-                           merge_chunks,
-                           req, hk, rb, stride_ot, stride_oh, stride_lt, stride_lh,
+            _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, counters_ptr + merge_row * UNITS + unit,
+                           merge_first, merge_chunks, req, hk, rb, stride_ot, stride_oh, stride_lt, stride_lh,
                            NUM_QO_HEADS, GROUP, QLEN, BLOCK_M, HEAD_DIM, MERGE_BLOCK_R, MERGE_BLOCK_S, WRITE_LSE)
