@@ -18,7 +18,7 @@ from .backends.fa2.launch import bind
 MAX_TENSORS = 3
 _BLOCK = 1024
 _PER_PROGRAM = 1 << 16  # page indices reduced by one program
-_I32_MAX, _I32_MIN = (1 << 31) - 1, -(1 << 31)
+_I32_MAX = (1 << 31) - 1
 
 
 @triton.jit
