@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--q-len", type=int, default=1, help="q_len_per_req (speculative rows)")
     ap.add_argument("--config", default="{}", help="JSON DecodeConfig overrides, as FLASHDISPATCH_FA2_DECODE_CONFIG")
     ap.add_argument("--lse", action="store_true", help="the run variant that writes lse")
+    ap.add_argument("--fused", action="store_true", help="the variants with the fused merge (split plans)")
     args = ap.parse_args()
     hq, hk = (int(h) for h in args.heads.split(","))
     q_dtype = torch.bfloat16
@@ -89,7 +90,7 @@ def main() -> None:
             variant_cfg = decode_config.with_split_block(cfg)
         else:
             variant_cfg = cfg if capped else decode_config.apply_overrides(cfg, {"max_registers": 0})
-        consts = fdec._kernel_constants(p, variant_cfg, block_m, row_blocks, False, direct, split, False)
+        consts = fdec._kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False)
         consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
         # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
         consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
@@ -104,7 +105,7 @@ def main() -> None:
         per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), SM_SHARED // max(k.metadata.shared + 1024, 1),
                      SM_THREADS // threads, 32)
         name = ("direct split" if split else "direct table" if direct else "work array") + \
-            (f", cap {cfg.max_registers}" if capped else "")
+            (f", cap {cfg.max_registers}" if capped else "") + (", fused" if args.fused else "")
         print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
 
 if __name__ == "__main__":

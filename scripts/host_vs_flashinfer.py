@@ -6,7 +6,10 @@ inputs (the bench's decode data: device indptr, indices and last_page_len, the p
 as configured), and each round times --calls calls of ours, then of FlashInfer's, plan then run;
 the table shows the median over --rounds rounds of each round's median call (every call after
 a device sync, as the bench's host columns). ``--profile N`` adds a cProfile of our plan and run
-at the last shape (the N functions with the most own time).
+at the last shape (the N functions with the most own time). ``--host-indptr`` passes indptr and
+last_page_len as CPU tensors (indices stays on the GPU), as serving engines that build the
+batch's metadata on the host do: FlashInfer's plan then reads nothing from the device, ours
+still reads the used page indices' (min, max) for its page-index check.
 
     python scripts/host_vs_flashinfer.py --shapes 256x1024,64x4096,1x32768
     python scripts/host_vs_flashinfer.py --ours fa2 --peer fa2-tc --rounds 9 --profile 25
@@ -14,6 +17,7 @@ at the last shape (the N functions with the most own time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -38,16 +42,20 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=7, help="alternated rounds (the median is shown)")
     ap.add_argument("--calls", type=int, default=30, help="calls per round and side")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="cProfile our plan and run (last shape)")
+    ap.add_argument("--host-indptr", action="store_true", help="indptr and last_page_len on the CPU")
     args = ap.parse_args(argv)
     fi, why = import_flashinfer()
     if fi is None:
         raise SystemExit(why)
+    where = "host" if args.host_indptr else "device"
     print(f"host us per call, median of {args.rounds} rounds x {args.calls} calls; ours fd:{args.ours}, "
-          f"peer fi:{args.peer}; torch {torch.__version__}, flashinfer {fi.__version__}")
+          f"peer fi:{args.peer}; indptr on the {where}; torch {torch.__version__}, flashinfer {fi.__version__}")
     print(f"{'shape':<12} {'plan ours':>9} {'plan fi':>8} {'ratio':>6} {'run ours':>9} {'run fi':>7} {'ratio':>6}")
     ours = None
     for shape in parse_decode_shapes(args.shapes):
         data = make_decode_data(shape)
+        if args.host_indptr:
+            data = dataclasses.replace(data, indptr=data.indptr.cpu(), last_page_len=data.last_page_len.cpu())
         ours = wrapper_job(fd, args.ours, data)
         peer = peer_column(fi, args.peer).build(data)
         for job in (ours, peer):

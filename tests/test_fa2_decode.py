@@ -391,6 +391,20 @@ def test_fused_merge_without_splits_and_config_check():
             DecodeConfig(fused_merge_max_chunks=bad)
 
 
+@pytest.mark.parametrize("values", [256, 8192])
+def test_fused_merge_tile_sizes(no_merge_launch, values):
+    """fused_merge_values sets the [rows, partials, head_dim] tile of one merge round: fewer
+    partials per round than chunks (256) and more (8192) merge alike; a bad size is refused."""
+    from flashdispatch.backends.fa2.decode import _merge_tile
+    from flashdispatch.backends.fa2.decode_config import DecodeConfig
+    assert _merge_tile(4, 128, 4096) == (4, 8) and _merge_tile(4, 128, 8192) == (4, 16)
+    assert _merge_tile(1, 128, 8192) == (1, 64) and _merge_tile(16, 128, 256) == (2, 2)
+    _check_fused(_case((3, 70, 300), seed=26), fixed_split_size=1, config={"fused_merge_values": values})
+    for bad in (0, 100, 128, 8192.0, True):
+        with pytest.raises(ValueError, match="fused_merge_values"):
+            DecodeConfig(fused_merge_values=bad)
+
+
 def test_max_registers_config():
     """max_registers: 0 or a ptxas cap in [24, 255], passed as Triton's maxnreg; the interpreter
     (no ptxas) runs the same plan without it."""
@@ -444,6 +458,12 @@ def test_default_direct_table_and_register_cap():
     for other in (cfg(kv=torch.float8_e4m3fn), cfg(heads=(32, 32)), cfg(heads=(32, 32), page=1),
                   cfg(heads=(32, 32), d=256), cfg(d=256)):
         assert not other.direct_table and other.max_registers == 0
+    # the fused merge's 8K tile: d128 group 4 only (measured there; MHA lost, groups 2 and 16 would
+    # run 3 programs per SM)
+    assert cfg().fused_merge_values == 8192
+    for other in (cfg(heads=(16, 8)), cfg(heads=(64, 4)), cfg(heads=(32, 32)), cfg(d=64), cfg(page=1),
+                  cfg(kv=torch.float8_e4m3fn)):
+        assert other.fused_merge_values == 4096
 
 
 @pytest.mark.parametrize("variant, capped", [

@@ -45,6 +45,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"peer columns from {', '.join(peers)} (default: all"
                             + (" but fa3" if kind == "prefill" else "") + ")")
         p.add_argument("--no-peer", action="store_true", help="run our backends only")
+        if kind == "decode":
+            p.add_argument("--stream", action="store_true",
+                           help="add hw:stream, a plain streaming read of each row's KV cache (docs/benchmarks.md)")
         if kind == "prefill":
             p.add_argument("--peer-fa3", action="store_true",
                            help="add FlashInfer fa3 (its JIT compile takes 88-101 s)")
@@ -128,6 +131,9 @@ def select_columns(args) -> tuple[list[Column], list[str]]:
         columns = [mod.our_column(fd, name) for name in ours]
     except Exception as e:  # noqa: BLE001 - our package failing to import is shown per cell
         columns = [_failing_column(f"fd:{n}", f"import flashdispatch: {type(e).__name__}: {e}") for n in ours]
+    if kind == "decode" and args.stream:
+        from .stream import stream_column
+        columns.append(stream_column(args.l2_flush))
     if args.no_peer:
         return columns, notes
     peers = args.peers
@@ -149,6 +155,14 @@ def select_columns(args) -> tuple[list[Column], list[str]]:
     if kind == "prefill":
         columns += torch_columns(peers)
     return columns, notes
+
+
+def decode_ratio_refs(labels: list[str]) -> dict[str, list[str]]:
+    """The decode ratios that ``labels`` allow: ``FI best`` (the best FlashInfer column of the
+    row) and ``stream`` (the row's plain streaming read, `stream.STREAM_COLUMN`), in that order."""
+    from .stream import STREAM_COLUMN
+    refs = {"FI best": [c for c in labels if c.startswith("fi:")], "stream": [STREAM_COLUMN]}
+    return {name: cols for name, cols in refs.items() if set(cols) & set(labels)}
 
 
 def _work(kind: str):
@@ -195,9 +209,8 @@ def run_bench(args) -> int:
     device = torch.device("cuda")
     ceilings = {"copy TB/s (read+write)": copy_rate_tbs(device), "bf16 matmul 8192^3 TFLOP/s": matmul_tflops(device)}
     if args.bench_kind == "decode":
-        ref_cols = [c.label for c in columns if c.label.startswith("fi:")]
         report = Report("decode", "TB/s", "copy", ceilings["copy TB/s (read+write)"],
-                        {"FI best": ref_cols} if ref_cols else {})
+                        decode_ratio_refs([c.label for c in columns]))
         make = lambda s: decode.make_decode_data(s, seed=args.seed)  # noqa: E731
         baseline = decode.BASELINE_ORDER
     else:

@@ -91,7 +91,8 @@ def run_matrix(
                 else:
                     cell.ms, cell.ms_all = t.ms, t.ms_all
                     cell.plan_us, cell.run_us, cell.first_s = t.plan_us, t.run_us, t.first_s
-                    outputs[col.label] = t.output
+                    if t.output is not None:  # None: a column with no attention output (hw:stream)
+                        outputs[col.label] = t.output
                     cell.info = job.info() if job.info is not None else ""
                     del job, t
             if col.label not in report.columns:

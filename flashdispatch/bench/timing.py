@@ -26,9 +26,10 @@ HOST_REPS_MAX = 20
 @dataclass
 class Job:
     """One cell: ``plan`` re-plans (host-timed; None when the API has none), ``run`` launches
-    one call and returns its output. ``plan`` must be called once before ``run``."""
+    one call and returns its output (None: nothing to check against the other columns).
+    ``plan`` must be called once before ``run``."""
 
-    run: Callable[[], torch.Tensor]
+    run: Callable[[], torch.Tensor | None]
     plan: Callable[[], object] | None = None
     info: Callable[[], str] | None = None  # after a run: e.g. which backend "auto" selected
 
@@ -42,7 +43,7 @@ class Timing:
     first_s: float
     plan_us: float | None
     run_us: float
-    output: torch.Tensor
+    output: torch.Tensor | None
 
 
 def median(values: list[float]) -> float:

@@ -72,12 +72,13 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _merge_tile(rows: int, head_dim: int) -> tuple[int, int]:
+def _merge_tile(rows: int, head_dim: int, values: int) -> tuple[int, int]:
     """(rows, partials) per load round of the fused merge for ``rows`` query rows per program: a
-    [rows, partials, head_dim] float32 tile of 4K values, as merge.py's, all rows at once where
-    that leaves >= 2 partials per round (sm90, d128: 4 warps keep 72 registers, 1 warp does not
-    spill: the merge runs after the token loop, whose registers are free by then)."""
-    pairs = max(4, 4096 // head_dim)
+    [rows, partials, head_dim] float32 tile of ``values`` (DecodeConfig.fused_merge_values), all
+    rows at once where that leaves >= 2 partials per round (sm90, d128, 4K values: 4 warps keep
+    72 registers, 1 warp does not spill: the merge runs after the token loop, whose registers
+    are free by then)."""
+    pairs = max(4, values // head_dim)
     block_r = min(1 << (rows - 1).bit_length(), pairs // 2)
     return block_r, pairs // block_r
 
@@ -133,7 +134,7 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
     bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
     q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
     fp16_dots = p.kv_dtype in FP8_DTYPES and (cfg.fp8_dot_dtype == "fp16" or p.q_dtype == torch.float16)
-    merge_r, merge_s = _merge_tile(min(block_m, q_len * group), p.head_dim_vo)
+    merge_r, merge_s = _merge_tile(min(block_m, q_len * group), p.head_dim_vo, cfg.fused_merge_values)
     cap = _register_cap(p, cfg, block_m, fused_merge)
     return dict(
         NUM_QO_HEADS=p.num_qo_heads, GROUP=group, QLEN=q_len, ROW_BLOCKS=row_blocks,

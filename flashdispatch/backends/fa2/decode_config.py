@@ -52,6 +52,13 @@ class DecodeConfig:
     alone, so many chunks favour the merge kernel (H200 sweeps, TB/s unfused -> fused: 32x4096 with
     2 chunks 3.70-3.75 -> 3.82-3.92, 16x8192 with 4 3.74-3.85 -> 3.82-3.92, 1x32768 with 64
     2.58-2.60 -> 2.47-2.50).
+    fused_merge_values: float32 values the fused merge loads per round, a [rows, partials,
+    head_dim] tile (a power of two, >= 256): more values, fewer dependent rounds on the kernel's
+    tail, more registers for the whole kernel (sm90 d128 group 4, direct split: 80 registers and
+    5 programs per SM at 4096, 122 and 4 at 8192). H200 bf16 32/8 heads, TB/s 4096 -> 8192, two
+    rounds: 4x8192 2.69 -> 2.74-2.76, 8x8192 3.39-3.40 -> 3.43, 16x8192 3.88-3.89 -> 3.92,
+    32x4096 3.87-3.88 -> 3.91-3.92, 16x16384 4.20-4.21 -> 4.25; fp8 flat; MHA lost (8x8192 4.17
+    -> 3.01): default_config takes 8192 for 16-bit GQA d128 group 4 only.
     direct_table: a plan that is not a CUDA-graph grid gives the kernel the API's kv_indptr and
     last_page_len instead of a work array: one program per (request, KV head, row block) reads its
     pages and length from them, so plan() builds and uploads nothing (H200 bf16 GQA d128 with
@@ -90,6 +97,7 @@ class DecodeConfig:
     page_prefetch: bool = False
     fp8_v_convert: str = "operand"
     fused_merge_max_chunks: int = 16
+    fused_merge_values: int = 4096
     direct_table: bool = False
     max_registers: int = 0
     busy_programs: int = 0
@@ -110,6 +118,9 @@ class DecodeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
+        v = self.fused_merge_values
+        if not isinstance(v, int) or isinstance(v, bool) or v < 256 or v & (v - 1):
+            raise ValueError(f"fa2 decode config fused_merge_values must be a power of two >= 256, got {v!r}")
         if not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool) \
                 or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
             raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "
@@ -135,7 +146,11 @@ def default_config(problem: Problem) -> DecodeConfig:
     if d <= 64:
         return DecodeConfig(block_n=64, direct_table=True)
     if d <= 128:
-        return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True)
+        # the fused merge's 8K tile only where it was measured: group 4 (offline sm90, the direct
+        # split with it: groups 2 and 16 152-156 registers, 3 programs per SM; group 4 122, 4)
+        group = problem.num_qo_heads // problem.num_kv_heads
+        return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
+                            fused_merge_values=8192 if group == 4 else 4096)
     return DecodeConfig(block_n=32)
 
 
