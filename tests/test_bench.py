@@ -310,6 +310,22 @@ def test_detail_and_summary_tables():
     assert srows == [["4096", "400", "x", "500", "0.80"]]
 
 
+def test_geomean_lines_over_every_row_and_the_plain_rows():
+    rep = Report("decode", "TB/s", "copy", 4.0, {"FI best": ["fi:fa2-tc"]})
+    rep.shapes = ["1x64", "2x64", "2x64:fp8", "4x64"]
+    for shape, ours, peer in (("1x64", 0.5, 1.0), ("2x64", 2.0, 1.0), ("2x64:fp8", 4.0, 1.0), ("4x64", None, 1.0)):
+        rep.cells += [Cell(shape, "fd:fa2", ms=ours, error=None if ours else "Unsupported"),
+                      Cell(shape, "fd:auto", ms=ours and ours * 2), Cell(shape, "fi:fa2-tc", ms=peer)]
+        report.fill_derived(rep, shape, 1e9)
+    # ratios of our best (fd:fa2, the faster of ours) are 2, 0.5, 0.25; 4x64 has none of ours
+    assert report.geomean_lines(rep) == ["geomean best fd / FI best, every row (3): 0.630",
+                                         "geomean best fd / FI best, rows without a modifier (2): 1.000"]
+    rep.shapes = ["1x64", "2x64"]
+    rep.cells = [c for c in rep.cells if c.shape in rep.shapes]
+    assert report.geomean_lines(rep) == ["geomean best fd / FI best, every row (2): 1.000"]
+    assert report.geomean_lines(Report("decode", "TB/s", "copy", 4.0, {})) == []
+
+
 def test_plain_rendering_aligns_columns():
     text = report.render_plain(["name", "ms"], [["a", "1.5"], ["longer", "10.25"]])
     lines = text.splitlines()

@@ -135,6 +135,13 @@ def detail_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def best_ours_ratio(report: Report, shape: str, ref: str) -> float | None:
+    """The ``ref`` ratio of our fastest column (``fd:``) on ``shape`` (None when none ran)."""
+    ours = [c for c in report.cells if c.shape == shape and c.column.startswith("fd:") and c.ok]
+    best = max(ours, key=lambda c: c.rate, default=None)
+    return best.ratios.get(ref) if best else None
+
+
 def summary_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     """Headers and rows of the pivot table: rate per shape and column, then the best of
     ours over the best peer of the first ratio reference."""
@@ -150,11 +157,26 @@ def summary_rows(report: Report) -> tuple[list[str], list[list[str]]]:
             c = report.cell(shape, col)
             row.append("" if c is None else _num(c.rate, rate_digits) if c.ok else "x")
         if first_ref:
-            ours = [c for c in report.cells if c.shape == shape and c.column.startswith("fd:") and c.ok]
-            best = max(ours, key=lambda c: c.rate, default=None)
-            row.append(_num(best.ratios.get(first_ref), 2) if best else "-")
+            row.append(_num(best_ours_ratio(report, shape, first_ref), 2))
         rows.append(row)
     return headers, rows
+
+
+def geomean_lines(report: Report) -> list[str]:
+    """The geometric mean of the summary's last column over every row that has one, and over
+    the rows without a modifier (``:fp8``, ``:mha``, ... : ANCHORS.md's matrix) when they differ."""
+    ref = next(iter(report.ratio_refs), None)
+    if ref is None:
+        return []
+    ratios = {s: best_ours_ratio(report, s, ref) for s in report.shapes}
+    ratios = {s: r for s, r in ratios.items() if r}
+    plain = {s: r for s, r in ratios.items() if ":" not in s}
+    lines = []
+    for label, subset in (("every row", ratios), ("rows without a modifier", plain)):
+        if subset and (label == "every row" or len(subset) < len(ratios)):
+            g = math.exp(sum(math.log(r) for r in subset.values()) / len(subset))
+            lines.append(f"geomean best fd / {ref}, {label} ({len(subset)}): {g:.3f}")
+    return lines
 
 
 def _is_number(text: str) -> bool:
@@ -217,6 +239,8 @@ def print_report(report: Report, detail: bool = True, use_rich: bool | None = No
     if detail:
         render(*detail_rows(report), title=f"{report.kind} (per cell)", use_rich=use_rich)
     render(*summary_rows(report), title=f"{report.kind} summary: {report.unit}", use_rich=use_rich)
+    for line in geomean_lines(report):
+        print(line)
 
 
 def save_plot(report: Report, path: str) -> str | None:
@@ -272,5 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in report.notes:
             print(f"note: {note}")
         render(*summary_rows(report), title=f"{report.kind} summary: {report.unit}", use_rich=False)
+        for line in geomean_lines(report):
+            print(line)
     return 0
 
