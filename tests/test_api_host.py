@@ -213,17 +213,19 @@ def rel(a, b):
 
 @pytest.fixture
 def plans_made(monkeypatch):
-    """Counts of backend.plan() calls per backend name (the calls still plan)."""
+    """Counts of backend.plan() calls per backend name (the calls still plan). The class is
+    patched, not the shared instance: older pytest versions undo an instance patch by setting the
+    bound method on the instance, which then hides later class patches (test_replan's)."""
     counts = {}
     for name in ("reference", "fa2"):
-        backend = get_backend(name)
-        real = backend.plan
+        cls = type(get_backend(name))
+        real = cls.plan
 
-        def counting(problem, device, params, _name=name, _real=real):
+        def counting(self, problem, device, params, _name=name, _real=real):
             counts[_name] = counts.get(_name, 0) + 1
-            return _real(problem, device, params)
+            return _real(self, problem, device, params)
 
-        monkeypatch.setattr(backend, "plan", counting)
+        monkeypatch.setattr(cls, "plan", counting)
     return counts
 
 
