@@ -1,4 +1,4 @@
-"""The decode bench's read ceiling (hw:stream): the streaming kernel, its column, its ratio."""
+"""The decode bench's plain streaming read (hw:stream): the kernel, its column, its ratio."""
 from __future__ import annotations
 
 import argparse

@@ -171,11 +171,13 @@ def geomean_lines(report: Report) -> list[str]:
     ratios = {s: best_ours_ratio(report, s, ref) for s in report.shapes}
     ratios = {s: r for s, r in ratios.items() if r}
     plain = {s: r for s, r in ratios.items() if ":" not in s}
-    lines = []
-    for label, subset in (("every row", ratios), ("rows without a modifier", plain)):
-        if subset and (label == "every row" or len(subset) < len(ratios)):
-            g = math.exp(sum(math.log(r) for r in subset.values()) / len(subset))
-            lines.append(f"geomean best fd / {ref}, {label} ({len(subset)}): {g:.3f}")
+    def line(label: str, subset: dict[str, float]) -> str:
+        g = math.exp(sum(math.log(r) for r in subset.values()) / len(subset))
+        return f"geomean best fd / {ref}, {label} ({len(subset)}): {g:.3f}"
+
+    lines = [line("every row", ratios)] if ratios else []
+    if plain and len(plain) < len(ratios):
+        lines.append(line("rows without a modifier", plain))
     return lines
 
 
