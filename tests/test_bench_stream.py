@@ -1,7 +1,6 @@
 """The decode bench's plain streaming read (hw:stream): the kernel, its column, its ratio."""
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
@@ -12,12 +11,7 @@ from flashdispatch.bench import matrix, stream
 from flashdispatch.bench.matrix import Column
 from flashdispatch.bench.report import Report
 from flashdispatch.bench.timing import Job, Timing
-
-
-def parse(argv):
-    parser = argparse.ArgumentParser()
-    bench.add_bench_parser(parser.add_subparsers(dest="cmd"))
-    return parser.parse_args(["bench", *argv])
+from test_bench import parse  # the bench parser as the CLI builds it (tests/ is on the path, as for oracle)
 
 
 @pytest.mark.parametrize("style", stream.STYLES, ids=stream.style_label)
