@@ -1,6 +1,6 @@
 """plan()'s one read of device values: small index tensors (indptr, last_page_len, ...) and the
 (min, max) of the used page indices, gathered by one kernel into a pinned host buffer and read
-after one event wait. On the H200's host this took a batch-256 read from ~91 us (empty + cat +
+after one stream wait. On the H200's host this took a batch-256 read from ~91 us (empty + cat +
 aminmax + a blocking copy) to ~38 us (docs/perf-notes.md, "API host overhead").
 """
 from __future__ import annotations
@@ -17,7 +17,10 @@ from .backends.fa2.launch import bind
 
 MAX_TENSORS = 3
 _BLOCK = 1024
-_PER_PROGRAM = 1 << 16  # page indices reduced by one program
+# Page indices reduced by one program (a multiple of _BLOCK). Each program's loop waits on its
+# loads, so fewer per program is less GPU time inside plan()'s wait: H200, 16384 / 65536 indices,
+# kernel 11.6 / 24.4 us with 65536 per program, 2.1 / 2.3 us with 2048; plan() 4-6 % faster.
+_PER_PROGRAM = 2048
 _I32_MAX = (1 << 31) - 1
 
 
@@ -59,28 +62,26 @@ def index_summary_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, indices_ptr, n_indi
 
 
 class _Staging(threading.local):
-    """Per thread: a pinned host buffer and an event per device (a plan() waits for its own read
-    before it returns, so the next plan() of the thread may reuse them)."""
+    """Per thread: a pinned host buffer per device (a plan() waits for its own read before it
+    returns, so the next plan() of the thread may reuse it)."""
 
     def __init__(self):
-        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self.buffers: dict[torch.device, torch.Tensor] = {}
 
-    def get(self, device: torch.device, size: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        buf, event = self.buffers.get(device, (None, None))
+    def get(self, device: torch.device, size: int) -> torch.Tensor:
+        buf = self.buffers.get(device)
         if buf is None or buf.numel() < size:
-            cuda = device.type == "cuda"
-            buf = torch.empty(max(size, 1024) * 2, dtype=torch.int32, pin_memory=cuda)
-            event = torch.cuda.Event() if cuda else None
-            self.buffers[device] = (buf, event)
-        return buf, event
+            buf = torch.empty(max(size, 1024) * 2, dtype=torch.int32, pin_memory=device.type == "cuda")
+            self.buffers[device] = buf
+        return buf
 
 
 _staging = _Staging()
 
 
 @functools.lru_cache(maxsize=None)
-def _summary_launcher(used_on_device: bool):
-    return bind(index_summary_kernel, BLOCK=_BLOCK, PER_PROGRAM=_PER_PROGRAM, USED_ON_DEVICE=used_on_device,
+def _summary_launcher(used_on_device: bool, per_program: int):
+    return bind(index_summary_kernel, BLOCK=_BLOCK, PER_PROGRAM=per_program, USED_ON_DEVICE=used_on_device,
                 num_warps=4)
 
 
@@ -101,7 +102,7 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     n = sum(sizes)
     num_indices = 0 if indices is None else indices.numel()
     programs = max(1, -(-num_indices // _PER_PROGRAM))
-    buf, event = _staging.get(device, n + 2 * programs)
+    buf = _staging.get(device, n + 2 * programs)
     first = tensors[0] if tensors else indices  # a device tensor first: the launch goes to its GPU
     args = []
     for i in range(MAX_TENSORS):
@@ -111,12 +112,12 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     # widths alone (every int is do_not_specialize): that key, shorter to work out than spec_key's
     pointers = args[0:6:2] + args[6:10:3]
     spec = (*[(t.dtype, t.data_ptr() & 15 == 0) for t in pointers], max(n, num_indices, used_host or 0) > _I32_MAX)
-    _summary_launcher(used_host is None).launch_with_spec(spec, (programs,), args)
-    if event is not None:
-        # the device's current stream, where the kernel went (an index, not None: without one torch
-        # looks the current device up through is_available() and an environment read)
-        event.record(torch.cuda.current_stream(device.index))
-        event.synchronize()
+    _summary_launcher(used_host is None, _PER_PROGRAM).launch_with_spec(spec, (programs,), args)
+    if device.type == "cuda":
+        # wait for the device's current stream, where the kernel went (an index, not None: without
+        # one torch looks the current device up through is_available() and an environment read);
+        # a stream wait, not an event: one CUDA call less
+        torch.cuda.current_stream(device.index).synchronize()
     host = buf.numpy()
     flat = host[:n].copy()
     count = int(flat[sizes[0] - 1]) if used_host is None else used_host
