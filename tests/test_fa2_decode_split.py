@@ -32,8 +32,8 @@ def test_kernel_split_matches_the_host_partition(feature, config):
     case = _case((1200, 1000, 0, 1320, 870), seed=60, **FEATURES[feature])
     plan = _check(case, config=config)
     assert plan.direct and plan.split_slots > 1, "the case must take the kernel's own split"
-    lens, lo, _, chunk = plan._partition(case.device, case.params)
-    nsplit = np.maximum(1, -(-(lens - lo) // chunk))
+    lens, _, eff, _, chunk = plan._partition(case.device, case.params)
+    nsplit = np.maximum(1, -(-eff // chunk))
     info = plan.info.view(-1, 4)
     assert plan.split_slots == nsplit.max()
     assert info[:, 2].tolist() == nsplit.tolist()

@@ -194,9 +194,9 @@ class DecodePlan:
             return None
         split = (0, 1)
         if not _never_split(self.batch, params, self.config, self.units, device.sm_count or 8):
-            lens, lo, splits, chunk = self._partition(device, params)
+            _, _, eff, _, chunk = self._partition(device, params)
             if chunk is not None:
-                split = self._direct_split(lens - lo, chunk, params, device)
+                split = self._direct_split(eff, chunk, params, device)
         if split is None or split[1] != self.split_slots:
             return None
         plan = object.__new__(DecodePlan)  # a shallow copy (copy.copy takes the slower __reduce_ex__ path)
@@ -211,8 +211,8 @@ class DecodePlan:
 
     # --- planning --------------------------------------------------------------------------
     def _partition(self, device: Device, params: AttentionParams):
-        """(kv lengths, window starts, graph splits, chunk tokens per request or None) of
-        ``params``' requests: the split-KV partition (see `_chunk_tokens`, `_graph_splits`)."""
+        """(kv lengths, window starts, tokens from there, graph splits, chunk tokens per request or
+        None) of ``params``' requests: the split-KV partition (see `_chunk_tokens`, `_graph_splits`)."""
         p, cfg, ql = self.problem, self.config, self.q_len
         lens = np.array(params.kv_lens_host, dtype=np.int64)
         batch = len(lens)
@@ -224,7 +224,7 @@ class DecodePlan:
             chunk = _balanced_chunks(eff, np.minimum(-(-eff // cfg.min_chunk_tokens), splits), cfg.block_n)
         else:
             chunk = _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
-        return lens, lo, splits, chunk
+        return lens, lo, eff, splits, chunk
 
     def _direct_split(self, eff: np.ndarray, chunk: np.ndarray, params: AttentionParams,
                       device: Device) -> tuple[int, int] | None:
@@ -242,9 +242,8 @@ class DecodePlan:
 
     def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
         p, cfg, ql = self.problem, self.config, self.q_len
-        lens, lo, splits, chunk = self._partition(device, params)
+        lens, lo, eff, splits, chunk = self._partition(device, params)
         batch = self.batch = len(lens)
-        eff = lens - lo
         unsplit = chunk is None and splits <= 1  # one work item per request, nothing to merge
         if unsplit:
             self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
