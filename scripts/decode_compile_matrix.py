@@ -40,12 +40,11 @@ def main() -> None:
         for feature, changes in FEATURES.items():
             p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, 128, 128, page_size=16, **changes)
             cfg = resolve_config(p, None)
-            rows = p.q_len_per_req * p.num_qo_heads // p.num_kv_heads  # as DecodePlan picks its row block
-            block_m = max(16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
+            block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, cfg.max_block_m)
             for name, fused, direct, split in LAYOUTS:
                 if direct and kv != torch.bfloat16:
                     continue
-                consts = fdec._kernel_constants(p, cfg, block_m, 1, fused, direct, split, False)
+                consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False)
                 consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
                 regs.compile_variant(consts, torch.bfloat16, kv)
                 print(f"{str(kv).removeprefix('torch.'):14} {feature:22} {name}", flush=True)

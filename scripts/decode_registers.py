@@ -75,9 +75,7 @@ def main() -> None:
     p = Problem("decode", q_dtype, KV[args.kv], q_dtype, hq, hk, args.head_dim, args.head_dim,
                 page_size=args.page_size, q_len_per_req=args.q_len)
     cfg = decode_config.resolve_config(p, json.loads(args.config))
-    rows = args.q_len * (hq // hk)
-    block_m = max(16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
-    row_blocks = -(-rows // block_m)
+    block_m, row_blocks = fdec.row_block(args.q_len * (hq // hk), cfg.max_block_m)
     print(f"triton {triton.__version__}, sm90; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")

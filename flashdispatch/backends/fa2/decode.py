@@ -83,6 +83,13 @@ def _merge_tile(rows: int, head_dim: int, values: int) -> tuple[int, int]:
     return block_r, pairs // block_r
 
 
+def row_block(rows: int, max_block_m: int) -> tuple[int, int]:
+    """(block_m, row blocks) for a program's ``rows`` query rows (q_len_per_req x group): the next
+    power of two, at least 16 (the mma's M), at most ``max_block_m`` (DecodeConfig)."""
+    block_m = max(16, min(1 << (rows - 1).bit_length(), max_block_m))
+    return block_m, -(-rows // block_m)
+
+
 def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
     """Chunk length per request for ``n`` chunks each: equal shares, rounded up to whole blocks."""
     per = -(-eff // np.maximum(n, 1))
@@ -161,9 +168,7 @@ class DecodePlan:
             cfg = dataclasses.replace(cfg, fp8_v_convert="operand")
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
-        rows = self.q_len * self.group
-        self.block_m = max(16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
-        self.row_blocks = -(-rows // self.block_m)
+        self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg.max_block_m)
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         target = (device.sm_count or 8) * cfg.ctas_per_sm
         programs = params.batch_size * p.num_kv_heads * self.row_blocks
