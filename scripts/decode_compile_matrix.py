@@ -40,7 +40,7 @@ def main() -> None:
         for feature, changes in FEATURES.items():
             p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, 128, 128, page_size=16, **changes)
             cfg = resolve_config(p, None)
-            block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, cfg.max_block_m)
+            block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, cfg)
             for name, fused, direct, split in LAYOUTS:
                 if direct and kv != torch.bfloat16:
                     continue

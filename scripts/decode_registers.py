@@ -41,7 +41,9 @@ KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn
 TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
                 torch.float8_e5m2: "*fp8e5"}
 FLOATS = {"qk_scale", "v_scale", "soft_cap", "rope_rcp_scale", "rope_log2_theta"}
-SM_REGISTERS, SM_SHARED, SM_THREADS = 65536, 232448, 2048  # H100/H200 per SM
+# H100/H200 per SM: registers, shared memory (228 KB; a block may take 227 KB, plus 1 KB the
+# driver reserves per block), threads
+SM_REGISTERS, SM_SHARED, SM_THREADS = 65536, 233472, 2048
 
 
 def compile_variant(consts: dict, q_dtype, kv_dtype):
@@ -75,7 +77,7 @@ def main() -> None:
     p = Problem("decode", q_dtype, KV[args.kv], q_dtype, hq, hk, args.head_dim, args.head_dim,
                 page_size=args.page_size, q_len_per_req=args.q_len)
     cfg = decode_config.resolve_config(p, json.loads(args.config))
-    block_m, row_blocks = fdec.row_block(args.q_len * (hq // hk), cfg.max_block_m)
+    block_m, row_blocks = fdec.row_block(args.q_len * (hq // hk), cfg)
     print(f"triton {triton.__version__}, sm90; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")

@@ -83,7 +83,8 @@ def test_page_sizes_and_groups(page_size, heads):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_head_dims_block_sizes(head_dim):
     case = _case((3, 129), head_dim_qk=head_dim, num_qo_heads=4, seed=3)
-    for config in ({"block_n": 16}, {"block_n": 32, "k_rows": True}, {"block_n": 16, "heads_fastest": False}):
+    for config in ({"block_n": 16}, {"block_n": 32, "k_rows": True}, {"block_n": 16, "heads_fastest": False},
+                   {"block_n": 16, "swap_ab": True}, {"block_n": 32, "k_rows": True, "swap_ab": True}):
         _check(case, config=config, fixed_split_size=4)
 
 
@@ -98,6 +99,7 @@ def test_features(feature):
     case = _case(seed=4, **feature)
     _check(case)
     _check(case, fixed_split_size=2)
+    _check(case, fixed_split_size=2, config={"swap_ab": True})
 
 
 @pytest.mark.parametrize("mask_mode", ["causal", "none"])
@@ -108,6 +110,7 @@ def test_q_len_per_req(q_len, heads, mask_mode):
     _check(case, fixed_split_size=3)
     _check(case, config={"max_block_m": 16})
     _check(case, config={"max_block_m": 16, "heads_fastest": False})
+    _check(case, config={"max_block_m": 8, "swap_ab": True}, fixed_split_size=3)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -513,25 +516,39 @@ def test_sm90_compiles_every_feature_and_work_layout():
     assert len(res.stdout.splitlines()) == 28, res.stdout
 
 
-@pytest.mark.parametrize("busy_programs, busy", [(8, True), (9, False)])  # 4 requests x 2 KV heads = 8 programs
-def test_busy_tiles_from_busy_programs(busy_programs, busy):
-    """Plans of at least busy_programs programs run busy_block_n x busy_stages (the fp8 GQA
-    default's 1536 -> 32 x 4), fewer keep block_n x num_stages; both match the oracle."""
-    from flashdispatch.backends.fa2.decode_config import DecodeConfig, apply_overrides, default_config
-    from flashdispatch.dispatch.problem import Problem
-    case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, seed=41)
+@pytest.mark.parametrize("heads, tile", [(8, (32, 3)), (16, (16, 2))])  # 4 requests x 2 / 4 KV heads
+def test_wave_tiles_pick_by_programs(heads, tile):
+    """A plan of at least ctas_per_sm x SMs programs (the interpreter's 8 SMs) runs the wave tile
+    with the least predicted time: 8 programs fill one wave of [32, 3] (1 per SM) and half of one
+    of [16, 2] (2 per SM); 16 programs two waves of [32, 3], one of [16, 2] (the faster per wave
+    here); both match the oracle."""
+    case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, num_qo_heads=heads * 2,
+                 num_kv_heads=heads // 4, seed=41)
     plan = _check(case, disable_split_kv=True,
-                  config={"busy_programs": busy_programs, "busy_block_n": 16, "busy_stages": 2})
-    assert (plan.config.block_n, plan.config.num_stages) == ((16, 2) if busy else (64, 3))
+                  config={"ctas_per_sm": 1, "wave_tiles": [[32, 3, 1, 0.9], [16, 2, 2, 1.0]]})
+    assert (plan.config.block_n, plan.config.num_stages) == tile
 
-    def fp8(heads):
-        return default_config(Problem("decode", F16, torch.float8_e4m3fn, F16, heads, 8, 128, 128, page_size=16))
-    assert (fp8(32).busy_programs, fp8(32).busy_block_n, fp8(32).busy_stages) == (1536, 32, 4)
-    assert fp8(8).busy_programs == 0  # MHA: not measured
+
+def test_wave_tile_choice_and_config():
+    """`pick_wave_tile` against the H200 fp8 sweep it was fitted to (session 15: 1536 programs
+    read 3.84 TB/s with 32 x 2, 3.11 with 32 x 3; 2048: 4.00 with 32 x 3); the fp8 d128 default
+    carries the tiles, d64 and explicit tiles do not; bad tiles are refused."""
+    from flashdispatch.backends.fa2.decode_config import (DecodeConfig, apply_overrides, default_config,
+                                                          pick_wave_tile)
+    from flashdispatch.dispatch.problem import Problem
+
+    def fp8(heads, d=128):
+        return default_config(Problem("decode", F16, torch.float8_e4m3fn, F16, heads, 8, d, d, page_size=16))
+    tiles = fp8(32).wave_tiles
+    assert fp8(32).swap_ab and fp8(8).wave_tiles == tiles and fp8(32, 64).wave_tiles == ()
+    assert pick_wave_tile(tiles, 1536, 132) == (32, 2)
+    assert pick_wave_tile(tiles, 2048, 132) == (32, 3)
+    assert pick_wave_tile(tiles, 1024, 132) == (32, 3)
     for explicit in ({"block_n": 32}, {"num_stages": 2}):  # kept at any batch
-        assert apply_overrides(fp8(32), explicit).busy_programs == 0
-    with pytest.raises(ValueError, match="busy_stages"):
-        DecodeConfig(busy_stages=0)
+        assert apply_overrides(fp8(32), explicit).wave_tiles == ()
+    for bad in ([[32, 3, 8]], [[32, 0, 8, 1.0]], [[32, 3, 8, 0]], 5):
+        with pytest.raises(ValueError, match="wave_tiles"):
+            DecodeConfig(wave_tiles=bad)
 
 
 def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):

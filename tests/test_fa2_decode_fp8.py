@@ -83,7 +83,8 @@ def test_cpu_features(feature, q_dtype):
 @cpu
 def test_cpu_block_configs():
     case = _case((3, 129), q_dtype=torch.bfloat16, seed=23)
-    for config in ({"block_n": 16}, {"block_n": 32, "k_rows": True}, {"block_n": 64, "num_stages": 3}):
+    for config in ({"block_n": 16}, {"block_n": 32, "k_rows": True}, {"block_n": 64, "num_stages": 3},
+                   {"swap_ab": False}, {"block_n": 32, "swap_ab": False, "max_block_m": 16}):
         _check_cpu(case, config={**FP16, **config}, fixed_split_size=4)
 
 
@@ -179,7 +180,9 @@ def test_gpu_features(feature):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("config", [dict(block_n=64, num_warps=8, num_stages=3), dict(block_n=32, k_rows=True),
-                                    dict(block_n=128, num_warps=8, num_stages=2)], ids=lambda c: str(c))
+                                    dict(block_n=128, num_warps=8, num_stages=2), dict(swap_ab=False),
+                                    dict(block_n=32, num_stages=2), dict(num_warps=2, block_n=64)],
+                         ids=lambda c: str(c))
 def test_gpu_block_configs(config):
     case = _case([1, 129, 2000], device="cuda", q_dtype=torch.bfloat16, k_scale=0.8, v_scale=1.5, seed=5)
     _check_gpu(case, {**FP16, **config}, fixed_split_size=4)

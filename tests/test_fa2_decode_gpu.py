@@ -58,12 +58,17 @@ def test_grid(lengths, page_size, layout, dtypes, head_dim):
     dict(kv_dtype=torch.float8_e5m2, q_dtype=torch.float16, k_scale=0.7, v_scale=1.3),
 ], ids=lambda f: ",".join(sorted(f)))
 @pytest.mark.parametrize("split", [{}, {"fixed_split_size": 8}, {"disable_split_kv": True}], ids=["auto", "fixed8", "nosplit"])
-def test_features(feature, split):
+@pytest.mark.parametrize("swap", [False, True], ids=["default", "swapped"])
+def test_features(feature, split, swap):
+    """Every feature x split, with the dtype's default dots and with DecodeConfig.swap_ab flipped
+    (fp8 KV runs swapped by default)."""
     feature = dict(feature)
     scales = feature.pop("tensor_scales", None)
     if scales:  # 1-element device tensors, read by the kernel (no host sync)
         feature.update(zip(("q_scale", "k_scale", "v_scale"), (torch.tensor([x], device="cuda") for x in scales)))
-    _check(_case([0, 33, 700, 3000], seed=3, **feature), **split)
+    case = _case([0, 33, 700, 3000], seed=3, **feature)
+    config = {"swap_ab": case.problem.kv_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)} if swap else None
+    _check(case, config=config, **split)
 
 
 def _captured(case, indices_slots: int, config=None):
@@ -267,17 +272,26 @@ def test_max_registers_reaches_ptxas():
     assert capped and all(k.n_regs <= 72 for k in capped), [(k.n_regs, k.n_spills) for k in capped]
 
 
-def test_fp8_busy_tiles_at_the_default_threshold():
-    """fp8 KV with 192 requests x 8 KV heads (1536 programs, the default busy_programs): the plan runs
-    the busy tiles (32 tokens x 4 stages) and matches the reference; one request fewer keeps 64 x 3."""
+def test_fp8_wave_tiles_by_batch():
+    """fp8 KV, 32/8 heads, d128 on this GPU's SMs: the batch sizes whose program counts (x 8 KV
+    heads) `pick_wave_tile` gives each wave tile run it and match the reference."""
+    from flashdispatch.backends.fa2.decode_config import default_config, pick_wave_tile
+    from flashdispatch.dispatch.problem import Problem
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = default_config(Problem("decode", torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16, 32, 8, 128, 128,
+                                 page_size=16))
+    by_tile = {}
+    for batch in range(sms * cfg.ctas_per_sm // 8, sms * 4):
+        by_tile.setdefault(pick_wave_tile(cfg.wave_tiles, batch * 8, sms), batch)
+    assert len(by_tile) >= 2, by_tile
     gen = torch.Generator().manual_seed(43)
-    lens = torch.randint(0, 400, (192,), generator=gen).tolist()
-    for batch, tiles in ((192, (32, 4)), (191, (64, 3))):
-        case = _case(lens[:batch], num_qo_heads=32, num_kv_heads=8, kv_dtype=torch.float8_e4m3fn, k_scale=0.8,
+    for tile, batch in by_tile.items():
+        lens = torch.randint(0, 400, (batch,), generator=gen).tolist()
+        case = _case(lens, num_qo_heads=32, num_kv_heads=8, kv_dtype=torch.float8_e4m3fn, k_scale=0.8,
                      v_scale=1.5, seed=43)
         ref_out, ref_lse = reference_backend_result(case)
         plan = run_fa2_decode(case)
-        assert (plan.config.block_n, plan.config.num_stages) == tiles
+        assert (plan.config.block_n, plan.config.num_stages) == tile
         assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[torch.float8_e4m3fn])
 
 

@@ -43,7 +43,7 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import DecodeConfig, resolve_config, with_busy_tiles, with_split_block
+from .decode_config import DecodeConfig, pick_wave_tile, resolve_config, with_split_block, with_tile
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -83,10 +83,11 @@ def _merge_tile(rows: int, head_dim: int, values: int) -> tuple[int, int]:
     return block_r, pairs // block_r
 
 
-def row_block(rows: int, max_block_m: int) -> tuple[int, int]:
+def row_block(rows: int, cfg: DecodeConfig) -> tuple[int, int]:
     """(block_m, row blocks) for a program's ``rows`` query rows (q_len_per_req x group): the next
-    power of two, at least 16 (the mma's M), at most ``max_block_m`` (DecodeConfig)."""
-    block_m = max(16, min(1 << (rows - 1).bit_length(), max_block_m))
+    power of two, at least the mma's side the rows are on (M 16, or N 8 with ``cfg.swap_ab``), at
+    most ``cfg.max_block_m``."""
+    block_m = max(8 if cfg.swap_ab else 16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
     return block_m, -(-rows // block_m)
 
 
@@ -153,7 +154,7 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
         HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
         FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
-        DIRECT_SPLIT=direct_split, PDL_TRIGGER=pdl,
+        DIRECT_SPLIT=direct_split, PDL_TRIGGER=pdl, SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cap} if cap and not TRITON_INTERPRETED else {}))
 
@@ -168,14 +169,14 @@ class DecodePlan:
             cfg = dataclasses.replace(cfg, fp8_v_convert="operand")
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
-        self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg.max_block_m)
+        self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         target = (device.sm_count or 8) * cfg.ctas_per_sm
         programs = params.batch_size * p.num_kv_heads * self.row_blocks
         if cfg.split_block_n and policy_splits and programs < target:
             cfg = with_split_block(cfg)
-        elif cfg.busy_programs and programs >= cfg.busy_programs:
-            cfg = with_busy_tiles(cfg)
+        elif cfg.wave_tiles and programs >= target:
+            cfg = with_tile(cfg, *pick_wave_tile(cfg.wave_tiles, programs, device.sm_count or 8))
         self.problem, self.config = problem, cfg
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)

@@ -1,6 +1,6 @@
 """fa2 decode's knobs: `DecodeConfig`, its defaults by problem and the overrides
 (FLASHDISPATCH_FA2_DECODE_CONFIG, a plan's ``config``), and the variants a plan switches to (the
-split block, the busy tiles)."""
+split block, the wave tiles)."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +27,7 @@ class DecodeConfig:
     registers, 6 programs per SM, where 64 fits 8; see docs/perf-notes.md). Only the variant it
     was measured on takes it (`_register_cap`: one query row per request, one 16-row block, no
     RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to ``split_block_n``
-    or the busy tiles or override block_n, run uncapped (under 64 they spill, or do not compile
+    or the wave tiles or override block_n, run uncapped (under 64 they spill, or do not compile
     at 64 rows).
     max_block_m: most query rows per program (more rows use several row blocks);
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
@@ -69,12 +69,19 @@ class DecodeConfig:
     as plan() would (`DecodePlan._direct_split`), and a re-plan only passes the new split length.
     default_config turns it on for 16-bit GQA KV up to d128, where it was measured; fp8 KV and
     MHA measured slower with it, d256 is not measured.
-    busy_programs: plans of at least this many programs (request x KV head x row block) run
-    ``busy_block_n`` tokens per step in ``busy_stages`` stages; 0: never. The fp8 GQA default
-    takes 1536 -> 32 x 4 (H200 fp8 e4m3, 32/8 heads, TB/s, 64 x 3 -> 32 x 4: 192x4096 3.68 ->
-    3.70, 256x1024 3.24 -> 3.34, 256x2048 3.54 -> 3.62, 256x4096 3.71 -> 3.77, 384x2048 3.63 ->
-    3.68, 512x4096 3.80 -> 3.83; fewer programs lose: 128x4096 3.62 -> 3.28, 64x4096 3.45 ->
-    3.22). A config that sets block_n or num_stages turns them off.
+    swap_ab: compute both dots transposed (S^T = K Q^T, O^T = V^T P^T; decode_kernel.py), so the
+    query rows are the mma's N: row blocks start at 8 rows instead of 16 (half the padding of a
+    group of 4). H200 fp8 e4m3 32/8 heads d128, one warp, 64 x 3, TB/s off -> on: 64x4096 3.37
+    -> 3.48, 16x8192 2.94 -> 3.05, 128x4096 3.55 -> 3.67; MHA 64x4096 3.57 -> 3.89; bf16 (4 warps,
+    already at the read ceiling) flat or lower (64x4096 4.26 -> 4.24, MHA 4.50 -> 4.24): fp8 only.
+    wave_tiles: ((block_n, num_stages, programs per SM, rate), ...): a plan of at least
+    ctas_per_sm x SMs programs (request x KV head x row block; such plans split no request by
+    the default policy) takes the tile with the least predicted time for its program count
+    (`pick_wave_tile`): programs of equal work run in waves of (programs per SM x SMs), and a
+    last, partly filled wave costs about as much as a full one (H200 fp8, 32 x 3 tiles, 8 per
+    SM: 1.94 waves 4.07 TB/s, 1.45 waves 3.25). ``rate``: the tile's full-wave TB/s relative to
+    the others; programs per SM from the sm90 compile (scripts/decode_registers.py). ():
+    block_n x num_stages at any size. A config that sets block_n or num_stages turns it off.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -100,24 +107,22 @@ class DecodeConfig:
     fused_merge_values: int = 4096
     direct_table: bool = False
     max_registers: int = 0
-    busy_programs: int = 0
-    busy_block_n: int = 32
-    busy_stages: int = 4
     pdl: bool = True
+    swap_ab: bool = False
+    wave_tiles: tuple = ()
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
         if self.fp8_v_convert not in ("operand", "staged"):
             raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
-        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl"):
+        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        for name, low in (("fused_merge_max_chunks", 0), ("busy_programs", 0), ("busy_block_n", 1),
-                          ("busy_stages", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
+        v = self.fused_merge_max_chunks
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"fa2 decode config fused_merge_max_chunks must be an int >= 0, got {v!r}")
+        object.__setattr__(self, "wave_tiles", _checked_wave_tiles(self.wave_tiles))
         v = self.fused_merge_values
         if not isinstance(v, int) or isinstance(v, bool) or v < 256 or v & (v - 1):
             raise ValueError(f"fa2 decode config fused_merge_values must be a power of two >= 256, got {v!r}")
@@ -125,6 +130,22 @@ class DecodeConfig:
                 or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
             raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "
                              f"[24, 255], got {self.max_registers!r}")
+
+
+def _checked_wave_tiles(tiles) -> tuple:
+    """``tiles`` as a tuple of (block_n, num_stages, programs per SM, rate) tuples (JSON gives
+    lists), each value checked."""
+    try:
+        tiles = tuple(tuple(t) for t in tiles)
+    except TypeError:
+        tiles = None
+    ok = tiles is not None and all(
+        len(t) == 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in t[:3])
+        and isinstance(t[3], (int, float)) and not isinstance(t[3], bool) and t[3] > 0 for t in tiles)
+    if not ok:
+        raise ValueError("fa2 decode config wave_tiles must be a list of [block_n, num_stages, programs per SM, "
+                         f"rate] (ints >= 1, rate > 0), got {tiles!r}")
+    return tiles
 
 
 def default_config(problem: Problem) -> DecodeConfig:
@@ -136,8 +157,11 @@ def default_config(problem: Problem) -> DecodeConfig:
     gqa = problem.num_qo_heads != problem.num_kv_heads
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
+            # the wave tiles' programs per SM and rates: the d128 sm90 compile and H200 sweeps
+            # (32 x 3 4.0-4.1 TB/s at whole waves, 32 x 2 3.85-3.95, 64 x 3 3.65-3.75)
+            tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
-                                page_prefetch=True, fp8_v_convert="staged", busy_programs=1536 if gqa else 0)
+                                page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128, direct_table=gqa)
@@ -161,8 +185,8 @@ def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
                          f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
     if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
         source = {"split_block_n": None, "max_registers": 0, **source}
-    if "block_n" in source or "num_stages" in source:  # the busy tiles would replace both
-        source = {"busy_programs": 0, **source}
+    if "block_n" in source or "num_stages" in source:  # the wave tiles would replace both
+        source = {"wave_tiles": (), **source}
     return dataclasses.replace(cfg, **source)
 
 
@@ -187,7 +211,26 @@ def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
     return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
 
 
+# A last wave partly filled with programs costs this much of a full wave, plus the rest in
+# proportion to its fill (fitted to the H200 fp8 sweeps of session 15, docs/perf-notes.md).
+PARTIAL_WAVE_COST = 0.5
+
+
+def pick_wave_tile(tiles: tuple, programs: int, sm_count: int) -> tuple[int, int]:
+    """(block_n, num_stages) of the `DecodeConfig.wave_tiles` entry with the least predicted time
+    for ``programs`` programs of equal work on ``sm_count`` SMs: waves of per-SM x SMs programs,
+    a last partial wave at PARTIAL_WAVE_COST + (1 - PARTIAL_WAVE_COST) x its fill, each wave's
+    time its programs' work over the tile's rate."""
+    def predicted(tile):
+        slots = tile[2] * max(sm_count, 1)
+        full, rest = divmod(programs, slots)
+        waves = full + (PARTIAL_WAVE_COST + (1 - PARTIAL_WAVE_COST) * rest / slots if rest else 0)
+        return waves * slots / tile[3]
+    best = min(tiles, key=predicted)
+    return best[0], best[1]
+
+
 @functools.lru_cache(maxsize=64)
-def with_busy_tiles(cfg: DecodeConfig) -> DecodeConfig:
-    """``cfg`` with block_n / num_stages = busy_block_n / busy_stages (cached like the split block)."""
-    return dataclasses.replace(cfg, block_n=cfg.busy_block_n, num_stages=cfg.busy_stages, max_registers=0)
+def with_tile(cfg: DecodeConfig, block_n: int, num_stages: int) -> DecodeConfig:
+    """``cfg`` with this block_n x num_stages, uncapped (cached like the split block)."""
+    return dataclasses.replace(cfg, block_n=block_n, num_stages=num_stages, max_registers=0)

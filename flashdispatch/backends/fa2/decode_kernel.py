@@ -66,6 +66,12 @@ shared tile (ldmatrix.trans). Without it Triton converts V inside the dot operan
 each fp8 value is its own ld.shared.b8 (V's tokens, the dot's K dimension, are not contiguous in
 memory) plus a byte pack per pair. The conversion is inline PTX (marked impure so that Triton does
 not move it back behind the operand load); the interpreter cannot run it (decode.py passes False).
+
+SWAP_AB (DecodeConfig.swap_ab): both dots are computed transposed, S^T = K Q^T and
+O^T = V^T P^T, so the program's query rows are the mma's N (8 wide) instead of its M (16 tall):
+a GQA group of 4 pads to 8 rows instead of 16, and half of the mma and exp2 work on padding
+goes. The scores and the accumulator are transposed back as register layouts (tl.trans), so
+the masks, the softmax and the epilogue are the same code either way.
 """
 from __future__ import annotations
 
@@ -161,7 +167,7 @@ def decode_kernel(
     Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
     FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     if PDL_TRIGGER:  # the merge kernel may launch now (DecodeConfig.pdl); it waits for this grid
         gdc_launch_dependents()
@@ -286,7 +292,15 @@ def decode_kernel(
         first = (tl.zeros([BLOCK_M], tl.int32) + is_first) != 0
         m_i = tl.where(first, sink, m_i)
         l_i = tl.where(first & (sink > float("-inf")), 1.0, l_i)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if SWAP_AB:  # acc^T: the query rows are the dots' N
+        acc = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)
+        if ROPE:
+            q1t = tl.trans(q1)
+            q2t = tl.trans(q2)
+        else:
+            qt = tl.trans(q)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     k_head = k_ptr + hk * stride_kh
     v_head = v_ptr + hk * stride_vh
@@ -311,13 +325,22 @@ def decode_kernel(
             if FP16_DOTS:  # |rotated fp8| <= sqrt(2) x 57344 would overflow fp16
                 k1r = k1r * 0.5
                 k2r = k2r * 0.5
-            s = tl.dot(q1, tl.trans(k1r.to(dt))) + tl.dot(q2, tl.trans(k2r.to(dt)))
+            if SWAP_AB:
+                s = tl.trans(tl.dot(k1r.to(dt), q1t) + tl.dot(k2r.to(dt), q2t))
+            else:
+                s = tl.dot(q1, tl.trans(k1r.to(dt))) + tl.dot(q2, tl.trans(k2r.to(dt)))
         elif K_ROWS:
             k = tl.load(k_head + k_off[:, None] + offs_d[None, :])
-            s = tl.dot(q, tl.trans(k.to(dt)))
+            if SWAP_AB:
+                s = tl.trans(tl.dot(k.to(dt), qt))
+            else:
+                s = tl.dot(q, tl.trans(k.to(dt)))
         else:
             k = tl.load(k_head + k_off[None, :] + offs_d[:, None])
-            s = tl.dot(q, k.to(dt))
+            if SWAP_AB:
+                s = tl.trans(tl.dot(tl.trans(k.to(dt)), qt))
+            else:
+                s = tl.dot(q, k.to(dt))
         if FP16_DOTS:
             s = s * s_row[:, None]
         else:
@@ -343,9 +366,14 @@ def decode_kernel(
         if V_STAGED:
             tl.static_assert(dt == tl.float16, "V_STAGED needs fp16 dots")
             v = _fp8_to_f16_regs(v, v_ptr.dtype.element_ty == tl.float8e5)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v.to(dt))
+        if SWAP_AB:
+            acc = tl.dot(tl.trans(v.to(dt)), tl.trans(p.to(dt)), acc * alpha[None, :])
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v.to(dt))
         m_i = m_new
 
+    if SWAP_AB:
+        acc = tl.trans(acc)
     l_safe = tl.where(l_i == 0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if V_SCALE_T:
