@@ -162,6 +162,39 @@ def test_cuda_graph_replan_in_place():
     assert torch.equal(second.inputs.out, ref[0]) and torch.equal(second.inputs.lse, ref[1])
 
 
+def test_cuda_graph_grid_of_one_chunk_with_a_long_request():
+    """Graph mode, more than half the split target's programs (9 requests x 2 KV heads against
+    the interpreter's 8 SMs x 4): the grid holds one chunk per request, and one request far longer
+    than the others must not ask the policy for more chunks (plan() raised before)."""
+    plan = _check(_case([3000] + [1] * 8, use_cuda_graph=True, seed=11))
+    assert plan.max_chunks == 1 and plan.n_merge == 0
+
+
+@pytest.mark.parametrize("batch, split", [(4, False), (5, True)])  # x 2 KV heads: 8 or 10 programs
+def test_wave_split_of_a_partial_last_wave(batch, split):
+    """DecodeConfig.wave_slots: 8 programs fill the interpreter's 8 SMs x 1 slot exactly and stay
+    whole; 10 leave a last wave of 2 (predicted 0.77 of the GPU) and split toward 8 per SM."""
+    case = _case([40, 300, 37, 200, 120][:batch], seed=12)
+    plan = _check(case, config={"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16,
+                                "block_n": 16})
+    assert (plan.max_chunks > 1) == split
+
+
+def test_wave_split_targets_on_the_h200():
+    """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; 8 programs per SM):
+    batches whose last wave the H200 sweep found wasteful split toward 48 per SM, whole waves,
+    one partial wave and the ANCHORS batches do not, fewer than 4 per SM aim at 4."""
+    from flashdispatch.backends.fa2.decode import _split_target
+    from flashdispatch.backends.fa2.decode_config import default_config
+    from flashdispatch.dispatch.problem import Problem
+    cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
+    for batch in (136, 160, 192, 288, 320, 400):
+        assert _split_target(batch, cfg, 8, 132) == 132 * 48, batch
+    for batch in (96, 128, 240, 256, 384, 600):
+        assert _split_target(batch, cfg, 8, 132) is None, batch
+    assert _split_target(64, cfg, 8, 132) == 132 * 4
+
+
 def test_batch_invariance_fixed_split():
     """fixed_split_size: a request's output does not depend on the rest of the batch."""
     big = _case((300, 0, 45, 129), seed=11)

@@ -43,7 +43,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import DecodeConfig, pick_wave_tile, resolve_config, with_split_block, with_tile
+from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, pick_wave_tile, resolve_config, wave_efficiency,
+                            with_split_block, with_tile)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -97,12 +98,27 @@ def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray
     return np.maximum(block_n, -(-per // block_n) * block_n)
 
 
+def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int) -> int | None:
+    """The programs the default split policy aims for (`_chunk_tokens`), or None: none needed.
+    Fewer programs than ctas_per_sm x SMs aim for that many; more, where `DecodeConfig.wave_slots`
+    predicts their waves to waste the GPU (beyond one wave, a last one far from full), aim for
+    wave_split_ctas x SMs (a function of the batch size alone, as a re-plan's refresh needs)."""
+    sms = max(sm_count, 1)
+    programs = batch * units
+    if programs < sms * cfg.ctas_per_sm:
+        return sms * cfg.ctas_per_sm
+    slots = sms * cfg.wave_slots
+    if slots and programs > slots and wave_efficiency(programs, slots) < WAVE_SPLIT_EFFICIENCY:
+        return sms * cfg.wave_split_ctas
+    return None
+
+
 def _never_split(batch: int, params: AttentionParams, cfg: DecodeConfig, units: int, sm_count: int) -> bool:
     """Whether `_chunk_tokens` splits no request whatever the lengths: split-KV off, no request,
-    or (the policy's split) work items enough to fill the GPU unsplit."""
+    or (the policy's split) no split target (`_split_target`)."""
     if params.disable_split_kv or batch == 0:
         return True
-    return params.fixed_split_size is None and batch * units >= max(sm_count, 1) * cfg.ctas_per_sm
+    return params.fixed_split_size is None and _split_target(batch, cfg, units, sm_count) is None
 
 
 def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
@@ -120,8 +136,8 @@ def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cf
 
 def _policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, sm_count: int) -> int:
     """The split policy's chunk length before balancing: the tokens that give each of the
-    target's programs an equal share, at least ``min_chunk_tokens``."""
-    target = max(sm_count, 1) * cfg.ctas_per_sm
+    target's programs (`_split_target`) an equal share, at least ``min_chunk_tokens``."""
+    target = _split_target(len(eff), cfg, units, sm_count)
     return max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
 
 
@@ -171,12 +187,16 @@ class DecodePlan:
         self.group = p.num_qo_heads // p.num_kv_heads
         self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
-        target = (device.sm_count or 8) * cfg.ctas_per_sm
-        programs = params.batch_size * p.num_kv_heads * self.row_blocks
-        if cfg.split_block_n and policy_splits and programs < target:
+        sm_count = device.sm_count or 8
+        units = p.num_kv_heads * self.row_blocks
+        programs = params.batch_size * units
+        # CUDA-graph grids split by the batch size alone (`_graph_splits`), never for waves
+        few = programs < sm_count * cfg.ctas_per_sm
+        splitting = few if p.use_cuda_graph else _split_target(params.batch_size, cfg, units, sm_count) is not None
+        if cfg.split_block_n and policy_splits and splitting:
             cfg = with_split_block(cfg)
-        elif cfg.wave_tiles and programs >= target:
-            cfg = with_tile(cfg, *pick_wave_tile(cfg.wave_tiles, programs, device.sm_count or 8))
+        elif cfg.wave_tiles and not few:
+            cfg = with_tile(cfg, *pick_wave_tile(cfg.wave_tiles, programs, sm_count))
         self.problem, self.config = problem, cfg
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)
@@ -185,7 +205,7 @@ class DecodePlan:
         self.kv_indices = params.kv_indices
         run_device = params.kv_indices.device
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
-        self.units = p.num_kv_heads * self.row_blocks  # programs per work item
+        self.units = units  # programs per work item
         self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
         self._build(device, params, run_device)
 
@@ -225,11 +245,16 @@ class DecodePlan:
         lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros(batch, np.int64)
         eff = lens - lo
         sm_count = device.sm_count or 8
-        splits = self._graph_splits(batch, self.units, sm_count, params) if p.use_cuda_graph else 0
-        if splits > 1 and params.fixed_split_size is None:
-            chunk = _balanced_chunks(eff, np.minimum(-(-eff // cfg.min_chunk_tokens), splits), cfg.block_n)
-        else:
-            chunk = _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
+        if not p.use_cuda_graph:
+            splits, chunk = 0, _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
+        else:  # the grid's chunks per request are fixed by the batch size: the policy's split does not apply
+            splits = self._graph_splits(batch, self.units, sm_count, params)
+            if params.fixed_split_size is not None:
+                chunk = _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
+            elif splits > 1:
+                chunk = _balanced_chunks(eff, np.minimum(-(-eff // cfg.min_chunk_tokens), splits), cfg.block_n)
+            else:
+                chunk = None
         return lens, lo, eff, splits, chunk
 
     def _direct_split(self, eff: np.ndarray, chunk: np.ndarray, params: AttentionParams,

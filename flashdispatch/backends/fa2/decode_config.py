@@ -82,6 +82,14 @@ class DecodeConfig:
     SM: 1.94 waves 4.07 TB/s, 1.45 waves 3.25). ``rate``: the tile's full-wave TB/s relative to
     the others; programs per SM from the sm90 compile (scripts/decode_registers.py). ():
     block_n x num_stages at any size. A config that sets block_n or num_stages turns it off.
+    wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile); 0: not known.
+    With it, a plan of more than one wave of programs whose waves `wave_efficiency` predicts
+    below WAVE_SPLIT_EFFICIENCY splits its requests by the default policy as few requests do,
+    aiming at ``wave_split_ctas`` programs per SM: many short programs leave a short last wave
+    (H200 bf16 32/8 d128, 8 per SM, TB/s unsplit -> split at 48 per SM: 136x4096 (1.03 waves)
+    3.28 -> 4.25, 160x4096 3.23 -> 4.34, 192x4096 3.79 -> 4.37, 288x4096 3.73 -> 4.47,
+    400x4096 (3.03 waves) 4.16 -> 4.54, 144x8192 3.18 -> 4.47; 240x4096 (1.82 waves, 0.95
+    predicted) 4.42 unsplit against 4.42).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -110,6 +118,8 @@ class DecodeConfig:
     pdl: bool = True
     swap_ab: bool = False
     wave_tiles: tuple = ()
+    wave_slots: int = 0
+    wave_split_ctas: int = 48
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
@@ -119,9 +129,10 @@ class DecodeConfig:
         for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        v = self.fused_merge_max_chunks
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"fa2 decode config fused_merge_max_chunks must be an int >= 0, got {v!r}")
+        for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
         object.__setattr__(self, "wave_tiles", _checked_wave_tiles(self.wave_tiles))
         v = self.fused_merge_values
         if not isinstance(v, int) or isinstance(v, bool) or v < 256 or v & (v - 1):
@@ -174,7 +185,7 @@ def default_config(problem: Problem) -> DecodeConfig:
         # split with it: groups 2 and 16 152-156 registers, 3 programs per SM; group 4 122, 4)
         group = problem.num_qo_heads // problem.num_kv_heads
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
-                            fused_merge_values=8192 if group == 4 else 4096)
+                            fused_merge_values=8192 if group == 4 else 4096, wave_slots=8)
     return DecodeConfig(block_n=32)
 
 
@@ -214,18 +225,30 @@ def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
 # proportion to its fill (fitted to the H200 fp8 sweeps of session 15, docs/perf-notes.md).
 PARTIAL_WAVE_COST = 0.5
+# Plans predicted to use less of the GPU than this in their waves split (DecodeConfig.wave_slots).
+WAVE_SPLIT_EFFICIENCY = 0.9
+
+
+def wave_cost(programs: int, slots: int) -> float:
+    """The time of ``programs`` programs of equal work on ``slots`` resident at once, in full
+    waves: the whole waves, and a last partial one at PARTIAL_WAVE_COST + (1 -
+    PARTIAL_WAVE_COST) x its fill."""
+    full, rest = divmod(programs, max(slots, 1))
+    return full + (PARTIAL_WAVE_COST + (1 - PARTIAL_WAVE_COST) * rest / slots if rest else 0)
+
+
+def wave_efficiency(programs: int, slots: int) -> float:
+    """The fraction of full-wave throughput `wave_cost` predicts for these programs."""
+    return programs / max(slots, 1) / wave_cost(programs, slots) if programs else 1.0
 
 
 def pick_wave_tile(tiles: tuple, programs: int, sm_count: int) -> tuple[int, int]:
     """(block_n, num_stages) of the `DecodeConfig.wave_tiles` entry with the least predicted time
-    for ``programs`` programs of equal work on ``sm_count`` SMs: waves of per-SM x SMs programs,
-    a last partial wave at PARTIAL_WAVE_COST + (1 - PARTIAL_WAVE_COST) x its fill, each wave's
-    time its programs' work over the tile's rate."""
+    for ``programs`` programs of equal work on ``sm_count`` SMs: `wave_cost` in waves of
+    per-SM x SMs programs, each wave's time its programs' work over the tile's rate."""
     def predicted(tile):
         slots = tile[2] * max(sm_count, 1)
-        full, rest = divmod(programs, slots)
-        waves = full + (PARTIAL_WAVE_COST + (1 - PARTIAL_WAVE_COST) * rest / slots if rest else 0)
-        return waves * slots / tile[3]
+        return wave_cost(programs, slots) * slots / tile[3]
     best = min(tiles, key=predicted)
     return best[0], best[1]
 
