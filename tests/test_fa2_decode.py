@@ -170,31 +170,6 @@ def test_cuda_graph_grid_of_one_chunk_with_a_long_request():
     assert plan.max_chunks == 1 and plan.n_merge == 0
 
 
-@pytest.mark.parametrize("batch, split", [(4, False), (5, True)])  # x 2 KV heads: 8 or 10 programs
-def test_wave_split_of_a_partial_last_wave(batch, split):
-    """DecodeConfig.wave_slots: 8 programs fill the interpreter's 8 SMs x 1 slot exactly and stay
-    whole; 10 leave a last wave of 2 (predicted 0.77 of the GPU) and split toward 8 per SM."""
-    case = _case([40, 300, 37, 200, 120][:batch], seed=12)
-    plan = _check(case, config={"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16,
-                                "block_n": 16})
-    assert (plan.max_chunks > 1) == split
-
-
-def test_wave_split_targets_on_the_h200():
-    """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; 8 programs per SM):
-    batches whose last wave the H200 sweep found wasteful split toward 48 per SM, whole waves,
-    one partial wave and the ANCHORS batches do not, fewer than 4 per SM aim at 4."""
-    from flashdispatch.backends.fa2.decode import _split_target
-    from flashdispatch.backends.fa2.decode_config import default_config
-    from flashdispatch.dispatch.problem import Problem
-    cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
-    for batch in (136, 160, 192, 288, 320, 400):
-        assert _split_target(batch, cfg, 8, 132) == 132 * 48, batch
-    for batch in (96, 128, 240, 256, 384, 600):
-        assert _split_target(batch, cfg, 8, 132) is None, batch
-    assert _split_target(64, cfg, 8, 132) == 132 * 4
-
-
 def test_batch_invariance_fixed_split():
     """fixed_split_size: a request's output does not depend on the rest of the batch."""
     big = _case((300, 0, 45, 129), seed=11)
@@ -547,41 +522,6 @@ def test_sm90_compiles_every_feature_and_work_layout():
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(res.stdout.splitlines()) == 28, res.stdout
-
-
-@pytest.mark.parametrize("heads, tile", [(8, (32, 3)), (16, (16, 2))])  # 4 requests x 2 / 4 KV heads
-def test_wave_tiles_pick_by_programs(heads, tile):
-    """A plan of at least ctas_per_sm x SMs programs (the interpreter's 8 SMs) runs the wave tile
-    with the least predicted time: 8 programs fill one wave of [32, 3] (1 per SM) and half of one
-    of [16, 2] (2 per SM); 16 programs two waves of [32, 3], one of [16, 2] (the faster per wave
-    here); both match the oracle."""
-    case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, num_qo_heads=heads * 2,
-                 num_kv_heads=heads // 4, seed=41)
-    plan = _check(case, disable_split_kv=True,
-                  config={"ctas_per_sm": 1, "wave_tiles": [[32, 3, 1, 0.9], [16, 2, 2, 1.0]]})
-    assert (plan.config.block_n, plan.config.num_stages) == tile
-
-
-def test_wave_tile_choice_and_config():
-    """`pick_wave_tile` against the H200 fp8 sweep it was fitted to (session 15: 1536 programs
-    read 3.84 TB/s with 32 x 2, 3.11 with 32 x 3; 2048: 4.00 with 32 x 3); the fp8 d128 default
-    carries the tiles, d64 and explicit tiles do not; bad tiles are refused."""
-    from flashdispatch.backends.fa2.decode_config import (DecodeConfig, apply_overrides, default_config,
-                                                          pick_wave_tile)
-    from flashdispatch.dispatch.problem import Problem
-
-    def fp8(heads, d=128):
-        return default_config(Problem("decode", F16, torch.float8_e4m3fn, F16, heads, 8, d, d, page_size=16))
-    tiles = fp8(32).wave_tiles
-    assert fp8(32).swap_ab and fp8(8).wave_tiles == tiles and fp8(32, 64).wave_tiles == ()
-    assert pick_wave_tile(tiles, 1536, 132) == (32, 2)
-    assert pick_wave_tile(tiles, 2048, 132) == (32, 3)
-    assert pick_wave_tile(tiles, 1024, 132) == (32, 3)
-    for explicit in ({"block_n": 32}, {"num_stages": 2}):  # kept at any batch
-        assert apply_overrides(fp8(32), explicit).wave_tiles == ()
-    for bad in ([[32, 3, 8]], [[32, 0, 8, 1.0]], [[32, 3, 8, 0]], 5):
-        with pytest.raises(ValueError, match="wave_tiles"):
-            DecodeConfig(wave_tiles=bad)
 
 
 def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):

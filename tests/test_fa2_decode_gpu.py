@@ -58,7 +58,7 @@ def test_grid(lengths, page_size, layout, dtypes, head_dim):
     dict(kv_dtype=torch.float8_e5m2, q_dtype=torch.float16, k_scale=0.7, v_scale=1.3),
 ], ids=lambda f: ",".join(sorted(f)))
 @pytest.mark.parametrize("split", [{}, {"fixed_split_size": 8}, {"disable_split_kv": True}], ids=["auto", "fixed8", "nosplit"])
-@pytest.mark.parametrize("swap", [False, True], ids=["default", "swapped"])
+@pytest.mark.parametrize("swap", [False, True], ids=["default", "swap-flipped"])
 def test_features(feature, split, swap):
     """Every feature x split, with the dtype's default dots and with DecodeConfig.swap_ab flipped
     (fp8 KV runs swapped by default)."""

@@ -72,14 +72,14 @@ class DecodeConfig:
     swap_ab: compute both dots transposed (S^T = K Q^T, O^T = V^T P^T; decode_kernel.py), so the
     query rows are the mma's N: row blocks start at 8 rows instead of 16 (half the padding of a
     group of 4). H200 fp8 e4m3 32/8 heads d128, one warp, 64 x 3, TB/s off -> on: 64x4096 3.37
-    -> 3.48, 16x8192 2.94 -> 3.05, 128x4096 3.55 -> 3.67; MHA 64x4096 3.57 -> 3.89; bf16 (4 warps,
+    -> 3.48, 16x8192 2.94 -> 3.05, 128x4096 3.55 -> 3.67, MHA 64x4096 3.57 -> 3.89; bf16 (4 warps,
     already at the read ceiling) flat or lower (64x4096 4.26 -> 4.24, MHA 4.50 -> 4.24): fp8 only.
     wave_tiles: ((block_n, num_stages, programs per SM, rate), ...): a plan of at least
     ctas_per_sm x SMs programs (request x KV head x row block; such plans split no request by
     the default policy) takes the tile with the least predicted time for its program count
     (`pick_wave_tile`): programs of equal work run in waves of (programs per SM x SMs), and a
-    last, partly filled wave costs about as much as a full one (H200 fp8, 32 x 3 tiles, 8 per
-    SM: 1.94 waves 4.07 TB/s, 1.45 waves 3.25). ``rate``: the tile's full-wave TB/s relative to
+    last, partly filled wave costs half a full one and more (`wave_cost`; H200 fp8, 32 x 3
+    tiles, 8 per SM: 1.94 waves 4.07 TB/s, 1.45 waves 3.25). ``rate``: the tile's full-wave TB/s relative to
     the others; programs per SM from the sm90 compile (scripts/decode_registers.py). ():
     block_n x num_stages at any size. A config that sets block_n or num_stages turns it off.
     wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile); 0: not known.
