@@ -295,25 +295,29 @@ def test_fp8_wave_tiles_by_batch():
         assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[torch.float8_e4m3fn])
 
 
-def test_wave_split_by_batch():
-    """bf16 GQA d128 (DecodeConfig.wave_slots) on this GPU's SMs: the first batch past one wave
+@pytest.mark.parametrize("heads, head_dim, page_size", [((32, 8), 128, 16), ((32, 32), 128, 16), ((32, 8), 256, 16),
+                                                       ((32, 8), 128, 1)], ids=["gqa", "mha", "d256", "page1"])
+def test_wave_split_by_batch(heads, head_dim, page_size):
+    """bf16 defaults with DecodeConfig.wave_slots, on this GPU's SMs: the first batch past one wave
     whose last wave `_split_target` finds wasteful splits its requests and matches the reference;
     the first past one wave that it keeps whole (a fuller last wave) runs unsplit and matches too."""
     from flashdispatch.backends.fa2.decode import _split_target
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.dispatch.problem import Problem
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = default_config(Problem("decode", torch.bfloat16, torch.bfloat16, torch.bfloat16, 32, 8, 128, 128,
-                                 page_size=16))
-    first_wave = sms * cfg.wave_slots // 8 + 1
+    kv_heads = heads[1]
+    cfg = default_config(Problem("decode", torch.bfloat16, torch.bfloat16, torch.bfloat16, *heads, head_dim,
+                                 head_dim, page_size=page_size))
+    first_wave = sms * cfg.wave_slots // kv_heads + 1
     by_split = {}
     for batch in range(first_wave, 2 * first_wave):
-        by_split.setdefault(_split_target(batch, cfg, 8, sms) is not None, batch)
+        by_split.setdefault(_split_target(batch, cfg, kv_heads, sms) is not None, batch)
     assert set(by_split) == {True, False}, by_split
     gen = torch.Generator().manual_seed(44)
     for split, batch in sorted(by_split.items()):
         lens = torch.randint(500, 3000, (batch,), generator=gen).tolist()
-        case = _case(lens, num_qo_heads=32, num_kv_heads=8, seed=44)
+        case = _case(lens, num_qo_heads=heads[0], num_kv_heads=kv_heads, head_dim_qk=head_dim, page_size=page_size,
+                     seed=44)
         ref_out, ref_lse = reference_backend_result(case)
         plan = run_fa2_decode(case)
         assert (plan.max_chunks > 1) == split, (batch, plan.max_chunks)

@@ -89,7 +89,8 @@ class DecodeConfig:
     (H200 bf16 32/8 d128, 8 per SM, TB/s unsplit -> split at 48 per SM: 136x4096 (1.03 waves)
     3.28 -> 4.25, 160x4096 3.23 -> 4.34, 192x4096 3.79 -> 4.37, 288x4096 3.73 -> 4.47,
     400x4096 (3.03 waves) 4.16 -> 4.54, 144x8192 3.18 -> 4.47; 240x4096 (1.82 waves, 0.95
-    predicted) 4.42 unsplit against 4.42).
+    predicted) 4.42 unsplit against 4.42). The MHA d128, page-1 and d256 defaults aim at 24 per
+    SM (their per-SM figures 4, 3, 4; MHA 24x4096 3.61 -> 4.19, d256 80x4096 3.40 -> 4.36).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -174,10 +175,14 @@ def default_config(problem: Problem) -> DecodeConfig:
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
+    # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
+    # (session 15: bf16 32/8 d128 page 16, 32/32 d128, 32/8 d128 page 1, 32/8 d256); 24 per SM
+    # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows
     if problem.page_size == 1 and d <= 128:
-        return DecodeConfig(block_n=128, direct_table=gqa)
+        return DecodeConfig(block_n=128, direct_table=gqa, wave_slots=3 if gqa and d == 128 else 0,
+                            wave_split_ctas=24)
     if not gqa and d <= 128:
-        return DecodeConfig(block_n=64, num_stages=3)
+        return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24)
     if d <= 64:
         return DecodeConfig(block_n=64, direct_table=True)
     if d <= 128:
@@ -186,7 +191,7 @@ def default_config(problem: Problem) -> DecodeConfig:
         group = problem.num_qo_heads // problem.num_kv_heads
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096, wave_slots=8)
-    return DecodeConfig(block_n=32)
+    return DecodeConfig(block_n=32, wave_slots=4, wave_split_ctas=24)
 
 
 def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
