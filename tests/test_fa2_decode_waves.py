@@ -71,3 +71,20 @@ def test_wave_split_targets_on_the_h200():
     for batch in (96, 128, 240, 256, 384, 600):
         assert _split_target(batch, cfg, 8, 132) is None, batch
     assert _split_target(64, cfg, 8, 132) == 132 * 4
+
+
+def test_wave_split_defaults_by_config():
+    """The defaults carry the sm90 programs per SM where the wave split was measured (bf16 d128
+    GQA 8, MHA 4, page-1 GQA 3, d256 4) and none where it was not (d64, fp8, MHA d64, page-1 MHA)."""
+    from flashdispatch.backends.fa2.decode_config import default_config
+    from flashdispatch.dispatch.problem import Problem
+
+    def slots(heads, d, page=16, kv=F16):
+        cfg = default_config(Problem("decode", F16, kv, F16, heads[0], heads[1], d, d, page_size=page))
+        return cfg.wave_slots, cfg.wave_split_ctas
+    assert slots((32, 8), 128) == (8, 48)
+    assert slots((32, 32), 128) == (4, 24) and slots((32, 8), 128, page=1) == (3, 24)
+    assert slots((32, 8), 256) == (4, 24) and slots((32, 32), 256)[0] == 4
+    for no in (slots((32, 8), 64), slots((32, 32), 64), slots((32, 32), 128, page=1),
+               slots((32, 8), 128, kv=torch.float8_e4m3fn)):
+        assert no[0] == 0, no
