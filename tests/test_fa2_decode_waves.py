@@ -53,9 +53,12 @@ def test_wave_split_of_a_partial_last_wave(batch, split):
     """DecodeConfig.wave_slots: 8 programs fill the interpreter's 8 SMs x 1 slot exactly and stay
     whole; 10 leave a last wave of 2 (predicted 0.77 of the GPU) and split toward 8 per SM."""
     case = _case([40, 300, 37, 200, 120][:batch], seed=12)
-    plan = _check(case, config={"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16,
-                                "block_n": 16})
+    config = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16}
+    plan = _check(case, config=config)
     assert (plan.max_chunks > 1) == split
+    # a workspace too small for the split's partials: the plan runs whole instead of refusing
+    plan = _check(case, config=config, workspace=torch.zeros(256, dtype=torch.uint8))
+    assert plan.max_chunks == 1
 
 
 def test_wave_split_targets_on_the_h200():

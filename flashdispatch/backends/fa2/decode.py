@@ -92,6 +92,11 @@ def row_block(rows: int, cfg: DecodeConfig) -> tuple[int, int]:
     return block_m, -(-rows // block_m)
 
 
+def _workspace_bytes(params: AttentionParams) -> int:
+    ws = params.workspace
+    return 0 if ws is None else ws.numel() * ws.element_size()
+
+
 def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
     """Chunk length per request for ``n`` chunks each: equal shares, rounded up to whole blocks."""
     per = -(-eff // np.maximum(n, 1))
@@ -247,6 +252,9 @@ class DecodePlan:
         sm_count = device.sm_count or 8
         if not p.use_cuda_graph:
             splits, chunk = 0, _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
+            wave_split = params.fixed_split_size is None and batch * self.units >= sm_count * cfg.ctas_per_sm
+            if chunk is not None and wave_split and self._partial_bytes(eff, chunk) > _workspace_bytes(params):
+                chunk = None  # the wave split is a speed-up: not where the workspace cannot hold its partials
         else:  # the grid's chunks per request are fixed by the batch size: the policy's split does not apply
             splits = self._graph_splits(batch, self.units, sm_count, params)
             if params.fixed_split_size is not None:
@@ -388,6 +396,14 @@ class DecodePlan:
             self.workspace_bytes = 0
         self._launch_constants()
 
+    def _partial_bytes(self, eff: np.ndarray, chunk: np.ndarray) -> int:
+        """Workspace bytes of the partials of a split into ``chunk`` tokens per request, at most
+        (the work array's split items, or the kernel's own split's request x slots)."""
+        nsplit = np.maximum(1, -(-eff // chunk))
+        n = max(int(nsplit.sum()), len(eff) * int(nsplit.max()))
+        rows = n * self.q_len * self.problem.num_qo_heads
+        return _align(rows * 4) + rows * self.problem.head_dim_vo * 4
+
     def _partials(self, n_partial: int, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(lse, out, bytes): the split-KV partials' float32 views at fixed offsets of the (possibly
         shared) float workspace, scratch of run(); (None, None, 0) for none."""
@@ -398,7 +414,7 @@ class DecodePlan:
         lse_bytes = _align(n_partial * ql * heads * 4)
         need = lse_bytes + n_partial * ql * heads * d * 4
         ws = params.workspace
-        have = 0 if ws is None else ws.numel() * ws.element_size()
+        have = _workspace_bytes(params)
         if need > have:
             raise ValueError(f"float_workspace_buffer too small: {have} bytes, this decode plan needs {need} "
                              f"bytes ({n_partial} split-KV partials of {ql}x{heads}x{d} float32)")
