@@ -5,8 +5,9 @@ combination that fails to compile on a GPU can pass every CPU test (session 12: 
 merge redefined with another type under sinks). This compiles each combination of features
 (plain; sinks + window + soft cap; ALiBi; RoPE with two causal query rows) x work layout (work
 array with and without the fused merge, direct table, the kernel's own split with and without
-the fused merge; fp8 KV: the work array only, as its configs use) for GPUTarget("cuda", 90, 32),
-and prints one line per combination; it exits non-zero at the first one that fails.
+the fused merge; fp8 KV: the work array only, as its configs use, with its base tile and each
+wave tile) for GPUTarget("cuda", 90, 32), and prints one line per combination; it exits non-zero
+at the first one that fails.
 
     .venv/bin/python scripts/decode_compile_matrix.py
 """
@@ -20,7 +21,7 @@ import decode_registers as regs  # noqa: E402  (sets up an offline Triton: no in
 import torch  # noqa: E402
 
 from flashdispatch.backends.fa2 import decode as fdec  # noqa: E402
-from flashdispatch.backends.fa2.decode_config import resolve_config  # noqa: E402
+from flashdispatch.backends.fa2.decode_config import resolve_config, with_tile  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
 
 FEATURES = {
@@ -39,15 +40,18 @@ def main() -> None:
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
         for feature, changes in FEATURES.items():
             p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, 128, 128, page_size=16, **changes)
-            cfg = resolve_config(p, None)
-            block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, cfg)
-            for name, fused, direct, split in LAYOUTS:
-                if direct and kv != torch.bfloat16:
-                    continue
-                consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False)
-                consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
-                regs.compile_variant(consts, torch.bfloat16, kv)
-                print(f"{str(kv).removeprefix('torch.'):14} {feature:22} {name}", flush=True)
+            base = resolve_config(p, None)
+            block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, base)
+            tiles = [(base, "")] + [(with_tile(base, bn, st), f", {bn} x {st}") for bn, st, _, _ in base.wave_tiles
+                                    if (bn, st) != (base.block_n, base.num_stages)]
+            for cfg, tile in tiles:
+                for name, fused, direct, split in LAYOUTS:
+                    if direct and kv != torch.bfloat16:
+                        continue
+                    consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False)
+                    consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
+                    regs.compile_variant(consts, torch.bfloat16, kv)
+                    print(f"{str(kv).removeprefix('torch.'):14} {feature:22} {name}{tile}", flush=True)
 
 
 if __name__ == "__main__":

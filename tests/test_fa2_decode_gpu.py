@@ -308,9 +308,10 @@ def test_wave_split_by_batch(heads, head_dim, page_size):
     kv_heads = heads[1]
     cfg = default_config(Problem("decode", torch.bfloat16, torch.bfloat16, torch.bfloat16, *heads, head_dim,
                                  head_dim, page_size=page_size))
-    first_wave = sms * cfg.wave_slots // kv_heads + 1
+    # past one wave and at least the few-programs split's target (page 1: 3 per SM, below 4)
+    first = max(sms * cfg.wave_slots // kv_heads + 1, -(-sms * cfg.ctas_per_sm // kv_heads))
     by_split = {}
-    for batch in range(first_wave, 2 * first_wave):
+    for batch in range(first, 2 * first):
         by_split.setdefault(_split_target(batch, cfg, kv_heads, sms) is not None, batch)
     assert set(by_split) == {True, False}, by_split
     gen = torch.Generator().manual_seed(44)

@@ -61,6 +61,17 @@ def test_wave_split_of_a_partial_last_wave(batch, split):
     assert plan.max_chunks == 1
 
 
+@pytest.mark.parametrize("lens, block_n", [((40, 300, 37, 200, 120), 32), ((9, 12, 3, 15, 7), 16)],
+                         ids=["split", "short"])
+def test_split_block_only_where_requests_split(lens, block_n):
+    """A plan the wave split targets runs split_block_n only when its partition splits a request:
+    requests shorter than the policy's chunk keep the base block (and its register cap)."""
+    config = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16,
+              "split_block_n": 32}
+    plan = _check(_case(lens, seed=13), config=config)
+    assert (plan.config.block_n, plan.max_chunks > 1) == (block_n, block_n == 32)
+
+
 def test_wave_split_targets_on_the_h200():
     """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; 8 programs per SM):
     batches whose last wave the H200 sweep found wasteful split toward 48 per SM, whole waves,
@@ -78,7 +89,8 @@ def test_wave_split_targets_on_the_h200():
 
 def test_wave_split_defaults_by_config():
     """The defaults carry the sm90 programs per SM where the wave split was measured (bf16 d128
-    GQA 8, MHA 4, page-1 GQA 3, d256 4) and none where it was not (d64, fp8, MHA d64, page-1 MHA)."""
+    GQA 8, MHA 4, page-1 GQA 3, d256 GQA 4) and none where it was not (d64, fp8, MHA d64 and
+    d256, page-1 MHA and d256); overriding the kernel's tile or registers drops them."""
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.dispatch.problem import Problem
 
@@ -87,7 +99,12 @@ def test_wave_split_defaults_by_config():
         return cfg.wave_slots, cfg.wave_split_ctas
     assert slots((32, 8), 128) == (8, 48)
     assert slots((32, 32), 128) == (4, 24) and slots((32, 8), 128, page=1) == (3, 24)
-    assert slots((32, 8), 256) == (4, 24) and slots((32, 32), 256)[0] == 4
-    for no in (slots((32, 8), 64), slots((32, 32), 64), slots((32, 32), 128, page=1),
-               slots((32, 8), 128, kv=torch.float8_e4m3fn)):
+    assert slots((32, 8), 256) == (4, 24)
+    from flashdispatch.backends.fa2.decode_config import apply_overrides
+    base = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
+    for override in ({"block_n": 64}, {"num_stages": 3}, {"num_warps": 2}, {"max_registers": 0}):
+        assert apply_overrides(base, override).wave_slots == 0, override
+    assert apply_overrides(base, {"ctas_per_sm": 8}).wave_slots == 8
+    for no in (slots((32, 8), 64), slots((32, 32), 64), slots((32, 32), 128, page=1), slots((32, 32), 256),
+               slots((32, 8), 256, page=1), slots((32, 8), 128, kv=torch.float8_e4m3fn)):
         assert no[0] == 0, no

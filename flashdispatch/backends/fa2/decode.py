@@ -143,6 +143,7 @@ def _policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, sm_count: int
     """The split policy's chunk length before balancing: the tokens that give each of the
     target's programs (`_split_target`) an equal share, at least ``min_chunk_tokens``."""
     target = _split_target(len(eff), cfg, units, sm_count)
+    assert target is not None, "_policy_tokens: only for plans the policy splits (see _never_split)"
     return max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
 
 
@@ -198,9 +199,15 @@ class DecodePlan:
         # CUDA-graph grids split by the batch size alone (`_graph_splits`), never for waves
         few = programs < sm_count * cfg.ctas_per_sm
         splitting = few if p.use_cuda_graph else _split_target(params.batch_size, cfg, units, sm_count) is not None
+        # a plan the wave split targets whose partition splits nothing after all (short requests,
+        # or the workspace fallback) keeps the base config (`_build`); few programs keep the split
+        # block whatever the lengths (as the ANCHORS rows under one wave were measured)
+        self._unsplit_config = None
         if cfg.split_block_n and policy_splits and splitting:
+            if not few:
+                self._unsplit_config = cfg
             cfg = with_split_block(cfg)
-        elif cfg.wave_tiles and not few:
+        elif cfg.wave_tiles and not few and not splitting:
             cfg = with_tile(cfg, *pick_wave_tile(cfg.wave_tiles, programs, sm_count))
         self.problem, self.config = problem, cfg
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
@@ -243,7 +250,8 @@ class DecodePlan:
     # --- planning --------------------------------------------------------------------------
     def _partition(self, device: Device, params: AttentionParams):
         """(kv lengths, window starts, tokens from there, graph splits, chunk tokens per request or
-        None) of ``params``' requests: the split-KV partition (see `_chunk_tokens`, `_graph_splits`)."""
+        None) of ``params``' requests: the split-KV partition (see `_chunk_tokens`, `_graph_splits`;
+        a wave split whose partials the workspace cannot hold is left out)."""
         p, cfg, ql = self.problem, self.config, self.q_len
         lens = np.array(params.kv_lens_host, dtype=np.int64)
         batch = len(lens)
@@ -284,6 +292,8 @@ class DecodePlan:
         lens, lo, eff, splits, chunk = self._partition(device, params)
         batch = self.batch = len(lens)
         unsplit = chunk is None and splits <= 1  # one work item per request, nothing to merge
+        if unsplit and self._unsplit_config is not None:
+            self.config = cfg = self._unsplit_config
         if unsplit:
             self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
             if cfg.direct_table and not p.use_cuda_graph:

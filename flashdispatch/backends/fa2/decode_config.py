@@ -33,8 +33,8 @@ class DecodeConfig:
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
     worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
     k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
-    split_block_n: block_n for plans that split requests by the default policy (few requests,
-    long contexts: fewer, longer steps pay off there); None: block_n.
+    split_block_n: block_n for plans that split requests by the default policy (few requests with
+    long contexts, or the wave split: fewer, longer steps pay off there); None: block_n.
     fp8_dot_dtype (fp8 KV only): "q" runs both dots in q's dtype (fp8 -> bf16 is a slow
     conversion on sm90), "fp16" runs them in fp16 with q row-scaled by powers of two (see
     decode_kernel.py for the ranges).
@@ -75,14 +75,15 @@ class DecodeConfig:
     -> 3.48, 16x8192 2.94 -> 3.05, 128x4096 3.55 -> 3.67, MHA 64x4096 3.57 -> 3.89; bf16 (4 warps,
     already at the read ceiling) flat or lower (64x4096 4.26 -> 4.24, MHA 4.50 -> 4.24): fp8 only.
     wave_tiles: ((block_n, num_stages, programs per SM, rate), ...): a plan of at least
-    ctas_per_sm x SMs programs (request x KV head x row block; such plans split no request by
-    the default policy) takes the tile with the least predicted time for its program count
+    ctas_per_sm x SMs programs (request x KV head x row block) that the wave split (wave_slots)
+    does not split takes the tile with the least predicted time for its program count
     (`pick_wave_tile`): programs of equal work run in waves of (programs per SM x SMs), and a
     last, partly filled wave costs half a full one and more (`wave_cost`; H200 fp8, 32 x 3
     tiles, 8 per SM: 1.94 waves 4.07 TB/s, 1.45 waves 3.25). ``rate``: the tile's full-wave TB/s relative to
     the others; programs per SM from the sm90 compile (scripts/decode_registers.py). ():
     block_n x num_stages at any size. A config that sets block_n or num_stages turns it off.
-    wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile); 0: not known.
+    wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile); 0: not known
+    (a config that overrides block_n, num_stages, num_warps or max_registers resets it).
     With it, a plan of more than one wave of programs whose waves `wave_efficiency` predicts
     below WAVE_SPLIT_EFFICIENCY splits its requests by the default policy as few requests do,
     aiming at ``wave_split_ctas`` programs per SM: many short programs leave a short last wave
@@ -148,16 +149,16 @@ def _checked_wave_tiles(tiles) -> tuple:
     """``tiles`` as a tuple of (block_n, num_stages, programs per SM, rate) tuples (JSON gives
     lists), each value checked."""
     try:
-        tiles = tuple(tuple(t) for t in tiles)
+        checked = tuple(tuple(t) for t in tiles)
     except TypeError:
-        tiles = None
-    ok = tiles is not None and all(
+        checked = None
+    ok = checked is not None and all(
         len(t) == 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in t[:3])
-        and isinstance(t[3], (int, float)) and not isinstance(t[3], bool) and t[3] > 0 for t in tiles)
+        and isinstance(t[3], (int, float)) and not isinstance(t[3], bool) and t[3] > 0 for t in checked)
     if not ok:
         raise ValueError("fa2 decode config wave_tiles must be a list of [block_n, num_stages, programs per SM, "
                          f"rate] (ints >= 1, rate > 0), got {tiles!r}")
-    return tiles
+    return checked
 
 
 def default_config(problem: Problem) -> DecodeConfig:
@@ -176,7 +177,7 @@ def default_config(problem: Problem) -> DecodeConfig:
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
-    # (session 15: bf16 32/8 d128 page 16, 32/32 d128, 32/8 d128 page 1, 32/8 d256); 24 per SM
+    # (session 15: bf16 32/8 d128 page 16, 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128, direct_table=gqa, wave_slots=3 if gqa and d == 128 else 0,
@@ -191,7 +192,7 @@ def default_config(problem: Problem) -> DecodeConfig:
         group = problem.num_qo_heads // problem.num_kv_heads
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096, wave_slots=8)
-    return DecodeConfig(block_n=32, wave_slots=4, wave_split_ctas=24)
+    return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24)
 
 
 def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
@@ -203,6 +204,8 @@ def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
         source = {"split_block_n": None, "max_registers": 0, **source}
     if "block_n" in source or "num_stages" in source:  # the wave tiles would replace both
         source = {"wave_tiles": (), **source}
+    if {"block_n", "num_stages", "num_warps", "max_registers"} & set(source):  # another kernel's programs per SM
+        source = {"wave_slots": 0, **source}
     return dataclasses.replace(cfg, **source)
 
 
