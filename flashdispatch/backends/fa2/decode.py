@@ -129,21 +129,22 @@ def _never_split(batch: int, params: AttentionParams, cfg: DecodeConfig, units: 
 def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
                   units: int, sm_count: int) -> np.ndarray | None:
     """Chunk length in tokens per request, or None: no request is split."""
-    if _never_split(len(eff), params, cfg, units, sm_count):
+    if params.disable_split_kv or len(eff) == 0:
         return None
     if params.fixed_split_size is not None:
         return np.full_like(eff, max(1, params.fixed_split_size) * problem.page_size)
+    target = _split_target(len(eff), cfg, units, sm_count)
+    if target is None:
+        return None
     # Chunks per request rounded down: the grid stays within the target (one more chunk each
     # would start a second, mostly idle wave: 32 x 4096 ran at 3.06 TB/s with 3 chunks, 3.73 with 2).
-    n = np.minimum(np.maximum(eff // _policy_tokens(eff, cfg, units, sm_count), 1), cfg.max_splits)
+    n = np.minimum(np.maximum(eff // _policy_tokens(eff, cfg, units, target), 1), cfg.max_splits)
     return _balanced_chunks(eff, n, cfg.block_n) if n.max() > 1 else None
 
 
-def _policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, sm_count: int) -> int:
+def _policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, target: int) -> int:
     """The split policy's chunk length before balancing: the tokens that give each of the
-    target's programs (`_split_target`) an equal share, at least ``min_chunk_tokens``."""
-    target = _split_target(len(eff), cfg, units, sm_count)
-    assert target is not None, "_policy_tokens: only for plans the policy splits (see _never_split)"
+    ``target`` programs (`_split_target`) an equal share, at least ``min_chunk_tokens``."""
     return max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
 
 
@@ -196,18 +197,20 @@ class DecodePlan:
         sm_count = device.sm_count or 8
         units = p.num_kv_heads * self.row_blocks
         programs = params.batch_size * units
-        # CUDA-graph grids split by the batch size alone (`_graph_splits`), never for waves
         few = programs < sm_count * cfg.ctas_per_sm
-        splitting = few if p.use_cuda_graph else _split_target(params.batch_size, cfg, units, sm_count) is not None
-        # a plan the wave split targets whose partition splits nothing after all (short requests,
-        # or the workspace fallback) keeps the base config (`_build`); few programs keep the split
+        # past ctas_per_sm x SMs programs, the wave split's target (a function of the batch size,
+        # which a refresh keeps); CUDA-graph grids split by the batch size alone, never for waves
+        self.wave_split = not (few or p.use_cuda_graph) and _split_target(params.batch_size, cfg, units,
+                                                                        sm_count) is not None
+        # a wave-split plan whose partition splits nothing after all (short requests, or the
+        # workspace fallback) keeps the base config (`_build`); few programs keep the split
         # block whatever the lengths (as the ANCHORS rows under one wave were measured)
         self._unsplit_config = None
-        if cfg.split_block_n and policy_splits and splitting:
-            if not few:
+        if cfg.split_block_n and policy_splits and (few or self.wave_split):
+            if self.wave_split:
                 self._unsplit_config = cfg
             cfg = with_split_block(cfg)
-        elif cfg.wave_tiles and not few and not splitting:
+        elif cfg.wave_tiles and not few and not self.wave_split:
             cfg = with_tile(cfg, *pick_wave_tile(cfg.wave_tiles, programs, sm_count))
         self.problem, self.config = problem, cfg
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
@@ -260,9 +263,11 @@ class DecodePlan:
         sm_count = device.sm_count or 8
         if not p.use_cuda_graph:
             splits, chunk = 0, _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
-            wave_split = params.fixed_split_size is None and batch * self.units >= sm_count * cfg.ctas_per_sm
-            if chunk is not None and wave_split and self._partial_bytes(eff, chunk) > _workspace_bytes(params):
-                chunk = None  # the wave split is a speed-up: not where the workspace cannot hold its partials
+            if chunk is not None and self.wave_split and params.fixed_split_size is None:
+                nsplit = np.maximum(1, -(-eff // chunk))  # work items, or the kernel's own request x slots
+                n_partial = max(int(nsplit.sum()), batch * int(nsplit.max()))
+                if self._partial_bytes(n_partial) > _workspace_bytes(params):
+                    chunk = None  # the wave split is a speed-up: not where the workspace cannot hold its partials
         else:  # the grid's chunks per request are fixed by the batch size: the policy's split does not apply
             splits = self._graph_splits(batch, self.units, sm_count, params)
             if params.fixed_split_size is not None:
@@ -285,7 +290,8 @@ class DecodePlan:
         slots = int(nsplit.max())
         if len(eff) * slots > 2 * int(nsplit.sum()):
             return None
-        return _policy_tokens(eff, self.config, self.units, device.sm_count or 8), slots
+        target = _split_target(len(eff), self.config, self.units, device.sm_count or 8)
+        return _policy_tokens(eff, self.config, self.units, target), slots
 
     def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
         p, cfg, ql = self.problem, self.config, self.q_len
@@ -406,12 +412,9 @@ class DecodePlan:
             self.workspace_bytes = 0
         self._launch_constants()
 
-    def _partial_bytes(self, eff: np.ndarray, chunk: np.ndarray) -> int:
-        """Workspace bytes of the partials of a split into ``chunk`` tokens per request, at most
-        (the work array's split items, or the kernel's own split's request x slots)."""
-        nsplit = np.maximum(1, -(-eff // chunk))
-        n = max(int(nsplit.sum()), len(eff) * int(nsplit.max()))
-        rows = n * self.q_len * self.problem.num_qo_heads
+    def _partial_bytes(self, n_partial: int) -> int:
+        """Workspace bytes of ``n_partial`` split-KV partials: their lse, then their outputs."""
+        rows = n_partial * self.q_len * self.problem.num_qo_heads
         return _align(rows * 4) + rows * self.problem.head_dim_vo * 4
 
     def _partials(self, n_partial: int, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -422,7 +425,7 @@ class DecodePlan:
         if not n_partial:
             return None, None, 0
         lse_bytes = _align(n_partial * ql * heads * 4)
-        need = lse_bytes + n_partial * ql * heads * d * 4
+        need = self._partial_bytes(n_partial)
         ws = params.workspace
         have = _workspace_bytes(params)
         if need > have:

@@ -227,7 +227,7 @@ def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeCon
 @functools.lru_cache(maxsize=64)
 def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` with block_n = split_block_n (cached: plan() is host-time bound)."""
-    return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
+    return with_tile(cfg, cfg.split_block_n, cfg.num_stages)
 
 
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
