@@ -5,9 +5,9 @@ combination that fails to compile on a GPU can pass every CPU test (session 12: 
 merge redefined with another type under sinks). This compiles each combination of features
 (plain; sinks + window + soft cap; ALiBi; RoPE with two causal query rows) x work layout (work
 array with and without the fused merge, direct table, the kernel's own split with and without
-the fused merge; fp8 KV: the work array only, as its configs use, with its base tile and each
-wave tile) for GPUTarget("cuda", 90, 32), and prints one line per combination; it exits non-zero
-at the first one that fails.
+the fused merge; fp8 KV: the work array only, as its configs use), and the plain variant's
+unsplit layouts at each other wave tile, for GPUTarget("cuda", 90, 32); it prints one line per
+combination and exits non-zero at the first one that fails.
 
     .venv/bin/python scripts/decode_compile_matrix.py
 """
@@ -42,11 +42,13 @@ def main() -> None:
             p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, 128, 128, page_size=16, **changes)
             base = resolve_config(p, None)
             block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, base)
-            tiles = [(base, "")] + [(with_tile(base, bn, st), f", {bn} x {st}") for bn, st, _, _ in base.wave_tiles
+            # the wave tiles run for the plain variant only, on unsplit plans (decode.py)
+            waves = base.wave_tiles if fdec._plain_variant(p, block_m) else ()
+            tiles = [(base, "")] + [(with_tile(base, bn, st), f", {bn} x {st}") for bn, st, _, _ in waves
                                     if (bn, st) != (base.block_n, base.num_stages)]
             for cfg, tile in tiles:
                 for name, fused, direct, split in LAYOUTS:
-                    if direct and kv != torch.bfloat16:
+                    if (direct and kv != torch.bfloat16) or (tile and (fused or split)):
                         continue
                     consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False)
                     consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)

@@ -272,44 +272,52 @@ def test_max_registers_reaches_ptxas():
     assert capped and all(k.n_regs <= 72 for k in capped), [(k.n_regs, k.n_spills) for k in capped]
 
 
-def test_fp8_wave_tiles_by_batch():
-    """fp8 KV, 32/8 heads, d128 on this GPU's SMs: the batch sizes whose program counts (x 8 KV
-    heads) `pick_wave_tile` gives each wave tile run it and match the reference."""
-    from flashdispatch.backends.fa2.decode_config import default_config, pick_wave_tile
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8kv"])
+def test_wave_tiles_by_batch(kv_dtype):
+    """32/8 heads, d128 on this GPU's SMs: the batch sizes whose program counts (x 8 KV heads)
+    `wave_choice` gives each wave tile (and does not split for waves) run it and match the
+    reference."""
+    from flashdispatch.backends.fa2.decode import _split_target
+    from flashdispatch.backends.fa2.decode_config import default_config, wave_choice
     from flashdispatch.dispatch.problem import Problem
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = default_config(Problem("decode", torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16, 32, 8, 128, 128,
-                                 page_size=16))
+    cfg = default_config(Problem("decode", torch.bfloat16, kv_dtype, torch.bfloat16, 32, 8, 128, 128, page_size=16))
     by_tile = {}
     for batch in range(sms * cfg.ctas_per_sm // 8, sms * 4):
-        by_tile.setdefault(pick_wave_tile(cfg.wave_tiles, batch * 8, sms), batch)
-    assert len(by_tile) >= 2, by_tile
+        if _split_target(batch, cfg, 8, sms) is None:
+            by_tile.setdefault(wave_choice(cfg, batch * 8, sms)[0], batch)
+    assert len(by_tile) == len(cfg.wave_tiles), by_tile
     gen = torch.Generator().manual_seed(43)
+    scales = dict(k_scale=0.8, v_scale=1.5) if kv_dtype != torch.bfloat16 else {}
     for tile, batch in by_tile.items():
         lens = torch.randint(0, 400, (batch,), generator=gen).tolist()
-        case = _case(lens, num_qo_heads=32, num_kv_heads=8, kv_dtype=torch.float8_e4m3fn, k_scale=0.8,
-                     v_scale=1.5, seed=43)
+        case = _case(lens, num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype, seed=43, **scales)
         ref_out, ref_lse = reference_backend_result(case)
         plan = run_fa2_decode(case)
         assert (plan.config.block_n, plan.config.num_stages) == tile
-        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[torch.float8_e4m3fn])
+        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[kv_dtype])
 
 
-@pytest.mark.parametrize("heads, head_dim, page_size", [((32, 8), 128, 16), ((32, 32), 128, 16), ((32, 8), 256, 16),
-                                                       ((32, 8), 128, 1)], ids=["gqa", "mha", "d256", "page1"])
-def test_wave_split_by_batch(heads, head_dim, page_size):
-    """bf16 defaults with DecodeConfig.wave_slots, on this GPU's SMs: the first batch past one wave
-    whose last wave `_split_target` finds wasteful splits its requests and matches the reference;
-    the first past one wave that it keeps whole (a fuller last wave) runs unsplit and matches too."""
+@pytest.mark.parametrize("heads, head_dim, page_size, kv_dtype", [
+    ((32, 8), 128, 16, torch.bfloat16), ((32, 32), 128, 16, torch.bfloat16), ((32, 8), 256, 16, torch.bfloat16),
+    ((32, 8), 128, 1, torch.bfloat16), ((32, 8), 128, 16, torch.float8_e4m3fn)],
+    ids=["gqa", "mha", "d256", "page1", "fp8kv"])
+def test_wave_split_by_batch(heads, head_dim, page_size, kv_dtype):
+    """Defaults with a wave split (DecodeConfig.wave_split_ctas), on this GPU's SMs: the
+    first batch past one wave whose waves `_split_target` finds wasteful splits its requests and
+    matches the reference; the first past one wave that it keeps whole runs unsplit and matches
+    too."""
     from flashdispatch.backends.fa2.decode import _split_target
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.dispatch.problem import Problem
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv_heads = heads[1]
-    cfg = default_config(Problem("decode", torch.bfloat16, torch.bfloat16, torch.bfloat16, *heads, head_dim,
+    cfg = default_config(Problem("decode", torch.bfloat16, kv_dtype, torch.bfloat16, *heads, head_dim,
                                  head_dim, page_size=page_size))
-    # past one wave and at least the few-programs split's target (page 1: 3 per SM, below 4)
-    first = max(sms * cfg.wave_slots // kv_heads + 1, -(-sms * cfg.ctas_per_sm // kv_heads))
+    # past one wave (of the most resident tile) and at least the few-programs split's target
+    # (page 1: 3 per SM, below 4)
+    per_sm = max([t[2] for t in cfg.wave_tiles] or [cfg.wave_slots])
+    first = max(sms * per_sm // kv_heads + 1, -(-sms * cfg.ctas_per_sm // kv_heads))
     by_split = {}
     for batch in range(first, 2 * first):
         by_split.setdefault(_split_target(batch, cfg, kv_heads, sms) is not None, batch)
@@ -318,11 +326,11 @@ def test_wave_split_by_batch(heads, head_dim, page_size):
     for split, batch in sorted(by_split.items()):
         lens = torch.randint(500, 3000, (batch,), generator=gen).tolist()
         case = _case(lens, num_qo_heads=heads[0], num_kv_heads=kv_heads, head_dim_qk=head_dim, page_size=page_size,
-                     seed=44)
+                     kv_dtype=kv_dtype, seed=44, **_fp8_scales(kv_dtype))
         ref_out, ref_lse = reference_backend_result(case)
         plan = run_fa2_decode(case)
         assert (plan.max_chunks > 1) == split, (batch, plan.max_chunks)
-        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])
+        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[kv_dtype])
 
 
 @pytest.mark.parametrize("lengths", [[32768], [8192] * 16, [0, 17, 5000, 32768, 300, 8192]],

@@ -1,6 +1,6 @@
 """fa2 decode's handling of GPU waves (CPU, TRITON_INTERPRET=1): plans of many programs pick
-their tile (`DecodeConfig.wave_tiles`) or split their requests (`DecodeConfig.wave_slots`) by the
-wave model of decode_config.py, and match the oracle either way."""
+their tile (`DecodeConfig.wave_tiles`) or split their requests (`DecodeConfig.wave_split_ctas`)
+by the wave model of decode_config.py (`wave_choice`), and match the oracle either way."""
 from __future__ import annotations
 
 import pytest
@@ -18,42 +18,78 @@ def test_wave_tiles_pick_by_programs(heads, tile):
     """A plan of at least ctas_per_sm x SMs programs (the interpreter's 8 SMs) runs the wave tile
     with the least predicted time: 8 programs fill one wave of [32, 3] (1 per SM) and half of one
     of [16, 2] (2 per SM); 16 programs two waves of [32, 3], one of [16, 2] (the faster per wave
-    here); both match the oracle."""
+    here); both match the oracle. fixed_split_size and disable_split_kv keep the config's tile
+    (batch-invariant results)."""
     case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, num_qo_heads=heads * 2,
                  num_kv_heads=heads // 4, seed=41)
-    plan = _check(case, disable_split_kv=True,
-                  config={"ctas_per_sm": 1, "wave_tiles": [[32, 3, 1, 0.9], [16, 2, 2, 1.0]]})
+    config = {"ctas_per_sm": 1, "wave_tiles": [[32, 3, 1, 0.9], [16, 2, 2, 1.0]]}
+    plan = _check(case, config=config)
     assert (plan.config.block_n, plan.config.num_stages) == tile
+    for fixed in ({"disable_split_kv": True}, {"fixed_split_size": 2}):
+        plan = _check(case, config=config, **fixed)
+        assert (plan.config.block_n, plan.config.num_stages) == (64, 3), fixed
+
+
+def test_wave_tiles_only_for_the_measured_variant():
+    """RoPE, soft cap and more than 16 rows per program use other registers than the variant
+    the programs per SM were measured on: those plans keep the config's tile and never split
+    for waves."""
+    config = {"ctas_per_sm": 1, "wave_tiles": [[32, 3, 1, 0.9], [16, 2, 2, 1.0]]}
+    for kw in ({"pos_encoding_mode": "ROPE_LLAMA"}, {"logits_soft_cap": 30.0}):
+        case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, num_qo_heads=32, num_kv_heads=4,
+                     seed=42, **kw)
+        plan = _check(case, config=config)
+        assert (plan.config.block_n, plan.config.num_stages, plan.wave_split) == (64, 3, False), kw
+    case = _case([40, 300, 37, 200, 120], seed=12, **{"pos_encoding_mode": "ROPE_LLAMA"})
+    plan = _check(case, config=SPLIT_AT_ONE_SLOT)
+    assert plan.max_chunks == 1 and not plan.wave_split
 
 
 def test_wave_tile_choice_and_config():
-    """`pick_wave_tile` against the H200 fp8 sweep it was fitted to (session 15: 1536 programs
-    read 3.84 TB/s with 32 x 2, 3.11 with 32 x 3; 2048: 4.00 with 32 x 3); the fp8 d128 default
-    carries the tiles, d64 and explicit tiles do not; bad tiles are refused."""
-    from flashdispatch.backends.fa2.decode_config import (DecodeConfig, apply_overrides, default_config,
-                                                          pick_wave_tile)
+    """`wave_choice` against the H200 sweeps its figures were fitted to (fp8, session 15: 1536
+    programs read 3.84 TB/s with 32 x 2, 3.11 with 32 x 3; 2048: 4.00 with 32 x 3; bf16, session
+    16: 1280 programs 4.32 with 64 x 2 against 3.28 with 32 x 2, 1584 4.47 with 64 x 3, 2112 4.53
+    with 32 x 2); the fp8 and bf16 d128 defaults carry tiles, d64 and explicit tiles do not; bad
+    tiles are refused."""
+    from flashdispatch.backends.fa2.decode_config import DecodeConfig, apply_overrides, default_config, wave_choice
     from flashdispatch.dispatch.problem import Problem
 
-    def fp8(heads, d=128):
-        return default_config(Problem("decode", F16, torch.float8_e4m3fn, F16, heads, 8, d, d, page_size=16))
-    tiles = fp8(32).wave_tiles
-    assert fp8(32).swap_ab and fp8(8).wave_tiles == tiles and fp8(32, 64).wave_tiles == ()
-    assert pick_wave_tile(tiles, 1536, 132) == (32, 2)
-    assert pick_wave_tile(tiles, 2048, 132) == (32, 3)
-    assert pick_wave_tile(tiles, 1024, 132) == (32, 3)
-    for explicit in ({"block_n": 32}, {"num_stages": 2}):  # kept at any batch
-        assert apply_overrides(fp8(32), explicit).wave_tiles == ()
+    def config(heads, d=128, kv=torch.float8_e4m3fn):
+        return default_config(Problem("decode", F16, kv, F16, heads, 8, d, d, page_size=16))
+    fp8 = config(32)
+    assert fp8.swap_ab and config(8).wave_tiles == fp8.wave_tiles and config(32, 64).wave_tiles == ()
+    assert [wave_choice(fp8, n, 132)[0] for n in (1536, 2048, 1024)] == [(32, 2), (32, 3), (32, 3)]
+    bf16 = config(32, kv=F16)
+    assert config(64, kv=F16).wave_tiles == bf16.wave_tiles and config(32, 64, kv=F16).wave_tiles == ()
+    assert [wave_choice(bf16, n, 132)[0] for n in (1280, 1584, 2112)] == [(64, 2), (64, 3), (32, 2)]
+    for explicit in ({"block_n": 32}, {"num_stages": 2}, {"num_warps": 2}, {"max_registers": 0}):  # kept at any batch
+        assert apply_overrides(fp8, explicit).wave_tiles == () == apply_overrides(bf16, explicit).wave_tiles
+    assert wave_choice(apply_overrides(bf16, {"block_n": 64}), 1280, 132) is None
     for bad in ([[32, 3, 8]], [[32, 0, 8, 1.0]], [[32, 3, 8, 0]], 5):
         with pytest.raises(ValueError, match="wave_tiles"):
             DecodeConfig(wave_tiles=bad)
 
 
+def test_wave_tile_keeps_the_register_cap():
+    """The bf16 d128 GQA default's own wave tile (32 x 2) runs under its register cap; the
+    others uncapped."""
+    from flashdispatch.backends.fa2.decode_config import default_config, with_tile
+    from flashdispatch.dispatch.problem import Problem
+    cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
+    assert with_tile(cfg, 32, 2) is cfg and cfg.max_registers == 64
+    assert with_tile(cfg, 64, 2).max_registers == 0
+
+
+SPLIT_AT_ONE_SLOT = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16}
+
+
 @pytest.mark.parametrize("batch, split", [(4, False), (5, True)])  # x 2 KV heads: 8 or 10 programs
 def test_wave_split_of_a_partial_last_wave(batch, split):
-    """DecodeConfig.wave_slots: 8 programs fill the interpreter's 8 SMs x 1 slot exactly and stay
-    whole; 10 leave a last wave of 2 (predicted 0.77 of the GPU) and split toward 8 per SM."""
+    """DecodeConfig.wave_split_ctas at wave_slots 1: 8 programs fill the interpreter's 8 SMs x 1
+    slot exactly and stay whole; 10 leave a last wave of 2 (predicted 0.77 of the GPU) and split
+    toward 8 per SM."""
     case = _case([40, 300, 37, 200, 120][:batch], seed=12)
-    config = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16}
+    config = SPLIT_AT_ONE_SLOT
     plan = _check(case, config=config)
     assert (plan.max_chunks > 1) == split
     # a workspace too small for the split's partials: the plan runs whole instead of refusing
@@ -66,45 +102,46 @@ def test_wave_split_of_a_partial_last_wave(batch, split):
 def test_split_block_only_where_requests_split(lens, block_n):
     """A plan the wave split targets runs split_block_n only when its partition splits a request:
     requests shorter than the policy's chunk keep the base block (and its register cap)."""
-    config = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16,
-              "split_block_n": 32}
+    config = {**SPLIT_AT_ONE_SLOT, "split_block_n": 32}
     plan = _check(_case(lens, seed=13), config=config)
     assert (plan.config.block_n, plan.max_chunks > 1) == (block_n, block_n == 32)
 
 
 def test_wave_split_targets_on_the_h200():
-    """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; 8 programs per SM):
-    batches whose last wave the H200 sweep found wasteful split toward 48 per SM, whole waves,
-    one partial wave and the ANCHORS batches do not, fewer than 4 per SM aim at 4."""
+    """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; wave tiles of 8, 5
+    and 4 programs per SM): batches no tile runs in full enough waves split toward 48 per SM;
+    those a tile fits (the H200 sweep of session 16), one partial wave and the ANCHORS batches
+    do not; fewer than 4 per SM aim at 4."""
     from flashdispatch.backends.fa2.decode import _split_target
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.dispatch.problem import Problem
     cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
-    for batch in (136, 160, 192, 288, 320, 400):
+    for batch in (133, 200):
         assert _split_target(batch, cfg, 8, 132) == 132 * 48, batch
-    for batch in (96, 128, 240, 256, 384, 600):
+    for batch in (96, 128, 136, 160, 192, 240, 256, 288, 320, 384, 400, 600):
         assert _split_target(batch, cfg, 8, 132) is None, batch
     assert _split_target(64, cfg, 8, 132) == 132 * 4
 
 
 def test_wave_split_defaults_by_config():
     """The defaults carry the sm90 programs per SM where the wave split was measured (bf16 d128
-    GQA 8, MHA 4, page-1 GQA 3, d256 GQA 4) and none where it was not (d64, fp8, MHA d64 and
-    d256, page-1 MHA and d256); overriding the kernel's tile or registers drops them."""
-    from flashdispatch.backends.fa2.decode_config import default_config
+    GQA as wave tiles; MHA 4, page-1 GQA 3, d256 GQA 4) and none where it was not (d64, MHA d64
+    and d256, page-1 MHA and d256; fp8 d128 has wave tiles); overriding the kernel's tile or
+    registers drops them."""
+    from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config
     from flashdispatch.dispatch.problem import Problem
 
-    def slots(heads, d, page=16, kv=F16):
+    def waves(heads, d, page=16, kv=F16):
         cfg = default_config(Problem("decode", F16, kv, F16, heads[0], heads[1], d, d, page_size=page))
-        return cfg.wave_slots, cfg.wave_split_ctas
-    assert slots((32, 8), 128) == (8, 48)
-    assert slots((32, 32), 128) == (4, 24) and slots((32, 8), 128, page=1) == (3, 24)
-    assert slots((32, 8), 256) == (4, 24)
-    from flashdispatch.backends.fa2.decode_config import apply_overrides
-    base = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
+        return cfg.wave_slots, bool(cfg.wave_tiles), cfg.wave_split_ctas
+    assert waves((32, 8), 128) == (0, True, 48)
+    assert waves((32, 32), 128) == (4, False, 24) and waves((32, 8), 128, page=1) == (3, False, 24)
+    assert waves((32, 8), 256) == (4, False, 24)
+    assert waves((32, 8), 128, kv=torch.float8_e4m3fn) == (0, True, 48)
+    mha = default_config(Problem("decode", F16, F16, F16, 32, 32, 128, 128, page_size=16))
     for override in ({"block_n": 64}, {"num_stages": 3}, {"num_warps": 2}, {"max_registers": 0}):
-        assert apply_overrides(base, override).wave_slots == 0, override
-    assert apply_overrides(base, {"ctas_per_sm": 8}).wave_slots == 8
-    for no in (slots((32, 8), 64), slots((32, 32), 64), slots((32, 32), 128, page=1), slots((32, 32), 256),
-               slots((32, 8), 256, page=1), slots((32, 8), 128, kv=torch.float8_e4m3fn)):
-        assert no[0] == 0, no
+        assert apply_overrides(mha, override).wave_slots == 0, override
+    assert apply_overrides(mha, {"ctas_per_sm": 8}).wave_slots == 4
+    for no in (waves((32, 8), 64), waves((32, 32), 64), waves((32, 32), 128, page=1), waves((32, 32), 256),
+               waves((32, 8), 256, page=1), waves((32, 8), 64, kv=torch.float8_e4m3fn)):
+        assert no[:2] == (0, False), no

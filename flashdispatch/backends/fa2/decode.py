@@ -43,8 +43,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, pick_wave_tile, resolve_config, wave_efficiency,
-                            with_split_block, with_tile)
+from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, resolve_config, wave_choice, with_split_block,
+                            with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -105,15 +105,15 @@ def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray
 
 def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int) -> int | None:
     """The programs the default split policy aims for (`_chunk_tokens`), or None: none needed.
-    Fewer programs than ctas_per_sm x SMs aim for that many; more, where `DecodeConfig.wave_slots`
-    predicts their waves to waste the GPU (beyond one wave, a last one far from full), aim for
+    Fewer programs than ctas_per_sm x SMs aim for that many; more, where `wave_choice` predicts
+    their waves to waste the GPU even on the best tile (`DecodeConfig.wave_split_ctas`), aim for
     wave_split_ctas x SMs (a function of the batch size alone, as a re-plan's refresh needs)."""
     sms = max(sm_count, 1)
     programs = batch * units
     if programs < sms * cfg.ctas_per_sm:
         return sms * cfg.ctas_per_sm
-    slots = sms * cfg.wave_slots
-    if slots and programs > slots and wave_efficiency(programs, slots) < WAVE_SPLIT_EFFICIENCY:
+    choice = wave_choice(cfg, programs, sms) if cfg.wave_split_ctas else None
+    if choice is not None and choice[1] < WAVE_SPLIT_EFFICIENCY:
         return sms * cfg.wave_split_ctas
     return None
 
@@ -148,14 +148,17 @@ def _policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, target: int) 
     return max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
 
 
+def _plain_variant(p: Problem, block_m: int) -> bool:
+    """Whether the kernel is the variant the configs' register cap and programs-per-SM figures
+    were measured on: one query row per request in one 16-row block, no RoPE/ALiBi/soft cap."""
+    return p.q_len_per_req == 1 and block_m <= 16 and p.pos_encoding_mode == "NONE" and p.logits_soft_cap <= 0
+
+
 def _register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool) -> int:
-    """``cfg.max_registers`` for the variant it was measured on (one query row per request in
-    one 16-row block, no RoPE/ALiBi/soft cap, no fused merge), else 0: the offline sm90 compiles
-    of the others spill under a cap of 64 (RoPE 76-112 bytes, the fused merge of group 8/16 up
-    to 256) or, at 64 rows, do not compile."""
-    plain = (p.q_len_per_req == 1 and block_m <= 16 and not fused_merge and p.pos_encoding_mode == "NONE"
-             and p.logits_soft_cap <= 0)
-    return cfg.max_registers if plain else 0
+    """``cfg.max_registers`` for the variant it was measured on (`_plain_variant`, no fused
+    merge), else 0: the offline sm90 compiles of the others spill under a cap of 64 (RoPE 76-112
+    bytes, the fused merge of group 8/16 up to 256) or, at 64 rows, do not compile."""
+    return cfg.max_registers if _plain_variant(p, block_m) and not fused_merge else 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -193,25 +196,31 @@ class DecodePlan:
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
         self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
+        if not _plain_variant(p, self.block_m):
+            cfg = without_waves(cfg)  # other variants use other registers: their programs per SM are not known
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         sm_count = device.sm_count or 8
         units = p.num_kv_heads * self.row_blocks
         programs = params.batch_size * units
         few = programs < sm_count * cfg.ctas_per_sm
-        # past ctas_per_sm x SMs programs, the wave split's target (a function of the batch size,
-        # which a refresh keeps); CUDA-graph grids split by the batch size alone, never for waves
-        self.wave_split = not (few or p.use_cuda_graph) and _split_target(params.batch_size, cfg, units,
-                                                                        sm_count) is not None
+        # past ctas_per_sm x SMs programs under the default policy, the wave model's tile (a
+        # function of the batch size: fixed_split_size / disable_split_kv stay batch-invariant)
+        choice = None if few or not policy_splits else wave_choice(cfg, programs, sm_count)
+        tiled = cfg if choice is None else with_tile(cfg, *choice[0])
+        # or the wave split's target (a function of the batch size, which a refresh keeps);
+        # CUDA-graph grids split by the batch size alone, never for waves
+        self.wave_split = choice is not None and not p.use_cuda_graph and _split_target(
+            params.batch_size, cfg, units, sm_count) is not None
         # a wave-split plan whose partition splits nothing after all (short requests, or the
-        # workspace fallback) keeps the base config (`_build`); few programs keep the split
-        # block whatever the lengths (as the ANCHORS rows under one wave were measured)
+        # workspace fallback) runs the wave tile (`_build`); few programs keep the split block
+        # whatever the lengths (as the ANCHORS rows under one wave were measured)
         self._unsplit_config = None
         if cfg.split_block_n and policy_splits and (few or self.wave_split):
             if self.wave_split:
-                self._unsplit_config = cfg
+                self._unsplit_config = tiled
             cfg = with_split_block(cfg)
-        elif cfg.wave_tiles and not few and not self.wave_split:
-            cfg = with_tile(cfg, *pick_wave_tile(cfg.wave_tiles, programs, sm_count))
+        else:
+            cfg = tiled
         self.problem, self.config = problem, cfg
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)

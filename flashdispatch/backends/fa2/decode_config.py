@@ -75,23 +75,27 @@ class DecodeConfig:
     -> 3.48, 16x8192 2.94 -> 3.05, 128x4096 3.55 -> 3.67, MHA 64x4096 3.57 -> 3.89; bf16 (4 warps,
     already at the read ceiling) flat or lower (64x4096 4.26 -> 4.24, MHA 4.50 -> 4.24): fp8 only.
     wave_tiles: ((block_n, num_stages, programs per SM, rate), ...): a plan of at least
-    ctas_per_sm x SMs programs (request x KV head x row block) that the wave split (wave_slots)
-    does not split takes the tile with the least predicted time for its program count
-    (`pick_wave_tile`): programs of equal work run in waves of (programs per SM x SMs), and a
-    last, partly filled wave costs half a full one and more (`wave_cost`; H200 fp8, 32 x 3
-    tiles, 8 per SM: 1.94 waves 4.07 TB/s, 1.45 waves 3.25). ``rate``: the tile's full-wave TB/s relative to
-    the others; programs per SM from the sm90 compile (scripts/decode_registers.py). ():
-    block_n x num_stages at any size. A config that sets block_n or num_stages turns it off.
-    wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile); 0: not known
-    (a config that overrides block_n, num_stages, num_warps or max_registers resets it).
-    With it, a plan of more than one wave of programs whose waves `wave_efficiency` predicts
-    below WAVE_SPLIT_EFFICIENCY splits its requests by the default policy as few requests do,
-    aiming at ``wave_split_ctas`` programs per SM: many short programs leave a short last wave
-    (H200 bf16 32/8 d128, 8 per SM, TB/s unsplit -> split at 48 per SM: 136x4096 (1.03 waves)
-    3.28 -> 4.25, 160x4096 3.23 -> 4.34, 192x4096 3.79 -> 4.37, 288x4096 3.73 -> 4.47,
-    400x4096 (3.03 waves) 4.16 -> 4.54, 144x8192 3.18 -> 4.47; 240x4096 (1.82 waves, 0.95
-    predicted) 4.42 unsplit against 4.42). The MHA d128, page-1 and d256 defaults aim at 24 per
-    SM (their per-SM figures 4, 3, 4; MHA 24x4096 3.61 -> 4.19, d256 80x4096 3.40 -> 4.36).
+    ctas_per_sm x SMs programs (request x KV head x row block) under the default split policy
+    runs the tile with the least predicted time for its program count (`wave_choice`): programs
+    of equal work run in waves of (programs per SM x SMs), and a last, partly filled wave costs
+    half a full one and more (`wave_cost`; H200 fp8, 32 x 3 tiles, 8 per SM: 1.94 waves 4.07
+    TB/s, 1.45 waves 3.25). ``rate``: the tile's full-wave TB/s relative to the others;
+    programs per SM from the sm90 compile (scripts/decode_registers.py). (): the config's own
+    tile at any size. A config that sets block_n, num_stages, num_warps or max_registers turns
+    it off. bf16 32/8 d128 (H200, session 16, TB/s 32 x 2 capped at 64 registers, 8 per SM /
+    64 x 2, 5 per SM): 160x2048 3.28 / 4.32, 165x4096 3.32 / 4.48, 400x4096 4.14 / 4.55;
+    264x4096 (2 waves of 8 per SM) 4.53 / 4.15.
+    wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile), for a config
+    without wave_tiles; 0: not known (a config that overrides block_n, num_stages, num_warps or
+    max_registers resets it).
+    wave_split_ctas: > 0: a plan of more than one wave of programs (of the most resident tile)
+    whose waves `wave_choice` predicts below WAVE_SPLIT_EFFICIENCY of the GPU splits its
+    requests by the default policy as few requests do, aiming at this many programs per SM:
+    many short programs leave a short last wave (H200 bf16 32/8 d128, 8 per SM, TB/s unsplit
+    -> split at 48 per SM: 136x4096 (1.03 waves) 3.28 -> 4.25, 192x4096 3.79 -> 4.37,
+    288x4096 3.73 -> 4.47). The MHA d128, page-1 and d256 defaults aim at 24 per SM (their
+    per-SM figures 4, 3, 4; MHA 24x4096 3.61 -> 4.19, d256 80x4096 3.40 -> 4.36). 0: no wave
+    split.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -121,7 +125,7 @@ class DecodeConfig:
     swap_ab: bool = False
     wave_tiles: tuple = ()
     wave_slots: int = 0
-    wave_split_ctas: int = 48
+    wave_split_ctas: int = 0
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
@@ -131,7 +135,7 @@ class DecodeConfig:
         for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 1)):
+        for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
@@ -171,13 +175,16 @@ def default_config(problem: Problem) -> DecodeConfig:
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
             # the wave tiles' programs per SM and rates: the d128 sm90 compile and H200 sweeps
-            # (32 x 3 4.0-4.1 TB/s at whole waves, 32 x 2 3.85-3.95, 64 x 3 3.65-3.75)
+            # (32 x 3 4.0-4.1 TB/s at whole waves, 32 x 2 3.85-3.95, 64 x 3 3.65-3.75); the wave
+            # split where no tile fits (session 16, TB/s tile -> split at 48 per SM: 210x4096
+            # 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34 -> 3.48, 300x4096 3.65 -> 3.51)
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
-                                page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles)
+                                page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
+                                wave_split_ctas=48 if tiles else 0)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
-    # (session 15: bf16 32/8 d128 page 16, 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16); 24 per SM
+    # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128, direct_table=gqa, wave_slots=3 if gqa and d == 128 else 0,
@@ -190,8 +197,12 @@ def default_config(problem: Problem) -> DecodeConfig:
         # the fused merge's 8K tile only where it was measured: group 4 (offline sm90, the direct
         # split with it: groups 2 and 16 152-156 registers, 3 programs per SM; group 4 122, 4)
         group = problem.num_qo_heads // problem.num_kv_heads
+        # the wave tiles (any group: the sm90 compile of groups 2-16 gives the same programs per
+        # SM): 32 x 2 under the register cap, 64 x 2 and 64 x 3 uncapped; rates from the H200
+        # sweep at whole waves (4.53 / 4.48-4.55 / 4.47-4.50 TB/s, session 16)
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
-                            fused_merge_values=8192 if group == 4 else 4096, wave_slots=8)
+                            fused_merge_values=8192 if group == 4 else 4096,
+                            wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24)
 
 
@@ -202,10 +213,8 @@ def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
                          f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
     if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
         source = {"split_block_n": None, "max_registers": 0, **source}
-    if "block_n" in source or "num_stages" in source:  # the wave tiles would replace both
-        source = {"wave_tiles": (), **source}
     if {"block_n", "num_stages", "num_warps", "max_registers"} & set(source):  # another kernel's programs per SM
-        source = {"wave_slots": 0, **source}
+        source = {"wave_tiles": (), "wave_slots": 0, **source}
     return dataclasses.replace(cfg, **source)
 
 
@@ -245,23 +254,38 @@ def wave_cost(programs: int, slots: int) -> float:
     return full + (PARTIAL_WAVE_COST + (1 - PARTIAL_WAVE_COST) * rest / slots if rest else 0)
 
 
-def wave_efficiency(programs: int, slots: int) -> float:
-    """The fraction of full-wave throughput `wave_cost` predicts for these programs."""
-    return programs / max(slots, 1) / wave_cost(programs, slots) if programs else 1.0
+def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[int, int], float] | None:
+    """((block_n, num_stages), predicted fraction of full-wave throughput) of the tile with the
+    least predicted time for ``programs`` programs of equal work on ``sm_count`` SMs, or None
+    where the config carries no programs-per-SM figures. The tiles: `DecodeConfig.wave_tiles`,
+    else the config's own at `wave_slots` per SM; each costs `wave_cost` in waves of per-SM x
+    SMs programs, each wave its programs' work over the tile's rate. Programs within one wave of
+    the most resident tile run at once: predicted 1.0 (the few-programs split fills the GPU)."""
+    tiles = cfg.wave_tiles or (((cfg.block_n, cfg.num_stages, cfg.wave_slots, 1.0),) if cfg.wave_slots else ())
+    if not tiles:
+        return None
+    sms = max(sm_count, 1)
 
-
-def pick_wave_tile(tiles: tuple, programs: int, sm_count: int) -> tuple[int, int]:
-    """(block_n, num_stages) of the `DecodeConfig.wave_tiles` entry with the least predicted time
-    for ``programs`` programs of equal work on ``sm_count`` SMs: `wave_cost` in waves of
-    per-SM x SMs programs, each wave's time its programs' work over the tile's rate."""
     def predicted(tile):
-        slots = tile[2] * max(sm_count, 1)
+        slots = tile[2] * sms
         return wave_cost(programs, slots) * slots / tile[3]
     best = min(tiles, key=predicted)
-    return best[0], best[1]
+    if programs <= max(t[2] for t in tiles) * sms:
+        return (best[0], best[1]), 1.0
+    return (best[0], best[1]), programs / predicted(best)
 
 
 @functools.lru_cache(maxsize=64)
 def with_tile(cfg: DecodeConfig, block_n: int, num_stages: int) -> DecodeConfig:
-    """``cfg`` with this block_n x num_stages, uncapped (cached like the split block)."""
+    """``cfg`` with this block_n x num_stages, uncapped (cached like the split block); ``cfg``
+    itself, register cap included, where that is its own tile."""
+    if (block_n, num_stages) == (cfg.block_n, cfg.num_stages):
+        return cfg
     return dataclasses.replace(cfg, block_n=block_n, num_stages=num_stages, max_registers=0)
+
+
+@functools.lru_cache(maxsize=64)
+def without_waves(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` without its programs-per-SM figures (wave_tiles, wave_slots): for kernel
+    variants other than the one they were measured on."""
+    return dataclasses.replace(cfg, wave_tiles=(), wave_slots=0)
