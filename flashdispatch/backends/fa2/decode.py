@@ -118,22 +118,22 @@ def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int) -> i
     return None
 
 
-def _never_split(batch: int, params: AttentionParams, cfg: DecodeConfig, units: int, sm_count: int) -> bool:
+def _never_split(batch: int, params: AttentionParams, target: int | None) -> bool:
     """Whether `_chunk_tokens` splits no request whatever the lengths: split-KV off, no request,
-    or (the policy's split) no split target (`_split_target`)."""
+    or (the policy's split) no split ``target`` (`_split_target`)."""
     if params.disable_split_kv or batch == 0:
         return True
-    return params.fixed_split_size is None and _split_target(batch, cfg, units, sm_count) is None
+    return params.fixed_split_size is None and target is None
 
 
 def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
-                  units: int, sm_count: int) -> np.ndarray | None:
-    """Chunk length in tokens per request, or None: no request is split."""
+                  units: int, target: int | None) -> np.ndarray | None:
+    """Chunk length in tokens per request, or None: no request is split. ``target``: the
+    policy's split target for this batch (`_split_target`)."""
     if params.disable_split_kv or len(eff) == 0:
         return None
     if params.fixed_split_size is not None:
         return np.full_like(eff, max(1, params.fixed_split_size) * problem.page_size)
-    target = _split_target(len(eff), cfg, units, sm_count)
     if target is None:
         return None
     # Chunks per request rounded down: the grid stays within the target (one more chunk each
@@ -209,8 +209,8 @@ class DecodePlan:
         tiled = cfg if choice is None else with_tile(cfg, *choice[0])
         # or the wave split's target (a function of the batch size, which a refresh keeps);
         # CUDA-graph grids split by the batch size alone, never for waves
-        self.wave_split = choice is not None and not p.use_cuda_graph and _split_target(
-            params.batch_size, cfg, units, sm_count) is not None
+        self.split_target = _split_target(params.batch_size, cfg, units, sm_count)
+        self.wave_split = choice is not None and not p.use_cuda_graph and self.split_target is not None
         # a wave-split plan whose partition splits nothing after all (short requests, or the
         # workspace fallback) runs the wave tile (`_build`); few programs keep the split block
         # whatever the lengths (as the ANCHORS rows under one wave were measured)
@@ -243,10 +243,10 @@ class DecodePlan:
         if not self.direct or params.batch_size != self.batch:
             return None
         split = (0, 1)
-        if not _never_split(self.batch, params, self.config, self.units, device.sm_count or 8):
+        if not _never_split(self.batch, params, self.split_target):
             _, _, eff, _, chunk = self._partition(device, params)
             if chunk is not None:
-                split = self._direct_split(eff, chunk, params, device)
+                split = self._direct_split(eff, chunk, params)
         if split is None or split[1] != self.split_slots:
             return None
         plan = object.__new__(DecodePlan)  # a shallow copy (copy.copy takes the slower __reduce_ex__ path)
@@ -269,26 +269,24 @@ class DecodePlan:
         batch = len(lens)
         lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros(batch, np.int64)
         eff = lens - lo
-        sm_count = device.sm_count or 8
         if not p.use_cuda_graph:
-            splits, chunk = 0, _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
+            splits, chunk = 0, _chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
             if chunk is not None and self.wave_split and params.fixed_split_size is None:
                 nsplit = np.maximum(1, -(-eff // chunk))  # work items, or the kernel's own request x slots
                 n_partial = max(int(nsplit.sum()), batch * int(nsplit.max()))
                 if self._partial_bytes(n_partial) > _workspace_bytes(params):
                     chunk = None  # the wave split is a speed-up: not where the workspace cannot hold its partials
         else:  # the grid's chunks per request are fixed by the batch size: the policy's split does not apply
-            splits = self._graph_splits(batch, self.units, sm_count, params)
+            splits = self._graph_splits(batch, self.units, device.sm_count or 8, params)
             if params.fixed_split_size is not None:
-                chunk = _chunk_tokens(eff, p, params, cfg, self.units, sm_count)
+                chunk = _chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
             elif splits > 1:
                 chunk = _balanced_chunks(eff, np.minimum(-(-eff // cfg.min_chunk_tokens), splits), cfg.block_n)
             else:
                 chunk = None
         return lens, lo, eff, splits, chunk
 
-    def _direct_split(self, eff: np.ndarray, chunk: np.ndarray, params: AttentionParams,
-                      device: Device) -> tuple[int, int] | None:
+    def _direct_split(self, eff: np.ndarray, chunk: np.ndarray, params: AttentionParams) -> tuple[int, int] | None:
         """(split tokens, chunk slots per request) when the kernel derives the policy's split of
         these requests itself from the tables (`DecodeConfig.direct_table`, no fixed_split_size, no
         CUDA graph) and idles at most half of its requests x slots grid; else None (the host
@@ -299,8 +297,7 @@ class DecodePlan:
         slots = int(nsplit.max())
         if len(eff) * slots > 2 * int(nsplit.sum()):
             return None
-        target = _split_target(len(eff), self.config, self.units, device.sm_count or 8)
-        return _policy_tokens(eff, self.config, self.units, target), slots
+        return _policy_tokens(eff, self.config, self.units, self.split_target), slots
 
     def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
         p, cfg, ql = self.problem, self.config, self.q_len
@@ -315,7 +312,7 @@ class DecodePlan:
                 self._place_direct(params, run_device)
                 return
         elif not splits:
-            split = self._direct_split(eff, chunk, params, device)
+            split = self._direct_split(eff, chunk, params)
             if split is not None:
                 self._place_direct(params, run_device, *split)
                 return
