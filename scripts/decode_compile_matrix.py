@@ -3,11 +3,12 @@
 Triton's interpreter (the CPU tests) runs the kernel without the compiler's type checks, so a
 combination that fails to compile on a GPU can pass every CPU test (session 12: a name the fused
 merge redefined with another type under sinks). This compiles each combination of features
-(plain; sinks + window + soft cap; ALiBi; RoPE with two causal query rows) x work layout (work
-array with and without the fused merge, direct table, the kernel's own split with and without
-the fused merge; fp8 KV: the work array only, as its configs use), and the plain variant's
-unsplit layouts at each other wave tile, for GPUTarget("cuda", 90, 32); it prints one line per
-combination and exits non-zero at the first one that fails.
+(plain; sinks + window; sinks + window + soft cap; ALiBi; RoPE with two causal query rows) x
+work layout (work array with and without the fused merge, direct table, the kernel's own split
+with and without the fused merge; fp8 KV: the work array only, as its configs use), at the base
+tile and, for the variants that take them (`decode._plain_variant`), each other wave tile, for
+GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
+one that fails.
 
     .venv/bin/python scripts/decode_compile_matrix.py
 """
@@ -26,6 +27,7 @@ from flashdispatch.dispatch.problem import Problem  # noqa: E402
 
 FEATURES = {
     "plain": {},
+    "sinks+window": {"sinks": True, "window_left": 100},
     "sinks+window+soft_cap": {"sinks": True, "window_left": 100, "logits_soft_cap": 30.0},
     "alibi": {"pos_encoding_mode": "ALIBI"},
     "rope+q_len2": {"pos_encoding_mode": "ROPE_LLAMA", "q_len_per_req": 2, "mask_mode": "causal"},
@@ -42,13 +44,14 @@ def main() -> None:
             p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, 128, 128, page_size=16, **changes)
             base = resolve_config(p, None)
             block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, base)
-            # the wave tiles run for the plain variant only, on unsplit plans (decode.py)
+            # the wave tiles run for the plain variant only (decode.py), unsplit or (fp8's wave
+            # split) split; bf16's 64 x 2 is also its split block
             waves = base.wave_tiles if fdec._plain_variant(p, block_m) else ()
             tiles = [(base, "")] + [(with_tile(base, bn, st), f", {bn} x {st}") for bn, st, _, _ in waves
                                     if (bn, st) != (base.block_n, base.num_stages)]
             for cfg, tile in tiles:
                 for name, fused, direct, split in LAYOUTS:
-                    if (direct and kv != torch.bfloat16) or (tile and (fused or split)):
+                    if direct and kv != torch.bfloat16:
                         continue
                     consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False)
                     consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)

@@ -272,11 +272,13 @@ def test_max_registers_reaches_ptxas():
     assert capped and all(k.n_regs <= 72 for k in capped), [(k.n_regs, k.n_spills) for k in capped]
 
 
+@pytest.mark.parametrize("layout, features", [("NHD", {}), ("HND", {"window_left": 100, "sinks": True})],
+                         ids=["nhd", "hnd-window-sinks"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8kv"])
-def test_wave_tiles_by_batch(kv_dtype):
+def test_wave_tiles_by_batch(kv_dtype, layout, features):
     """32/8 heads, d128 on this GPU's SMs: the batch sizes whose program counts (x 8 KV heads)
     `wave_choice` gives each wave tile (and does not split for waves) run it and match the
-    reference."""
+    reference, NHD, and HND with a window and sinks."""
     from flashdispatch.backends.fa2.decode import _split_target
     from flashdispatch.backends.fa2.decode_config import default_config, wave_choice
     from flashdispatch.dispatch.problem import Problem
@@ -291,7 +293,8 @@ def test_wave_tiles_by_batch(kv_dtype):
     scales = dict(k_scale=0.8, v_scale=1.5) if kv_dtype != torch.bfloat16 else {}
     for tile, batch in by_tile.items():
         lens = torch.randint(0, 400, (batch,), generator=gen).tolist()
-        case = _case(lens, num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype, seed=43, **scales)
+        case = _case(lens, num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype, kv_layout=layout, seed=43,
+                     **scales, **features)
         ref_out, ref_lse = reference_backend_result(case)
         plan = run_fa2_decode(case)
         assert (plan.config.block_n, plan.config.num_stages) == tile

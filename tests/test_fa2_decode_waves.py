@@ -3,10 +3,12 @@ their tile (`DecodeConfig.wave_tiles`) or split their requests (`DecodeConfig.wa
 by the wave model of decode_config.py (`wave_choice`), and match the oracle either way."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from flashdispatch.backends.common import TRITON_INTERPRETED
+from flashdispatch.dispatch.problem import Device
 
 from test_fa2_decode import F16, _case, _check
 
@@ -30,19 +32,23 @@ def test_wave_tiles_pick_by_programs(heads, tile):
         assert (plan.config.block_n, plan.config.num_stages) == (64, 3), fixed
 
 
-def test_wave_tiles_only_for_the_measured_variant():
-    """RoPE, soft cap and more than 16 rows per program use other registers than the variant
-    the programs per SM were measured on: those plans keep the config's tile and never split
-    for waves."""
+@pytest.mark.parametrize("features", [{}, {"pos_encoding_mode": "ROPE_LLAMA"}, {"pos_encoding_mode": "ALIBI"},
+                                      {"logits_soft_cap": 30.0}, {"q_len_per_req": 3, "mask_mode": "causal"}],
+                         ids=["plain", "rope", "alibi", "soft_cap", "24_rows"])
+def test_waves_only_for_the_measured_variant(features):
+    """RoPE, ALiBi, soft cap and more than 16 rows per program (3 query rows x a group of 8)
+    use other registers than the variant the programs per SM were measured on: those plans
+    keep the config's tile where the plain variant takes [16, 2], and stay whole where it
+    splits for waves."""
+    plain = not features
     config = {"ctas_per_sm": 1, "wave_tiles": [[32, 3, 1, 0.9], [16, 2, 2, 1.0]]}
-    for kw in ({"pos_encoding_mode": "ROPE_LLAMA"}, {"logits_soft_cap": 30.0}):
-        case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, num_qo_heads=32, num_kv_heads=4,
-                     seed=42, **kw)
-        plan = _check(case, config=config)
-        assert (plan.config.block_n, plan.config.num_stages, plan.wave_split) == (64, 3, False), kw
-    case = _case([40, 300, 37, 200, 120], seed=12, **{"pos_encoding_mode": "ROPE_LLAMA"})
+    case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, num_qo_heads=32, num_kv_heads=4,
+                 seed=42, **features)
+    plan = _check(case, config=config)
+    assert (plan.config.block_n, plan.config.num_stages) == ((16, 2) if plain else (64, 3))
+    case = _case([40, 300, 37, 200, 120], num_qo_heads=16, num_kv_heads=2, seed=12, **features)
     plan = _check(case, config=SPLIT_AT_ONE_SLOT)
-    assert plan.max_chunks == 1 and not plan.wave_split
+    assert (plan.max_chunks > 1, plan.wave_split) == (plain, plain)
 
 
 def test_wave_tile_choice_and_config():
@@ -70,14 +76,56 @@ def test_wave_tile_choice_and_config():
             DecodeConfig(wave_tiles=bad)
 
 
-def test_wave_tile_keeps_the_register_cap():
-    """The bf16 d128 GQA default's own wave tile (32 x 2) runs under its register cap; the
-    others uncapped."""
-    from flashdispatch.backends.fa2.decode_config import default_config, with_tile
+_H200 = Device("cpu", 0, (9, 0), "NVIDIA H200", 132)  # plans only: their tables stay on the CPU
+
+
+def _h200_plan(lens, kv_dtype=F16):
+    """A plan (no launch) of bf16 / fp8 32/8 heads d128 page 16 for these KV lengths on a
+    described 132-SM sm90 device; page tables on the CPU."""
+    from flashdispatch.backends.base import AttentionParams
+    from flashdispatch.backends.fa2.decode import DecodePlan
     from flashdispatch.dispatch.problem import Problem
-    cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
-    assert with_tile(cfg, 32, 2) is cfg and cfg.max_registers == 64
-    assert with_tile(cfg, 64, 2).max_registers == 0
+    pages = [-(-n // 16) for n in lens]
+    indptr = np.cumsum([0] + pages)
+    i32 = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32)  # noqa: E731
+    params = AttentionParams(
+        qo_indptr=i32(np.arange(len(lens) + 1)), kv_indptr=i32(indptr), kv_lens=i32(lens),
+        qo_lens_host=[1] * len(lens), kv_lens_host=list(lens), sm_scale=0.1,
+        kv_indices=torch.randperm(int(indptr[-1])).to(torch.int32),
+        kv_last_page_len=i32([n - 16 * (p - 1) if n else 0 for n, p in zip(lens, pages)]),
+        workspace=torch.empty(128 << 20, dtype=torch.uint8))
+    problem = Problem("decode", F16, kv_dtype, F16, 32, 8, 128, 128, page_size=16)
+    return DecodePlan(problem, _H200, params), params
+
+
+def test_wave_plans_on_the_h200():
+    """Plans of the bf16 and fp8 d128 defaults on 132 SMs: the tile or wave split of each batch
+    (the 32 x 2 tile under its register cap, the others uncapped); a bf16 re-plan with other
+    lengths through `DecodePlan.refreshed` equals a fresh plan of them."""
+    from flashdispatch.backends.fa2.decode import _register_cap
+    gen = np.random.default_rng(7)
+    expect = {70: ((64, 2), False, 0), 96: ((32, 2), False, 64), 133: ((64, 2), True, 0),
+              160: ((64, 2), False, 0), 176: ((64, 3), False, 0), 256: ((32, 2), False, 64)}
+    refreshed = 0
+    for batch, (tile, split, cap) in expect.items():
+        lens = gen.integers(500, 5000, batch).tolist()
+        plan, _ = _h200_plan(lens)
+        cfg = plan.config
+        assert ((cfg.block_n, cfg.num_stages), plan.wave_split, plan.max_chunks > 1) == (tile, split, split), batch
+        assert _register_cap(plan.problem, cfg, plan.block_m, plan.fused_merge) == cap, batch
+        new_lens = gen.integers(500, 5000, batch).tolist()
+        fresh, params = _h200_plan(new_lens)
+        again = plan.refreshed(_H200, params)
+        if again is not None:
+            refreshed += 1
+            for name in ("config", "wave_split", "split_target", "split_tokens", "split_slots", "max_chunks",
+                         "n_work", "fused_merge"):
+                assert getattr(again, name) == getattr(fresh, name), (batch, name)
+    assert refreshed == len(expect)
+    fp8 = {130: (32, 3), 200: (32, 3), 198: (32, 2), 270: (64, 3)}
+    for batch, tile in fp8.items():
+        plan, _ = _h200_plan(gen.integers(500, 5000, batch).tolist(), torch.float8_e4m3fn)
+        assert ((plan.config.block_n, plan.config.num_stages), plan.wave_split) == (tile, batch in (200, 270)), batch
 
 
 SPLIT_AT_ONE_SLOT = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16}

@@ -207,13 +207,15 @@ class DecodePlan:
         # function of the batch size: fixed_split_size / disable_split_kv stay batch-invariant)
         choice = None if few or not policy_splits else wave_choice(cfg, programs, sm_count)
         tiled = cfg if choice is None else with_tile(cfg, *choice[0])
-        # or the wave split's target (a function of the batch size, which a refresh keeps);
-        # CUDA-graph grids split by the batch size alone, never for waves
+        # the default policy's split target (few programs, or the wave split's; a function of the
+        # batch size, which a refresh keeps); CUDA-graph grids split by the batch size alone,
+        # never for waves
         self.split_target = _split_target(params.batch_size, cfg, units, sm_count)
         self.wave_split = choice is not None and not p.use_cuda_graph and self.split_target is not None
         # a wave-split plan whose partition splits nothing after all (short requests, or the
         # workspace fallback) runs the wave tile (`_build`); few programs keep the split block
-        # whatever the lengths (as the ANCHORS rows under one wave were measured)
+        # whatever the lengths (as the ANCHORS rows under one wave were measured); a config
+        # without a split block splits on the unsplit grid's tile (as fp8's wave split was measured)
         self._unsplit_config = None
         if cfg.split_block_n and policy_splits and (few or self.wave_split):
             if self.wave_split:
@@ -271,7 +273,7 @@ class DecodePlan:
         eff = lens - lo
         if not p.use_cuda_graph:
             splits, chunk = 0, _chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
-            if chunk is not None and self.wave_split and params.fixed_split_size is None:
+            if chunk is not None and self.wave_split:
                 nsplit = np.maximum(1, -(-eff // chunk))  # work items, or the kernel's own request x slots
                 n_partial = max(int(nsplit.sum()), batch * int(nsplit.max()))
                 if self._partial_bytes(n_partial) > _workspace_bytes(params):

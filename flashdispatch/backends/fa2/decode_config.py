@@ -75,8 +75,10 @@ class DecodeConfig:
     -> 3.48, 16x8192 2.94 -> 3.05, 128x4096 3.55 -> 3.67, MHA 64x4096 3.57 -> 3.89; bf16 (4 warps,
     already at the read ceiling) flat or lower (64x4096 4.26 -> 4.24, MHA 4.50 -> 4.24): fp8 only.
     wave_tiles: ((block_n, num_stages, programs per SM, rate), ...): a plan of at least
-    ctas_per_sm x SMs programs (request x KV head x row block) under the default split policy
-    runs the tile with the least predicted time for its program count (`wave_choice`): programs
+    ctas_per_sm x SMs programs (request x KV head x row block) under the default split policy,
+    of the variant the figures were measured on (`decode._plain_variant`) and not split for
+    waves (wave_split_ctas; a split plan runs split_block_n where the config has one), runs
+    the tile with the least predicted time for its program count (`wave_choice`): programs
     of equal work run in waves of (programs per SM x SMs), and a last, partly filled wave costs
     half a full one and more (`wave_cost`; H200 fp8, 32 x 3 tiles, 8 per SM: 1.94 waves 4.07
     TB/s, 1.45 waves 3.25). ``rate``: the tile's full-wave TB/s relative to the others;
@@ -87,15 +89,18 @@ class DecodeConfig:
     264x4096 (2 waves of 8 per SM) 4.53 / 4.15.
     wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile), for a config
     without wave_tiles; 0: not known (a config that overrides block_n, num_stages, num_warps or
-    max_registers resets it).
+    max_registers resets it). Used by the wave split only: without wave_split_ctas it has no
+    effect.
     wave_split_ctas: > 0: a plan of more than one wave of programs (of the most resident tile)
-    whose waves `wave_choice` predicts below WAVE_SPLIT_EFFICIENCY of the GPU splits its
-    requests by the default policy as few requests do, aiming at this many programs per SM:
-    many short programs leave a short last wave (H200 bf16 32/8 d128, 8 per SM, TB/s unsplit
-    -> split at 48 per SM: 136x4096 (1.03 waves) 3.28 -> 4.25, 192x4096 3.79 -> 4.37,
-    288x4096 3.73 -> 4.47). The MHA d128, page-1 and d256 defaults aim at 24 per SM (their
-    per-SM figures 4, 3, 4; MHA 24x4096 3.61 -> 4.19, d256 80x4096 3.40 -> 4.36). 0: no wave
-    split.
+    whose waves `wave_choice` predicts below WAVE_SPLIT_EFFICIENCY of the GPU even on its best
+    tile splits its requests by the default policy as few requests do, aiming at this many
+    programs per SM: many short programs leave a short last wave. A single partial wave is never
+    split for waves. H200, TB/s unsplit -> split: bf16 32/8 d128 at 48 per SM (session 15, before
+    the wave tiles, 8 per SM: 136x4096 (1.03 waves) 3.28 -> 4.25, 288x4096 3.73 -> 4.47; session
+    16, best tile -> split: 133x4096 4.19 -> 4.18, 176x4096 4.18 -> 4.28); fp8 d128 at 48 per SM
+    on the unsplit plan's tile (210x4096 3.39 -> 3.85, 300x4096 3.65 -> 3.51). The MHA d128,
+    page-1 and d256 defaults aim at 24 per SM (their per-SM figures 4, 3, 4; MHA 24x4096 3.61 ->
+    4.19, d256 80x4096 3.40 -> 4.36). 0: no wave split.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -235,14 +240,14 @@ def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeCon
 
 @functools.lru_cache(maxsize=64)
 def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
-    """``cfg`` with block_n = split_block_n (cached: plan() is host-time bound)."""
-    return with_tile(cfg, cfg.split_block_n, cfg.num_stages)
+    """``cfg`` with block_n = split_block_n, uncapped (cached: plan() is host-time bound)."""
+    return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
 
 
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
 # proportion to its fill (fitted to the H200 fp8 sweeps of session 15, docs/perf-notes.md).
 PARTIAL_WAVE_COST = 0.5
-# Plans predicted to use less of the GPU than this in their waves split (DecodeConfig.wave_slots).
+# Plans whose best tile `wave_choice` predicts below this split (DecodeConfig.wave_split_ctas).
 WAVE_SPLIT_EFFICIENCY = 0.9
 
 
@@ -260,7 +265,8 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
     where the config carries no programs-per-SM figures. The tiles: `DecodeConfig.wave_tiles`,
     else the config's own at `wave_slots` per SM; each costs `wave_cost` in waves of per-SM x
     SMs programs, each wave its programs' work over the tile's rate. Programs within one wave of
-    the most resident tile run at once: predicted 1.0 (the few-programs split fills the GPU)."""
+    the most resident tile run at once: predicted 1.0, so that a single partial wave is never
+    split for waves (below ctas_per_sm x SMs programs the few-programs split applies)."""
     tiles = cfg.wave_tiles or (((cfg.block_n, cfg.num_stages, cfg.wave_slots, 1.0),) if cfg.wave_slots else ())
     if not tiles:
         return None
