@@ -43,8 +43,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, resolve_config, wave_choice, with_split_block,
-                            with_tile, without_waves)
+from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, fastest_wave_tile, resolve_config, wave_choice,
+                            with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -212,14 +212,15 @@ class DecodePlan:
         # never for waves
         self.split_target = _split_target(params.batch_size, cfg, units, sm_count)
         self.wave_split = choice is not None and not p.use_cuda_graph and self.split_target is not None
-        # a wave-split plan whose partition splits nothing after all (short requests, or the
-        # workspace fallback) runs the wave tile (`_build`); few programs keep the split block
-        # whatever the lengths (as the ANCHORS rows under one wave were measured); a config
-        # without a split block splits on the unsplit grid's tile (as fp8's wave split was measured)
+        # a wave-split plan runs the split block, or (fp8: none) the tile of the best full-wave
+        # rate, and the wave tile where its partition splits nothing after all (short requests,
+        # or the workspace fallback; `_build`); few programs keep the split block whatever the
+        # lengths (as the ANCHORS rows under one wave were measured)
         self._unsplit_config = None
-        if cfg.split_block_n and policy_splits and (few or self.wave_split):
-            if self.wave_split:
-                self._unsplit_config = tiled
+        if self.wave_split:
+            self._unsplit_config = tiled
+            cfg = with_split_block(cfg) if cfg.split_block_n else with_tile(cfg, *fastest_wave_tile(cfg))
+        elif few and cfg.split_block_n and policy_splits:
             cfg = with_split_block(cfg)
         else:
             cfg = tiled

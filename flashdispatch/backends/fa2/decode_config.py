@@ -77,7 +77,7 @@ class DecodeConfig:
     wave_tiles: ((block_n, num_stages, programs per SM, rate), ...): a plan of at least
     ctas_per_sm x SMs programs (request x KV head x row block) under the default split policy,
     of the variant the figures were measured on (`decode._plain_variant`) and not split for
-    waves (wave_split_ctas; a split plan runs split_block_n where the config has one), runs
+    waves (wave_split_ctas; a split plan runs split_block_n, else `fastest_wave_tile`), runs
     the tile with the least predicted time for its program count (`wave_choice`): programs
     of equal work run in waves of (programs per SM x SMs), and a last, partly filled wave costs
     half a full one and more (`wave_cost`; H200 fp8, 32 x 3 tiles, 8 per SM: 1.94 waves 4.07
@@ -98,7 +98,7 @@ class DecodeConfig:
     split for waves. H200, TB/s unsplit -> split: bf16 32/8 d128 at 48 per SM (session 15, before
     the wave tiles, 8 per SM: 136x4096 (1.03 waves) 3.28 -> 4.25, 288x4096 3.73 -> 4.47; session
     16, best tile -> split: 133x4096 4.19 -> 4.18, 176x4096 4.18 -> 4.28); fp8 d128 at 48 per SM
-    on the unsplit plan's tile (210x4096 3.39 -> 3.85, 300x4096 3.65 -> 3.51). The MHA d128,
+    on `fastest_wave_tile` (210x4096 3.39 -> 3.85, 300x4096 3.65 -> 3.89). The MHA d128,
     page-1 and d256 defaults aim at 24 per SM (their per-SM figures 4, 3, 4; MHA 24x4096 3.61 ->
     4.19, d256 80x4096 3.40 -> 4.36). 0: no wave split.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
@@ -181,8 +181,8 @@ def default_config(problem: Problem) -> DecodeConfig:
         if d <= 128:
             # the wave tiles' programs per SM and rates: the d128 sm90 compile and H200 sweeps
             # (32 x 3 4.0-4.1 TB/s at whole waves, 32 x 2 3.85-3.95, 64 x 3 3.65-3.75); the wave
-            # split where no tile fits (session 16, TB/s tile -> split at 48 per SM: 210x4096
-            # 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34 -> 3.48, 300x4096 3.65 -> 3.51)
+            # split where no tile fits (session 16, TB/s tile -> split at 48 per SM on 32 x 3:
+            # 210x4096 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34 -> 3.80, 300x4096 3.65 -> 3.89)
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
@@ -279,6 +279,17 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
     if programs <= max(t[2] for t in tiles) * sms:
         return (best[0], best[1]), 1.0
     return (best[0], best[1]), programs / predicted(best)
+
+
+def fastest_wave_tile(cfg: DecodeConfig) -> tuple[int, int]:
+    """(block_n, num_stages) of the wave tile with the best full-wave rate (the config's own
+    without wave tiles): the tile of a wave-split plan without a split block, whose many short
+    programs run in many waves (H200 fp8, split at 48 per SM, TB/s 64 x 3 -> 32 x 3: 270x4096
+    3.49 -> 3.80, 300x4096 3.53 -> 3.89; 32 x 2 read 3.33 / 3.46)."""
+    if not cfg.wave_tiles:
+        return cfg.block_n, cfg.num_stages
+    best = max(cfg.wave_tiles, key=lambda t: t[3])
+    return best[0], best[1]
 
 
 @functools.lru_cache(maxsize=64)
