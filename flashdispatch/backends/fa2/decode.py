@@ -103,16 +103,21 @@ def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray
     return np.maximum(block_n, -(-per // block_n) * block_n)
 
 
-def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int) -> int | None:
+def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int,
+                  choice: tuple | None = None) -> int | None:
     """The programs the default split policy aims for (`_chunk_tokens`), or None: none needed.
     Fewer programs than ctas_per_sm x SMs aim for that many; more, where `wave_choice` predicts
     their waves to waste the GPU even on the best tile (`DecodeConfig.wave_split_ctas`), aim for
-    wave_split_ctas x SMs (a function of the batch size alone, as a re-plan's refresh needs)."""
+    wave_split_ctas x SMs (a function of the batch size alone, as a re-plan's refresh needs).
+    ``choice``: `wave_choice` of these programs where the caller has it already."""
     sms = max(sm_count, 1)
     programs = batch * units
     if programs < sms * cfg.ctas_per_sm:
         return sms * cfg.ctas_per_sm
-    choice = wave_choice(cfg, programs, sms) if cfg.wave_split_ctas else None
+    if not cfg.wave_split_ctas:
+        return None
+    if choice is None:
+        choice = wave_choice(cfg, programs, sms)
     if choice is not None and choice[1] < WAVE_SPLIT_EFFICIENCY:
         return sms * cfg.wave_split_ctas
     return None
@@ -210,7 +215,7 @@ class DecodePlan:
         # the default policy's split target (few programs, or the wave split's; a function of the
         # batch size, which a refresh keeps); CUDA-graph grids split by the batch size alone,
         # never for waves
-        self.split_target = _split_target(params.batch_size, cfg, units, sm_count)
+        self.split_target = _split_target(params.batch_size, cfg, units, sm_count, choice)
         self.wave_split = choice is not None and not p.use_cuda_graph and self.split_target is not None
         # a wave-split plan runs the split block, or (fp8: none) the tile of the best full-wave
         # rate, and the wave tile where its partition splits nothing after all (short requests,
