@@ -158,18 +158,43 @@ def test_split_block_only_where_requests_split(lens, block_n):
 
 def test_wave_split_targets_on_the_h200():
     """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; wave tiles of 8, 5
-    and 4 programs per SM): batches no tile runs in full enough waves split toward 48 per SM;
-    those a tile fits (the H200 sweep of session 16), one partial wave and the ANCHORS batches
-    do not; fewer than 4 per SM aim at 4."""
+    and 4 programs per SM): batches no tile runs in full enough waves split each request in
+    `wave_split_chunks`; those a tile fits (the H200 sweep of session 16), one partial wave and
+    the ANCHORS batches do not; fewer than 4 per SM aim at 4."""
     from flashdispatch.backends.fa2.decode import _split_target
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.dispatch.problem import Problem
     cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
-    for batch in (133, 200):
-        assert _split_target(batch, cfg, 8, 132) == 132 * 48, batch
+    for batch, chunks in ((133, 4), (200, 3)):  # `wave_split_chunks` per request
+        assert _split_target(batch, cfg, 8, 132) == batch * 8 * chunks, batch
     for batch in (96, 128, 136, 160, 192, 240, 256, 288, 320, 384, 400, 600):
         assert _split_target(batch, cfg, 8, 132) is None, batch
     assert _split_target(64, cfg, 8, 132) == 132 * 4
+
+
+def test_wave_split_chunks_on_the_h200():
+    """`wave_split_chunks` on 132 SMs against the H200 sweeps of session 17 (TB/s of the chunk
+    count it picks against the former most chunks within wave_split_ctas x SMs): fp8 d128 on the
+    32 x 3 tile (8 per SM) 270x4096 3 chunks 3.82 (2: 3.72), 300x4096 3 (3.95; 2: 3.83), 420x4096
+    2 (3.96; whole: 3.72); bf16 group 4 on the fused split kernel (4 per SM) 200x4096 3; d256 (4
+    per SM) 85x4096 3 (4.29; 4: 4.05), 90x4096 2 (4.24; 4: 4.15); page 1 (3 per SM) 70x4096 2
+    (4.08; 5: 4.01). Fewer than 2 chunks within the cap: 1 (no split); a split kernel without a
+    programs-per-SM figure: the most chunks within the cap."""
+    from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config, wave_split_chunks
+    from flashdispatch.dispatch.problem import Problem
+
+    def chunks(batch, d=128, page=16, kv=F16, heads=(32, 8), overrides=None):
+        cfg = default_config(Problem("decode", F16, kv, F16, heads[0], heads[1], d, d, page_size=page))
+        cfg = apply_overrides(cfg, overrides) if overrides else cfg
+        return wave_split_chunks(cfg, batch * heads[1], 132)
+    fp8 = torch.float8_e4m3fn
+    assert [chunks(b, kv=fp8) for b in (192, 200, 270, 300, 420)] == [2, 3, 3, 3, 2]
+    assert chunks(1100, kv=fp8) == 1  # 64 per SM hold fewer than 2 chunks of 8800 programs
+    assert chunks(133) == 4 and chunks(200) == 3  # bf16 group 4: 4 per SM (the fused split kernel)
+    assert chunks(200, heads=(64, 8)) == 2  # group 8: the 64 x 2 tile's 5 per SM
+    assert chunks(85, d=256) == 3 and chunks(90, d=256) == 2 and chunks(70, page=1) == 2
+    # a split block without a figure (its block_n overridden): the most chunks under 48 per SM
+    assert chunks(133, overrides={"split_block_n": 128}) == 132 * 48 // (133 * 8) == 5
 
 
 def test_wave_split_defaults_by_config():
@@ -184,9 +209,13 @@ def test_wave_split_defaults_by_config():
         cfg = default_config(Problem("decode", F16, kv, F16, heads[0], heads[1], d, d, page_size=page))
         return cfg.wave_slots, bool(cfg.wave_tiles), cfg.wave_split_ctas
     assert waves((32, 8), 128) == (0, True, 48)
+    gqa = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
+    assert gqa.wave_split_slots == 4  # group 4's fused split kernel; other groups: the 64 x 2 tile's
+    for override in ({"split_block_n": 128}, {"fused_merge_values": 4096}, {"block_n": 64}):
+        assert apply_overrides(gqa, override).wave_split_slots == 0, override
+    assert waves((32, 8), 128, kv=torch.float8_e4m3fn) == (0, True, 64)
     assert waves((32, 32), 128) == (4, False, 24) and waves((32, 8), 128, page=1) == (3, False, 24)
     assert waves((32, 8), 256) == (4, False, 24)
-    assert waves((32, 8), 128, kv=torch.float8_e4m3fn) == (0, True, 48)
     mha = default_config(Problem("decode", F16, F16, F16, 32, 32, 128, 128, page_size=16))
     for override in ({"block_n": 64}, {"num_stages": 3}, {"num_warps": 2}, {"max_registers": 0}):
         assert apply_overrides(mha, override).wave_slots == 0, override

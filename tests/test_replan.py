@@ -116,9 +116,9 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
     assert plan([20], 0) == (True, 1, 0, 2)
     assert plan([1500], 1) == (True, 5, 256, 4)
     assert plan([1400], 2) == (True, 5, 256, 4)  # refreshed
-    assert plan([3000, 2900], 3) == (True, 8, 369, 6)
-    assert plan([3200, 3100], 4) == (True, 8, 394, 6)  # refreshed with another split length
-    assert plan([3300, 2000], 5) == (True, 9, 332, 8)
+    assert plan([3000, 2900], 3) == (True, 8, 368, 6)
+    assert plan([3200, 3100], 4) == (True, 8, 393, 6)  # refreshed with another split length
+    assert plan([3300, 2000], 5) == (True, 9, 331, 8)
     assert plan([1200, 30, 30, 30], 6)[::3] == (False, 10)  # 4 x 4 slots for 7 chunks: the work array
     assert w._planned.plan.fused_merge == (merge == "fused")
 

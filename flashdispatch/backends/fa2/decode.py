@@ -44,7 +44,7 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
 from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, fastest_wave_tile, resolve_config, wave_choice,
-                            with_split_block, with_tile, without_waves)
+                            wave_split_chunks, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -108,8 +108,8 @@ def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int,
     """The programs the default split policy aims for (`_chunk_tokens`), or None: none needed.
     Fewer programs than ctas_per_sm x SMs aim for that many; more, where `wave_choice` predicts
     their waves to waste the GPU even on the best tile (`DecodeConfig.wave_split_ctas`), aim for
-    wave_split_ctas x SMs (a function of the batch size alone, as a re-plan's refresh needs).
-    ``choice``: `wave_choice` of these programs where the caller has it already."""
+    `wave_split_chunks` chunks per request (a function of the batch size alone, as a re-plan's
+    refresh needs). ``choice``: `wave_choice` of these programs where the caller has it already."""
     sms = max(sm_count, 1)
     programs = batch * units
     if programs < sms * cfg.ctas_per_sm:
@@ -118,9 +118,10 @@ def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int,
         return None
     if choice is None:
         choice = wave_choice(cfg, programs, sms)
-    if choice is not None and choice[1] < WAVE_SPLIT_EFFICIENCY:
-        return sms * cfg.wave_split_ctas
-    return None
+    if choice is None or choice[1] >= WAVE_SPLIT_EFFICIENCY:
+        return None
+    chunks = wave_split_chunks(cfg, programs, sms)
+    return programs * chunks if chunks > 1 else None
 
 
 def _never_split(batch: int, params: AttentionParams, target: int | None) -> bool:
@@ -149,8 +150,9 @@ def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cf
 
 def _policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, target: int) -> int:
     """The split policy's chunk length before balancing: the tokens that give each of the
-    ``target`` programs (`_split_target`) an equal share, at least ``min_chunk_tokens``."""
-    return max(cfg.min_chunk_tokens, -(-int(eff.sum()) * units // target))
+    ``target`` programs (`_split_target`) an equal share (rounded down, so that requests of
+    equal length get target / programs chunks each), at least ``min_chunk_tokens``."""
+    return max(cfg.min_chunk_tokens, int(eff.sum()) * units // target)
 
 
 def _plain_variant(p: Problem, block_m: int) -> bool:

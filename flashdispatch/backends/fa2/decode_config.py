@@ -93,14 +93,19 @@ class DecodeConfig:
     effect.
     wave_split_ctas: > 0: a plan of more than one wave of programs (of the most resident tile)
     whose waves `wave_choice` predicts below WAVE_SPLIT_EFFICIENCY of the GPU even on its best
-    tile splits its requests by the default policy as few requests do, aiming at this many
-    programs per SM: many short programs leave a short last wave. A single partial wave is never
-    split for waves. H200, TB/s unsplit -> split: bf16 32/8 d128 at 48 per SM (session 15, before
-    the wave tiles, 8 per SM: 136x4096 (1.03 waves) 3.28 -> 4.25, 288x4096 3.73 -> 4.47; session
-    16, best tile -> split: 133x4096 4.19 -> 4.18, 176x4096 4.18 -> 4.28); fp8 d128 at 48 per SM
-    on `fastest_wave_tile` (210x4096 3.39 -> 3.85, 300x4096 3.65 -> 3.89). The MHA d128,
-    page-1 and d256 defaults aim at 24 per SM (their per-SM figures 4, 3, 4; MHA 24x4096 3.61 ->
-    4.19, d256 80x4096 3.40 -> 4.36). 0: no wave split.
+    tile splits its requests by the default policy as few requests do, in the chunks per request
+    that `wave_split_chunks` predicts fastest on the split grid, at most this many programs per
+    SM: shorter programs in more waves leave a shorter last one. A single partial wave is never
+    split for waves. H200, TB/s unsplit -> split: bf16 32/8 d128 (session 15, before the wave
+    tiles, 8 per SM: 136x4096 (1.03 waves) 3.28 -> 4.25, 288x4096 3.73 -> 4.47; session 16, best
+    tile -> split: 133x4096 4.19 -> 4.18, 176x4096 4.18 -> 4.28); fp8 d128 on `fastest_wave_tile`
+    (210x4096 3.39 -> 3.85, 300x4096 3.65 -> 3.95, 420x4096 3.72 -> 3.96). The MHA d128, page-1
+    and d256 defaults allow 24 per SM (their per-SM figures 4, 3, 4; MHA 24x4096 3.61 -> 4.19,
+    d256 85x4096 4.29 with 3 chunks). 0: no wave split.
+    wave_split_slots: programs per SM of the wave split's kernel (its split tile with the fused
+    merge) where they differ from its tile's figure (`tile_slots`): bf16 32/8 d128, 4 (the
+    fused merge's 8K tile: 122 registers, against the 64 x 2 tile's 5); 0: the tile's figure. A
+    config that overrides the tiles, split_block_n or fused_merge_values resets it.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -131,6 +136,7 @@ class DecodeConfig:
     wave_tiles: tuple = ()
     wave_slots: int = 0
     wave_split_ctas: int = 0
+    wave_split_slots: int = 0
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
@@ -140,7 +146,8 @@ class DecodeConfig:
         for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 0)):
+        for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 0),
+                          ("wave_split_slots", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
@@ -181,12 +188,13 @@ def default_config(problem: Problem) -> DecodeConfig:
         if d <= 128:
             # the wave tiles' programs per SM and rates: the d128 sm90 compile and H200 sweeps
             # (32 x 3 4.0-4.1 TB/s at whole waves, 32 x 2 3.85-3.95, 64 x 3 3.65-3.75); the wave
-            # split where no tile fits (session 16, TB/s tile -> split at 48 per SM on 32 x 3:
-            # 210x4096 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34 -> 3.80, 300x4096 3.65 -> 3.89)
+            # split where no tile fits, up to 64 per SM (sessions 16-17, TB/s tile -> split on
+            # 32 x 3: 210x4096 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34 -> 3.82, 300x4096
+            # 3.65 -> 3.95, 420x4096 3.72 -> 3.96)
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
-                                wave_split_ctas=48 if tiles else 0)
+                                wave_split_ctas=64 if tiles else 0)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
@@ -207,7 +215,8 @@ def default_config(problem: Problem) -> DecodeConfig:
         # sweep at whole waves (4.53 / 4.48-4.55 / 4.47-4.50 TB/s, session 16)
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
-                            wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48)
+                            wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
+                            wave_split_slots=4 if group == 4 else 0)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24)
 
 
@@ -218,8 +227,8 @@ def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
                          f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
     if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
         source = {"split_block_n": None, "max_registers": 0, **source}
-    if {"block_n", "num_stages", "num_warps", "max_registers"} & set(source):  # another kernel's programs per SM
-        source = {"wave_tiles": (), "wave_slots": 0, **source}
+    if {"block_n", "num_stages", "num_warps", "max_registers", "split_block_n", "fused_merge_values"} & set(source):
+        source = {"wave_tiles": (), "wave_slots": 0, "wave_split_slots": 0, **source}  # other kernels' programs per SM
     return dataclasses.replace(cfg, **source)
 
 
@@ -249,6 +258,10 @@ def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
 PARTIAL_WAVE_COST = 0.5
 # Plans whose best tile `wave_choice` predicts below this split (DecodeConfig.wave_split_ctas).
 WAVE_SPLIT_EFFICIENCY = 0.9
+# What each chunk of a split request costs beyond its share of the request's work, as a fraction
+# of the request (fitted to H200 fp8 4096-token rows split 2 and 4 ways at the same predicted wave
+# efficiency, session 17: 192x4096 4.00 / 3.88 TB/s; `wave_split_chunks`).
+SPLIT_CHUNK_COST = 0.016
 
 
 def wave_cost(programs: int, slots: int) -> float:
@@ -279,6 +292,31 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
     if programs <= max(t[2] for t in tiles) * sms:
         return (best[0], best[1]), 1.0
     return (best[0], best[1]), programs / predicted(best)
+
+
+def tile_slots(cfg: DecodeConfig, block_n: int, num_stages: int) -> int:
+    """Programs per SM of the tile block_n x num_stages from the config's figures (a wave tile,
+    or the config's own tile at `wave_slots`); 0 where they hold none for it."""
+    for tile in cfg.wave_tiles:
+        if tile[:2] == (block_n, num_stages):
+            return tile[2]
+    return cfg.wave_slots if (block_n, num_stages) == (cfg.block_n, cfg.num_stages) else 0
+
+
+def wave_split_chunks(cfg: DecodeConfig, programs: int, sm_count: int) -> int:
+    """Chunks per request of a wave split of ``programs`` unsplit programs (1: none): of 2 up to
+    wave_split_ctas x SMs / programs, the count of the least predicted time on the split
+    grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of its tile, split_block_n or
+    `fastest_wave_tile`: `tile_slots`): `wave_cost` of its programs times each program's share,
+    1 / chunks + SPLIT_CHUNK_COST (fewer chunks on a tie). The most chunks where no figure is
+    known."""
+    sms = max(sm_count, 1)
+    most = cfg.wave_split_ctas * sms // max(programs, 1)
+    tile = (cfg.split_block_n, cfg.num_stages) if cfg.split_block_n else fastest_wave_tile(cfg)
+    slots = (cfg.wave_split_slots or tile_slots(cfg, *tile)) * sms
+    if most < 2 or not slots:
+        return max(most, 1)
+    return min(range(2, most + 1), key=lambda n: wave_cost(programs * n, slots) * (1 / n + SPLIT_CHUNK_COST))
 
 
 def fastest_wave_tile(cfg: DecodeConfig) -> tuple[int, int]:
