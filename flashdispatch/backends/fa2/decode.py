@@ -43,8 +43,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, fastest_wave_tile, resolve_config, wave_choice,
-                            wave_split_chunks, with_split_block, with_tile, without_waves)
+from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, resolve_config, wave_choice, wave_split_chunks,
+                            wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -226,7 +226,7 @@ class DecodePlan:
         self._unsplit_config = None
         if self.wave_split:
             self._unsplit_config = tiled
-            cfg = with_split_block(cfg) if cfg.split_block_n else with_tile(cfg, *fastest_wave_tile(cfg))
+            cfg = wave_split_config(cfg)
         elif few and cfg.split_block_n and policy_splits:
             cfg = with_split_block(cfg)
         else:

@@ -280,7 +280,7 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
     SMs programs, each wave its programs' work over the tile's rate. Programs within one wave of
     the most resident tile run at once: predicted 1.0, so that a single partial wave is never
     split for waves (below ctas_per_sm x SMs programs the few-programs split applies)."""
-    tiles = cfg.wave_tiles or (((cfg.block_n, cfg.num_stages, cfg.wave_slots, 1.0),) if cfg.wave_slots else ())
+    tiles = _wave_figures(cfg)
     if not tiles:
         return None
     sms = max(sm_count, 1)
@@ -294,26 +294,37 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
     return (best[0], best[1]), programs / predicted(best)
 
 
+def _wave_figures(cfg: DecodeConfig) -> tuple:
+    """The config's (block_n, num_stages, programs per SM, rate) figures: its wave tiles, else its
+    own tile at `wave_slots` (rate 1.0), else none."""
+    if cfg.wave_tiles or not cfg.wave_slots:
+        return cfg.wave_tiles
+    return ((cfg.block_n, cfg.num_stages, cfg.wave_slots, 1.0),)
+
+
 def tile_slots(cfg: DecodeConfig, block_n: int, num_stages: int) -> int:
-    """Programs per SM of the tile block_n x num_stages from the config's figures (a wave tile,
-    or the config's own tile at `wave_slots`); 0 where they hold none for it."""
-    for tile in cfg.wave_tiles:
-        if tile[:2] == (block_n, num_stages):
-            return tile[2]
-    return cfg.wave_slots if (block_n, num_stages) == (cfg.block_n, cfg.num_stages) else 0
+    """Programs per SM of the tile block_n x num_stages from the config's figures
+    (`_wave_figures`); 0 where they hold none for it."""
+    return next((t[2] for t in _wave_figures(cfg) if t[:2] == (block_n, num_stages)), 0)
+
+
+def wave_split_config(cfg: DecodeConfig) -> DecodeConfig:
+    """The config a wave-split plan's grid runs: the split block (`with_split_block`), else the
+    tile of the best full-wave rate (`fastest_wave_tile`)."""
+    return with_split_block(cfg) if cfg.split_block_n else with_tile(cfg, *fastest_wave_tile(cfg))
 
 
 def wave_split_chunks(cfg: DecodeConfig, programs: int, sm_count: int) -> int:
     """Chunks per request of a wave split of ``programs`` unsplit programs (1: none): of 2 up to
     wave_split_ctas x SMs / programs, the count of the least predicted time on the split
-    grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of its tile, split_block_n or
-    `fastest_wave_tile`: `tile_slots`): `wave_cost` of its programs times each program's share,
+    grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of the tile of
+    `wave_split_config`: `tile_slots`): `wave_cost` of its programs times each program's share,
     1 / chunks + SPLIT_CHUNK_COST (fewer chunks on a tie). The most chunks where no figure is
     known."""
     sms = max(sm_count, 1)
     most = cfg.wave_split_ctas * sms // max(programs, 1)
-    tile = (cfg.split_block_n, cfg.num_stages) if cfg.split_block_n else fastest_wave_tile(cfg)
-    slots = (cfg.wave_split_slots or tile_slots(cfg, *tile)) * sms
+    split = wave_split_config(cfg)
+    slots = (cfg.wave_split_slots or tile_slots(cfg, split.block_n, split.num_stages)) * sms
     if most < 2 or not slots:
         return max(most, 1)
     return min(range(2, most + 1), key=lambda n: wave_cost(programs * n, slots) * (1 / n + SPLIT_CHUNK_COST))
