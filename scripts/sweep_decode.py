@@ -1,7 +1,8 @@
 """Sweep fa2 paged-decode configs over decode shapes: a TB/s table, every result checked.
 
 Each config of the grid (`DecodeConfig` fields; the row ``{}`` is `default_config`) is planned
-with ``plan_decode(..., config)`` on each shape and timed (median of --reps runs, each after a
+with ``plan_decode(..., config)`` on each shape (the key ``fixed_split_size``, pages per chunk,
+is the plan's parameter of that name instead: a split of every request into equal chunks) and timed (median of --reps runs, each after a
 256 MB L2 flush and a GPU spin (`--l2-flush`, the bench's `L2Flusher`), CUDA events). TB/s counts
 the KV bytes read: batch x kv_len x kv_heads x head_dim x 2 (K, V) x the KV dtype's size. Every
 result is compared with a dense float32 attention over the same cache (in chunks of requests, so
@@ -184,7 +185,9 @@ def run_config(shape: Shape, cfg: dict, dev, args, flush) -> tuple[dict, float |
     try:
         shape.inputs.out.fill_(float("nan"))
         t0 = time.perf_counter()
-        plan = plan_decode(shape.problem, dev, shape.params, cfg or None)
+        knobs = {k: v for k, v in cfg.items() if k != "fixed_split_size"}
+        params = dataclasses.replace(shape.params, fixed_split_size=cfg.get("fixed_split_size"))
+        plan = plan_decode(shape.problem, dev, params, knobs or None)
         plan.run(shape.inputs)
         sync(device)
         first = time.perf_counter() - t0

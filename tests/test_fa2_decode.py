@@ -228,7 +228,7 @@ def test_split_policy_stays_within_one_wave(batch, kv_len, chunks):
     case = _case((1,))
     case.params.fixed_split_size, case.params.disable_split_kv = None, False
     eff, cfg = np.full(batch, kv_len), DecodeConfig(block_n=64)
-    chunk = _chunk_tokens(eff, case.problem, case.params, cfg, 8, _split_target(batch, cfg, 8, 132))
+    chunk = _chunk_tokens(eff, case.problem, case.params, cfg, 8, _split_target(batch, cfg, 8, 132, kv_len))
     if chunks is None:
         assert chunk is None
     else:

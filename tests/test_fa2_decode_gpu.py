@@ -285,14 +285,14 @@ def test_wave_tiles_by_batch(kv_dtype, layout, features):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = default_config(Problem("decode", torch.bfloat16, kv_dtype, torch.bfloat16, 32, 8, 128, 128, page_size=16))
     by_tile = {}
-    for batch in range(sms * cfg.ctas_per_sm // 8, sms * 4):
-        if _split_target(batch, cfg, 8, sms) is None:
-            by_tile.setdefault(wave_choice(cfg, batch * 8, sms)[0], batch)
-    assert len(by_tile) == len(cfg.wave_tiles), by_tile
     gen = torch.Generator().manual_seed(43)
-    scales = dict(k_scale=0.8, v_scale=1.5) if kv_dtype != torch.bfloat16 else {}
-    for tile, batch in by_tile.items():
+    for batch in range(sms * cfg.ctas_per_sm // 8, sms * 4):
         lens = torch.randint(0, 400, (batch,), generator=gen).tolist()
+        if _split_target(batch, cfg, 8, sms, sum(lens) / batch) is None:
+            by_tile.setdefault(wave_choice(cfg, batch * 8, sms)[0], lens)
+    assert len(by_tile) == len(cfg.wave_tiles), {tile: len(lens) for tile, lens in by_tile.items()}
+    scales = dict(k_scale=0.8, v_scale=1.5) if kv_dtype != torch.bfloat16 else {}
+    for tile, lens in by_tile.items():
         case = _case(lens, num_qo_heads=32, num_kv_heads=8, kv_dtype=kv_dtype, kv_layout=layout, seed=43,
                      **scales, **features)
         ref_out, ref_lse = reference_backend_result(case)
@@ -322,12 +322,13 @@ def test_wave_split_by_batch(heads, head_dim, page_size, kv_dtype):
     per_sm = max([t[2] for t in cfg.wave_tiles] or [cfg.wave_slots])
     first = max(sms * per_sm // kv_heads + 1, -(-sms * cfg.ctas_per_sm // kv_heads))
     by_split = {}
-    for batch in range(first, 2 * first):
-        by_split.setdefault(_split_target(batch, cfg, kv_heads, sms) is not None, batch)
-    assert set(by_split) == {True, False}, by_split
     gen = torch.Generator().manual_seed(44)
-    for split, batch in sorted(by_split.items()):
+    for batch in range(first, 2 * first):
         lens = torch.randint(500, 3000, (batch,), generator=gen).tolist()
+        by_split.setdefault(_split_target(batch, cfg, kv_heads, sms, sum(lens) / batch) is not None, lens)
+    assert set(by_split) == {True, False}, {split: len(lens) for split, lens in by_split.items()}
+    for split, lens in sorted(by_split.items()):
+        batch = len(lens)
         case = _case(lens, num_qo_heads=heads[0], num_kv_heads=kv_heads, head_dim_qk=head_dim, page_size=page_size,
                      kv_dtype=kv_dtype, seed=44, **_fp8_scales(kv_dtype))
         ref_out, ref_lse = reference_backend_result(case)

@@ -99,21 +99,24 @@ def _h200_plan(lens, kv_dtype=F16):
 
 
 def test_wave_plans_on_the_h200():
-    """Plans of the bf16 and fp8 d128 defaults on 132 SMs: the tile or wave split of each batch
-    (the 32 x 2 tile under its register cap, the others uncapped); a bf16 re-plan with other
-    lengths through `DecodePlan.refreshed` equals a fresh plan of them."""
+    """Plans of the bf16 and fp8 d128 defaults on 132 SMs for ~4096-token requests: the tile or
+    wave split of each batch (the 32 x 2 tile under its register cap, the others uncapped), as the
+    H200 sweeps rank them (bf16 176x4096 4.28 TB/s in 3 chunks against 4.18 whole; fp8 80x4096
+    3.49 in 3 against 3.02, 160x4096 3.86 in 4 against 3.66, 128x4096 3.90 whole against 3.91 in
+    2); a bf16 re-plan with other lengths through `DecodePlan.refreshed` equals a fresh plan of
+    them."""
     from flashdispatch.backends.fa2.decode import _register_cap
     gen = np.random.default_rng(7)
-    expect = {70: ((64, 2), False, 0), 96: ((32, 2), False, 64), 133: ((64, 2), True, 0),
-              160: ((64, 2), False, 0), 176: ((64, 3), False, 0), 256: ((32, 2), False, 64)}
+    expect = {70: ((64, 2), 1, 0), 96: ((32, 2), 1, 64), 133: ((64, 2), 5, 0), 160: ((64, 2), 1, 0),
+              176: ((64, 2), 3, 0), 256: ((32, 2), 1, 64)}
     refreshed = 0
-    for batch, (tile, split, cap) in expect.items():
-        lens = gen.integers(500, 5000, batch).tolist()
+    for batch, (tile, chunks, cap) in expect.items():
+        lens = gen.integers(3500, 4700, batch).tolist()
         plan, _ = _h200_plan(lens)
         cfg = plan.config
-        assert ((cfg.block_n, cfg.num_stages), plan.wave_split, plan.max_chunks > 1) == (tile, split, split), batch
+        assert ((cfg.block_n, cfg.num_stages), plan.wave_split, plan.max_chunks) == (tile, chunks > 1, chunks), batch
         assert _register_cap(plan.problem, cfg, plan.block_m, plan.fused_merge) == cap, batch
-        new_lens = gen.integers(500, 5000, batch).tolist()
+        new_lens = gen.integers(3500, 4700, batch).tolist()
         fresh, params = _h200_plan(new_lens)
         again = plan.refreshed(_H200, params)
         if again is not None:
@@ -122,14 +125,28 @@ def test_wave_plans_on_the_h200():
                          "n_work", "fused_merge"):
                 assert getattr(again, name) == getattr(fresh, name), (batch, name)
     assert refreshed == len(expect)
-    # fp8 (no split block): 270 requests take 64 x 3 unsplit, but split on the fastest tile
-    fp8 = {130: ((32, 3), False), 198: ((32, 2), False), 200: ((32, 3), True), 270: ((32, 3), True)}
-    for batch, (tile, split) in fp8.items():
-        plan, _ = _h200_plan(gen.integers(500, 5000, batch).tolist(), torch.float8_e4m3fn)
-        assert ((plan.config.block_n, plan.config.num_stages), plan.wave_split) == (tile, split), batch
+    # fp8 (no split block; one-warp programs: a partly filled single wave splits too): the split
+    # runs the fastest tile, 32 x 3
+    fp8 = {80: 3, 128: 1, 160: 4, 198: 2, 256: 1, 270: 3}
+    for batch, chunks in fp8.items():
+        plan, _ = _h200_plan(gen.integers(3500, 4700, batch).tolist(), torch.float8_e4m3fn)
+        assert ((plan.config.block_n, plan.config.num_stages), plan.max_chunks) == ((32, 3), chunks), batch
 
 
-SPLIT_AT_ONE_SLOT = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16}
+def test_refresh_plans_afresh_where_the_split_changes():
+    """The wave split depends on the mean length (`DecodeConfig.split_chunk_tokens`): a re-plan of
+    a bf16 133-request plan with 2048-token requests (whole on the 64 x 2 tile) plans afresh when
+    the requests reach 4096 tokens (split in 5), and the other way."""
+    short, _ = _h200_plan([2048] * 133)
+    long, params = _h200_plan([4096] * 133)
+    assert (short.wave_split, long.wave_split, long.max_chunks) == (False, True, 5)
+    assert short.refreshed(_H200, params) is None
+    assert long.refreshed(_H200, _h200_plan([2048] * 133)[1]) is None
+    assert long.refreshed(_H200, _h200_plan([4000] * 133)[1]) is not None
+
+
+SPLIT_AT_ONE_SLOT = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16,
+                     "split_chunk_tokens": 0}
 
 
 @pytest.mark.parametrize("batch, split", [(4, False), (5, True)])  # x 2 KV heads: 8 or 10 programs
@@ -151,50 +168,53 @@ def test_wave_split_of_a_partial_last_wave(batch, split):
 def test_split_block_only_where_requests_split(lens, block_n):
     """A plan the wave split targets runs split_block_n only when its partition splits a request:
     requests shorter than the policy's chunk keep the base block (and its register cap)."""
-    config = {**SPLIT_AT_ONE_SLOT, "split_block_n": 32}
+    # figures for both blocks (2 stages: the d64 default's), or the split is not predicted
+    config = {**SPLIT_AT_ONE_SLOT, "split_block_n": 32, "wave_tiles": [[16, 2, 1, 1.0], [32, 2, 1, 1.0]]}
     plan = _check(_case(lens, seed=13), config=config)
     assert (plan.config.block_n, plan.max_chunks > 1) == (block_n, block_n == 32)
 
 
 def test_wave_split_targets_on_the_h200():
     """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; wave tiles of 8, 5
-    and 4 programs per SM): batches no tile runs in full enough waves split each request in
-    `wave_split_chunks`; those a tile fits (the H200 sweep of session 16), one partial wave and
-    the ANCHORS batches do not; fewer than 4 per SM aim at 4."""
+    and 4 programs per SM) against the H200 sweeps of session 18 (TB/s split / whole): 170x4096
+    in 3 chunks (4.28 / 4.08), 140x8192 in 5 (4.36 / 4.32), 266x2048 in 2 (4.12 / 4.04);
+    133x2048 (3.93 / 4.07) and 200x1024 (3.80 / 3.88) whole. One partial wave and the ANCHORS
+    batches are not split for waves; fewer than 4 per SM aim at 4."""
     from flashdispatch.backends.fa2.decode import _split_target
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.dispatch.problem import Problem
     cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
-    for batch, chunks in ((133, 4), (200, 3)):  # `wave_split_chunks` per request
-        assert _split_target(batch, cfg, 8, 132) == batch * 8 * chunks, batch
-    for batch in (96, 128, 136, 160, 192, 240, 256, 288, 320, 384, 400, 600):
-        assert _split_target(batch, cfg, 8, 132) is None, batch
-    assert _split_target(64, cfg, 8, 132) == 132 * 4
+    for batch, tokens, chunks in ((170, 4096, 3), (140, 8192, 5), (266, 2048, 2)):
+        assert _split_target(batch, cfg, 8, 132, tokens) == batch * 8 * chunks, batch
+    for batch, tokens in ((133, 2048), (200, 1024), (96, 4096), (128, 2048), (256, 1024), (256, 4096)):
+        assert _split_target(batch, cfg, 8, 132, tokens) is None, batch
+    assert _split_target(64, cfg, 8, 132, 4096) == 132 * 4
+    assert _split_target(200, cfg, 8, 132, 0.0) is None  # empty requests
 
 
-def test_wave_split_chunks_on_the_h200():
-    """`wave_split_chunks` on 132 SMs against the H200 sweeps of session 17 (TB/s of the chunk
-    count it picks against the former most chunks within wave_split_ctas x SMs): fp8 d128 on the
-    32 x 3 tile (8 per SM) 270x4096 3 chunks 3.82 (2: 3.72), 300x4096 3 (3.95; 2: 3.83), 420x4096
-    2 (3.96; whole: 3.72); bf16 group 4 on the fused split kernel (4 per SM) 200x4096 3; d256 (4
-    per SM) 85x4096 3 (4.29; 4: 4.05), 90x4096 2 (4.24; 4: 4.15); page 1 (3 per SM) 70x4096 2
-    (4.08; 5: 4.01). Fewer than 2 chunks within the cap: 1 (no split); a split kernel without a
-    programs-per-SM figure: the most chunks within the cap."""
-    from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config, wave_split_chunks
+def test_wave_split_choice_on_the_h200():
+    """`wave_split_choice` on 132 SMs against the H200 sweeps (TB/s of the chunk count it picks;
+    others in brackets): fp8 d128 on the 32 x 3 tile (8 per SM), session 17: 270x4096 3 chunks
+    3.82 (2: 3.72), 300x4096 3 (3.95; 2: 3.83), 420x4096 2 (3.96; whole: 3.72), 300x2048 3 (3.43-
+    3.53; 2: 3.34); session 18: 80x4096 3 (3.49), 100x4096 5 (3.58), 160x4096 4 (3.86), 160x8192
+    4 (4.11); bf16 group 4 on the fused split kernel (4 per SM) 200x4096 3; d256 (4 per SM)
+    85x4096 3 (4.29; 4: 4.05), 90x4096 2 (4.24; 4: 4.15); page 1 (3 per SM) 70x4096 2 (4.08; 5:
+    4.01). Fewer than 2 chunks within the cap, empty requests and a split kernel without a
+    programs-per-SM figure: no split."""
+    from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config, wave_split_choice
     from flashdispatch.dispatch.problem import Problem
 
-    def chunks(batch, d=128, page=16, kv=F16, heads=(32, 8), overrides=None):
+    def chunks(batch, tokens=4096, d=128, page=16, kv=F16, heads=(32, 8), overrides=None):
         cfg = default_config(Problem("decode", F16, kv, F16, heads[0], heads[1], d, d, page_size=page))
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
-        return wave_split_chunks(cfg, batch * heads[1], 132)
+        return wave_split_choice(cfg, batch * heads[1], 132, tokens)[0]
     fp8 = torch.float8_e4m3fn
-    assert [chunks(b, kv=fp8) for b in (192, 200, 270, 300, 420)] == [2, 3, 3, 3, 2]
+    assert [chunks(b, kv=fp8) for b in (270, 300, 420, 80, 100, 160)] == [3, 3, 2, 3, 5, 4]
+    assert chunks(300, 2048, kv=fp8) == 3 and chunks(160, 8192, kv=fp8) == 4
     assert chunks(1100, kv=fp8) == 1  # 64 per SM hold fewer than 2 chunks of 8800 programs
-    assert chunks(133) == 4 and chunks(200) == 3  # bf16 group 4: 4 per SM (the fused split kernel)
-    assert chunks(200, heads=(64, 8)) == 2  # group 8: the 64 x 2 tile's 5 per SM
-    assert chunks(85, d=256) == 3 and chunks(90, d=256) == 2 and chunks(70, page=1) == 2
-    # a split block without a figure (its block_n overridden): the most chunks under 48 per SM
-    assert chunks(133, overrides={"split_block_n": 128}) == 132 * 48 // (133 * 8) == 5
+    assert chunks(200) == 3 and chunks(85, d=256) == 3 and chunks(90, d=256) == 2 and chunks(70, page=1) == 2
+    assert chunks(200, 0) == 1
+    assert chunks(133, overrides={"wave_tiles": [[32, 2, 8, 1.0]], "split_block_n": 128}) == 1
 
 
 def test_wave_split_defaults_by_config():

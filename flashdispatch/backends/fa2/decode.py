@@ -43,8 +43,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (WAVE_SPLIT_EFFICIENCY, DecodeConfig, resolve_config, wave_choice, wave_split_chunks,
-                            wave_split_config, with_split_block, with_tile, without_waves)
+from .decode_config import (DecodeConfig, resolve_config, wave_choice, wave_split_choice, wave_split_config,
+                            with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -103,13 +103,13 @@ def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray
     return np.maximum(block_n, -(-per // block_n) * block_n)
 
 
-def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int,
+def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int, tokens: float,
                   choice: tuple | None = None) -> int | None:
     """The programs the default split policy aims for (`_chunk_tokens`), or None: none needed.
-    Fewer programs than ctas_per_sm x SMs aim for that many; more, where `wave_choice` predicts
-    their waves to waste the GPU even on the best tile (`DecodeConfig.wave_split_ctas`), aim for
-    `wave_split_chunks` chunks per request (a function of the batch size alone, as a re-plan's
-    refresh needs). ``choice``: `wave_choice` of these programs where the caller has it already."""
+    Fewer programs than ctas_per_sm x SMs aim for that many; more, where `wave_split_choice`
+    predicts a split of requests of ``tokens`` tokens on average faster than the best tile whole
+    (`wave_choice`; `DecodeConfig.wave_split_ctas`), its chunks per request. ``choice``:
+    `wave_choice` of these programs where the caller has it already."""
     sms = max(sm_count, 1)
     programs = batch * units
     if programs < sms * cfg.ctas_per_sm:
@@ -118,10 +118,23 @@ def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int,
         return None
     if choice is None:
         choice = wave_choice(cfg, programs, sms)
-    if choice is None or choice[1] >= WAVE_SPLIT_EFFICIENCY:
+    if choice is None or choice[1] >= 1.0:
         return None
-    chunks = wave_split_chunks(cfg, programs, sms)
-    return programs * chunks if chunks > 1 else None
+    chunks, predicted = wave_split_choice(cfg, programs, sms, tokens)
+    return programs * chunks if chunks > 1 and predicted > choice[1] else None
+
+
+def _effective_lengths(params: AttentionParams, problem: Problem, q_len: int) -> tuple:
+    """(kv lengths, window starts, tokens from there) of ``params``' requests (int64 arrays)."""
+    lens = np.array(params.kv_lens_host, dtype=np.int64)
+    if problem.window_left < 0:
+        return lens, np.zeros(len(lens), np.int64), lens
+    lo = np.maximum(lens - q_len - problem.window_left, 0)
+    return lens, lo, lens - lo
+
+
+def _mean(tokens: np.ndarray) -> float:
+    return float(tokens.mean()) if len(tokens) else 0.0
 
 
 def _never_split(batch: int, params: AttentionParams, target: int | None) -> bool:
@@ -214,10 +227,13 @@ class DecodePlan:
         # function of the batch size: fixed_split_size / disable_split_kv stay batch-invariant)
         choice = None if few or not policy_splits else wave_choice(cfg, programs, sm_count)
         tiled = cfg if choice is None else with_tile(cfg, *choice[0])
-        # the default policy's split target (few programs, or the wave split's; a function of the
-        # batch size, which a refresh keeps); CUDA-graph grids split by the batch size alone,
-        # never for waves
-        self.split_target = _split_target(params.batch_size, cfg, units, sm_count, choice)
+        # the default policy's split target (few programs: a function of the batch size; the wave
+        # split's: of the mean length too, which a refresh checks); CUDA-graph grids split by the
+        # batch size alone, never for waves
+        lengths = _effective_lengths(params, p, self.q_len)
+        self._wave_policy = None if choice is None else (cfg, sm_count, choice)
+        tokens = 0.0 if choice is None else _mean(lengths[2])  # only the wave split reads it
+        self.split_target = _split_target(params.batch_size, cfg, units, sm_count, tokens, choice)
         self.wave_split = choice is not None and not p.use_cuda_graph and self.split_target is not None
         # a wave-split plan runs the split block, or (fp8: none) the tile of the best full-wave
         # rate, and the wave tile where its partition splits nothing after all (short requests,
@@ -241,7 +257,7 @@ class DecodePlan:
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
         self.units = units  # programs per work item
         self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
-        self._build(device, params, run_device)
+        self._build(device, params, run_device, lengths)
 
     def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
@@ -252,9 +268,14 @@ class DecodePlan:
         otherwise, to plan afresh."""
         if not self.direct or params.batch_size != self.batch:
             return None
+        lengths = _effective_lengths(params, self.problem, self.q_len)
+        if self._wave_policy is not None:
+            cfg, sm_count, choice = self._wave_policy
+            if _split_target(self.batch, cfg, self.units, sm_count, _mean(lengths[2]), choice) != self.split_target:
+                return None
         split = (0, 1)
         if not _never_split(self.batch, params, self.split_target):
-            _, _, eff, _, chunk = self._partition(device, params)
+            _, _, eff, _, chunk = self._partition(device, params, lengths)
             if chunk is not None:
                 split = self._direct_split(eff, chunk, params)
         if split is None or split[1] != self.split_slots:
@@ -270,15 +291,14 @@ class DecodePlan:
         return plan
 
     # --- planning --------------------------------------------------------------------------
-    def _partition(self, device: Device, params: AttentionParams):
+    def _partition(self, device: Device, params: AttentionParams, lengths: tuple):
         """(kv lengths, window starts, tokens from there, graph splits, chunk tokens per request or
-        None) of ``params``' requests: the split-KV partition (see `_chunk_tokens`, `_graph_splits`;
-        a wave split whose partials the workspace cannot hold is left out)."""
-        p, cfg, ql = self.problem, self.config, self.q_len
-        lens = np.array(params.kv_lens_host, dtype=np.int64)
+        None) of ``params``' requests, whose `_effective_lengths` are ``lengths``: the split-KV
+        partition (see `_chunk_tokens`, `_graph_splits`; a wave split whose partials the
+        workspace cannot hold is left out)."""
+        p, cfg = self.problem, self.config
+        lens, lo, eff = lengths
         batch = len(lens)
-        lo = np.maximum(lens - ql - p.window_left, 0) if p.window_left >= 0 else np.zeros(batch, np.int64)
-        eff = lens - lo
         if not p.use_cuda_graph:
             splits, chunk = 0, _chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
             if chunk is not None and self.wave_split:
@@ -309,9 +329,9 @@ class DecodePlan:
             return None
         return _policy_tokens(eff, self.config, self.units, self.split_target), slots
 
-    def _build(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
+    def _build(self, device: Device, params: AttentionParams, run_device: torch.device, lengths: tuple) -> None:
         p, cfg, ql = self.problem, self.config, self.q_len
-        lens, lo, eff, splits, chunk = self._partition(device, params)
+        lens, lo, eff, splits, chunk = self._partition(device, params, lengths)
         batch = self.batch = len(lens)
         unsplit = chunk is None and splits <= 1  # one work item per request, nothing to merge
         if unsplit and self._unsplit_config is not None:

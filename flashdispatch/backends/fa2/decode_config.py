@@ -91,21 +91,35 @@ class DecodeConfig:
     without wave_tiles; 0: not known (a config that overrides block_n, num_stages, num_warps or
     max_registers resets it). Used by the wave split only: without wave_split_ctas it has no
     effect.
-    wave_split_ctas: > 0: a plan of more than one wave of programs (of the most resident tile)
-    whose waves `wave_choice` predicts below WAVE_SPLIT_EFFICIENCY of the GPU even on its best
-    tile splits its requests by the default policy as few requests do, in the chunks per request
-    that `wave_split_chunks` predicts fastest on the split grid, at most this many programs per
-    SM: shorter programs in more waves leave a shorter last one. A single partial wave is never
-    split for waves. H200, TB/s unsplit -> split: bf16 32/8 d128 (session 15, before the wave
+    wave_split_ctas: > 0: a plan of at least ctas_per_sm x SMs programs may split its requests
+    by the default policy as few requests do, into at most this many programs per SM, where
+    `wave_split_choice` predicts the split grid faster than the best tile whole (`wave_choice`):
+    shorter programs in more waves leave a shorter last one, each chunk costing
+    split_chunk_tokens. H200, TB/s whole -> split: bf16 32/8 d128 (session 15, before the wave
     tiles, 8 per SM: 136x4096 (1.03 waves) 3.28 -> 4.25, 288x4096 3.73 -> 4.47; session 16, best
     tile -> split: 133x4096 4.19 -> 4.18, 176x4096 4.18 -> 4.28); fp8 d128 on `fastest_wave_tile`
-    (210x4096 3.39 -> 3.85, 300x4096 3.65 -> 3.95, 420x4096 3.72 -> 3.96). The MHA d128, page-1
-    and d256 defaults allow 24 per SM (their per-SM figures 4, 3, 4; MHA 24x4096 3.61 -> 4.19,
-    d256 85x4096 4.29 with 3 chunks). 0: no wave split.
+    (210x4096 3.39 -> 3.85, 300x4096 3.65 -> 3.95, 420x4096 3.72 -> 3.96; one partly filled wave,
+    session 18: 80x4096 3.02 -> 3.49, 160x4096 3.66 -> 3.86, 160x8192 3.76 -> 4.11). The MHA d128,
+    page-1 and d256 defaults allow 24 per SM (their per-SM figures 4, 3, 4; MHA 24x4096 3.61 ->
+    4.19, d256 85x4096 4.29 with 3 chunks). 0: no wave split.
     wave_split_slots: programs per SM of the wave split's kernel (its split tile with the fused
-    merge) where they differ from its tile's figure (`tile_slots`): bf16 32/8 d128, 4 (the
-    fused merge's 8K tile: 122 registers, against the 64 x 2 tile's 5); 0: the tile's figure. A
-    config that overrides the tiles, split_block_n or fused_merge_values resets it.
+    merge) where they differ from its tile's figure: bf16 32/8 d128, 4 (the fused merge's 8K
+    tile: 122 registers, against the 64 x 2 tile's 5); 0: the tile's figure. A config that
+    overrides the tiles, split_block_n or fused_merge_values resets it.
+    split_chunk_tokens: what each chunk of a wave-split request costs beyond its share of the
+    request, in tokens of its work (the chunk's start and partial write, the merge). Fitted per
+    default to H200 sweeps (session 18), as the value that ranks the split and whole plans of
+    each measured shape as measured: fp8 d128 72 (15 shapes of one partly filled wave, 2048 to
+    8192 tokens, each within 1.7 % of its best, and 300x2048 in 3 chunks, 3.43-3.53 TB/s against
+    3.34 in 2; a cost in proportion to the request missed the 2048-token rows), bf16 GQA d128 48 (page 16: 133x2048 4.07 TB/s whole against 3.93 in 4
+    chunks, 266x2048 4.12 in 2 against 4.04 whole; page 1: 150x2048 4.00 in 2 against 3.88), MHA
+    d128 24 (20x1024 3.18 in 4 chunks against 3.02 in 2), d256 16 (75x1024 3.58 in 5 against
+    3.36 in 2).
+    lone_wave_full_rate: a single, partly filled wave of programs reads at the full rate (4-warp
+    programs keep enough loads in flight at any fill: bf16 96x4096 and 128x2048 whole read as
+    fast as full waves), so it is never split for waves; False: it costs as a last partial wave
+    does (`wave_cost`; fp8's one-warp programs: 80x4096, 640 programs on 1056 slots, 3.02 TB/s
+    whole, 3.49 split in 3).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -137,17 +151,19 @@ class DecodeConfig:
     wave_slots: int = 0
     wave_split_ctas: int = 0
     wave_split_slots: int = 0
+    split_chunk_tokens: int = 48
+    lone_wave_full_rate: bool = True
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
         if self.fp8_v_convert not in ("operand", "staged"):
             raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
-        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
+        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab", "lone_wave_full_rate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 0),
-                          ("wave_split_slots", 0)):
+                          ("wave_split_slots", 0), ("split_chunk_tokens", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
@@ -190,11 +206,12 @@ def default_config(problem: Problem) -> DecodeConfig:
             # (32 x 3 4.0-4.1 TB/s at whole waves, 32 x 2 3.85-3.95, 64 x 3 3.65-3.75); the wave
             # split where no tile fits, up to 64 per SM (sessions 16-17, TB/s tile -> split on
             # 32 x 3: 210x4096 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34 -> 3.82, 300x4096
-            # 3.65 -> 3.95, 420x4096 3.72 -> 3.96)
+            # 3.65 -> 3.95, 420x4096 3.72 -> 3.96), a partly filled single wave too (session 18)
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
-                                wave_split_ctas=64 if tiles else 0)
+                                wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
+                                lone_wave_full_rate=not tiles)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
@@ -203,7 +220,8 @@ def default_config(problem: Problem) -> DecodeConfig:
         return DecodeConfig(block_n=128, direct_table=gqa, wave_slots=3 if gqa and d == 128 else 0,
                             wave_split_ctas=24)
     if not gqa and d <= 128:
-        return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24)
+        return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24,
+                            split_chunk_tokens=24)
     if d <= 64:
         return DecodeConfig(block_n=64, direct_table=True)
     if d <= 128:
@@ -217,7 +235,8 @@ def default_config(problem: Problem) -> DecodeConfig:
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
                             wave_split_slots=4 if group == 4 else 0)
-    return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24)
+    return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
+                        split_chunk_tokens=16)
 
 
 def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
@@ -256,14 +275,6 @@ def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
 # proportion to its fill (fitted to the H200 fp8 sweeps of session 15, docs/perf-notes.md).
 PARTIAL_WAVE_COST = 0.5
-# Plans whose best tile `wave_choice` predicts below this split (DecodeConfig.wave_split_ctas).
-WAVE_SPLIT_EFFICIENCY = 0.9
-# What each chunk of a split request costs beyond its share of the request's work, as a fraction
-# of the request (fitted to H200 fp8 4096-token rows split 2 and 4 ways at the same predicted wave
-# efficiency, session 17: 192x4096 4.00 / 3.88 TB/s; `wave_split_chunks`).
-SPLIT_CHUNK_COST = 0.016
-
-
 def wave_cost(programs: int, slots: int) -> float:
     """The time of ``programs`` programs of equal work on ``slots`` resident at once, in full
     waves: the whole waves, and a last partial one at PARTIAL_WAVE_COST + (1 -
@@ -278,8 +289,7 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
     where the config carries no programs-per-SM figures. The tiles: `DecodeConfig.wave_tiles`,
     else the config's own at `wave_slots` per SM; each costs `wave_cost` in waves of per-SM x
     SMs programs, each wave its programs' work over the tile's rate. Programs within one wave of
-    the most resident tile run at once: predicted 1.0, so that a single partial wave is never
-    split for waves (below ctas_per_sm x SMs programs the few-programs split applies)."""
+    the most resident tile run at once: predicted 1.0 where `DecodeConfig.lone_wave_full_rate`."""
     tiles = _wave_figures(cfg)
     if not tiles:
         return None
@@ -289,7 +299,7 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
         slots = tile[2] * sms
         return wave_cost(programs, slots) * slots / tile[3]
     best = min(tiles, key=predicted)
-    if programs <= max(t[2] for t in tiles) * sms:
+    if cfg.lone_wave_full_rate and programs <= max(t[2] for t in tiles) * sms:
         return (best[0], best[1]), 1.0
     return (best[0], best[1]), programs / predicted(best)
 
@@ -302,10 +312,10 @@ def _wave_figures(cfg: DecodeConfig) -> tuple:
     return ((cfg.block_n, cfg.num_stages, cfg.wave_slots, 1.0),)
 
 
-def tile_slots(cfg: DecodeConfig, block_n: int, num_stages: int) -> int:
-    """Programs per SM of the tile block_n x num_stages from the config's figures
-    (`_wave_figures`); 0 where they hold none for it."""
-    return next((t[2] for t in _wave_figures(cfg) if t[:2] == (block_n, num_stages)), 0)
+def _tile_figure(cfg: DecodeConfig, block_n: int, num_stages: int) -> tuple | None:
+    """The config's (block_n, num_stages, programs per SM, rate) figure of the tile block_n x
+    num_stages (`_wave_figures`), or None where it holds none for it."""
+    return next((t for t in _wave_figures(cfg) if t[:2] == (block_n, num_stages)), None)
 
 
 def wave_split_config(cfg: DecodeConfig) -> DecodeConfig:
@@ -314,20 +324,26 @@ def wave_split_config(cfg: DecodeConfig) -> DecodeConfig:
     return with_split_block(cfg) if cfg.split_block_n else with_tile(cfg, *fastest_wave_tile(cfg))
 
 
-def wave_split_chunks(cfg: DecodeConfig, programs: int, sm_count: int) -> int:
-    """Chunks per request of a wave split of ``programs`` unsplit programs (1: none): of 2 up to
-    wave_split_ctas x SMs / programs, the count of the least predicted time on the split
+def wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, tokens: float) -> tuple[int, float]:
+    """(chunks per request, predicted fraction of full-wave throughput) of the best wave split of
+    ``programs`` unsplit programs whose requests hold ``tokens`` tokens on average: of 2 up to
+    wave_split_ctas x SMs / programs chunks, the count of the least predicted time on the split
     grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of the tile of
-    `wave_split_config`: `tile_slots`): `wave_cost` of its programs times each program's share,
-    1 / chunks + SPLIT_CHUNK_COST (fewer chunks on a tie). The most chunks where no figure is
-    known."""
+    `wave_split_config`, and that tile's rate): `wave_cost` of its programs, each
+    program's work tokens / chunks + split_chunk_tokens (fewer chunks on a tie). (1, 0.0): no
+    split, where fewer than 2 chunks fit, the requests are empty or the kernel has no figure."""
     sms = max(sm_count, 1)
     most = cfg.wave_split_ctas * sms // max(programs, 1)
     split = wave_split_config(cfg)
-    slots = (cfg.wave_split_slots or tile_slots(cfg, split.block_n, split.num_stages)) * sms
-    if most < 2 or not slots:
-        return max(most, 1)
-    return min(range(2, most + 1), key=lambda n: wave_cost(programs * n, slots) * (1 / n + SPLIT_CHUNK_COST))
+    figure = _tile_figure(cfg, split.block_n, split.num_stages)
+    if most < 2 or tokens <= 0 or figure is None:
+        return 1, 0.0
+    slots = (cfg.wave_split_slots or figure[2]) * sms
+
+    def predicted(n):  # in durations of one whole request's program at the full rate
+        return wave_cost(programs * n, slots) * slots / figure[3] * (1 / n + cfg.split_chunk_tokens / tokens)
+    chunks = min(range(2, most + 1), key=predicted)
+    return chunks, programs / predicted(chunks)
 
 
 def fastest_wave_tile(cfg: DecodeConfig) -> tuple[int, int]:
