@@ -199,8 +199,10 @@ def test_wave_split_choice_on_the_h200():
     3.53; 2: 3.34); session 18: 80x4096 3 (3.49), 100x4096 5 (3.58), 160x4096 4 (3.86), 160x8192
     4 (4.11); bf16 group 4 on the fused split kernel (4 per SM) 200x4096 3; d256 (4 per SM)
     85x4096 3 (4.29; 4: 4.05), 90x4096 2 (4.24; 4: 4.15); page 1 (3 per SM) 70x4096 2 (4.08; 5:
-    4.01). Fewer than 2 chunks within the cap, empty requests and a split kernel without a
-    programs-per-SM figure: no split."""
+    4.01). Fewer than 2 chunks within the cap, empty requests, a split kernel without a
+    programs-per-SM figure, and one partly filled wave of shorter requests than
+    lone_wave_split_tokens (fp8 160x2048: 3.46 whole, 3.26 in 4; 160x3072 3.58 whole, 3.69 in
+    4): no split."""
     from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config, wave_split_choice
     from flashdispatch.dispatch.problem import Problem
 
@@ -211,6 +213,8 @@ def test_wave_split_choice_on_the_h200():
     fp8 = torch.float8_e4m3fn
     assert [chunks(b, kv=fp8) for b in (270, 300, 420, 80, 100, 160)] == [3, 3, 2, 3, 5, 4]
     assert chunks(300, 2048, kv=fp8) == 3 and chunks(160, 8192, kv=fp8) == 4
+    # one partly filled wave (fp8: within 12 per SM): split from lone_wave_split_tokens (3072) on
+    assert [chunks(160, n, kv=fp8) for n in (2048, 3072)] == [1, 4] and chunks(100, 8192) == 1  # bf16: never
     assert chunks(1100, kv=fp8) == 1  # 64 per SM hold fewer than 2 chunks of 8800 programs
     assert chunks(200) == 3 and chunks(85, d=256) == 3 and chunks(90, d=256) == 2 and chunks(70, page=1) == 2
     assert chunks(200, 0) == 1

@@ -115,11 +115,14 @@ class DecodeConfig:
     chunks, 266x2048 4.12 in 2 against 4.04 whole; page 1: 150x2048 4.00 in 2 against 3.88), MHA
     d128 24 (20x1024 3.18 in 4 chunks against 3.02 in 2), d256 16 (75x1024 3.58 in 5 against
     3.36 in 2).
-    lone_wave_full_rate: a single, partly filled wave of programs reads at the full rate (4-warp
-    programs keep enough loads in flight at any fill: bf16 96x4096 and 128x2048 whole read as
-    fast as full waves), so it is never split for waves; False: it costs as a last partial wave
-    does (`wave_cost`; fp8's one-warp programs: 80x4096, 640 programs on 1056 slots, 3.02 TB/s
-    whole, 3.49 split in 3).
+    lone_wave_split_tokens: a single, partly filled wave of programs (within one wave of the
+    most resident tile) is split for waves only where its requests hold at least this many
+    tokens on average, predicted as a last partial wave (`wave_cost`); 0: never (it reads at the
+    full rate). bf16's 4-warp programs keep enough loads in flight at any fill (96x4096 and
+    128x2048 whole read as fast as full waves): 0. fp8's one-warp programs do not: 3072 (H200,
+    TB/s whole -> split: 80x4096 3.02 -> 3.49, 160x4096 3.66 -> 3.86, 75x8192 2.94 -> 3.81,
+    92x16384 3.49 -> 4.13, 160x3072 3.58 -> 3.69; at 2048 tokens 70x2048 2.53 -> 2.69 but
+    160x2048 3.46 -> 3.26 and 120x2048 3.48 -> 3.35, at 1024 80x1024 2.67 -> 2.55; session 18).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -152,18 +155,18 @@ class DecodeConfig:
     wave_split_ctas: int = 0
     wave_split_slots: int = 0
     split_chunk_tokens: int = 48
-    lone_wave_full_rate: bool = True
+    lone_wave_split_tokens: int = 0
 
     def __post_init__(self):
         if self.fp8_dot_dtype not in ("q", "fp16"):
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
         if self.fp8_v_convert not in ("operand", "staged"):
             raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
-        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab", "lone_wave_full_rate"):
+        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 0),
-                          ("wave_split_slots", 0), ("split_chunk_tokens", 0)):
+                          ("wave_split_slots", 0), ("split_chunk_tokens", 0), ("lone_wave_split_tokens", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
@@ -211,7 +214,7 @@ def default_config(problem: Problem) -> DecodeConfig:
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
-                                lone_wave_full_rate=not tiles)
+                                lone_wave_split_tokens=3072)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
@@ -288,8 +291,7 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
     least predicted time for ``programs`` programs of equal work on ``sm_count`` SMs, or None
     where the config carries no programs-per-SM figures. The tiles: `DecodeConfig.wave_tiles`,
     else the config's own at `wave_slots` per SM; each costs `wave_cost` in waves of per-SM x
-    SMs programs, each wave its programs' work over the tile's rate. Programs within one wave of
-    the most resident tile run at once: predicted 1.0 where `DecodeConfig.lone_wave_full_rate`."""
+    SMs programs, each wave its programs' work over the tile's rate."""
     tiles = _wave_figures(cfg)
     if not tiles:
         return None
@@ -299,8 +301,6 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
         slots = tile[2] * sms
         return wave_cost(programs, slots) * slots / tile[3]
     best = min(tiles, key=predicted)
-    if cfg.lone_wave_full_rate and programs <= max(t[2] for t in tiles) * sms:
-        return (best[0], best[1]), 1.0
     return (best[0], best[1]), programs / predicted(best)
 
 
@@ -331,12 +331,15 @@ def wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, tokens: f
     grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of the tile of
     `wave_split_config`, and that tile's rate): `wave_cost` of its programs, each
     program's work tokens / chunks + split_chunk_tokens (fewer chunks on a tie). (1, 0.0): no
-    split, where fewer than 2 chunks fit, the requests are empty or the kernel has no figure."""
+    split, where fewer than 2 chunks fit, the requests are empty, the kernel has no figure, or
+    the programs fit one wave of the most resident tile and their requests are shorter than
+    `DecodeConfig.lone_wave_split_tokens`."""
     sms = max(sm_count, 1)
     most = cfg.wave_split_ctas * sms // max(programs, 1)
     split = wave_split_config(cfg)
     figure = _tile_figure(cfg, split.block_n, split.num_stages)
-    if most < 2 or tokens <= 0 or figure is None:
+    lone = programs <= max((t[2] for t in _wave_figures(cfg)), default=0) * sms
+    if most < 2 or tokens <= 0 or figure is None or lone and not 0 < cfg.lone_wave_split_tokens <= tokens:
         return 1, 0.0
     slots = (cfg.wave_split_slots or figure[2]) * sms
 
