@@ -174,6 +174,22 @@ def test_split_block_only_where_requests_split(lens, block_n):
     assert (plan.config.block_n, plan.max_chunks > 1) == (block_n, block_n == 32)
 
 
+@pytest.mark.parametrize("window_left", [-1, 0, 100])
+def test_mean_tokens_match_the_partition(window_left):
+    """The wave split's mean length (`_mean_tokens`, plain Python for plan()'s host time) is the
+    mean of the tokens the partition works on (`_effective_lengths`), with and without a window;
+    no requests: 0."""
+    from flashdispatch.backends.fa2.decode import _effective_lengths, _mean_tokens
+    lens = [0, 1, 17, 99, 101, 102, 5000, 333]
+    _, params = _h200_plan(lens)
+    problem = _h200_plan([1])[0].problem.with_(window_left=window_left)
+    for q_len in (1, 3):
+        eff = _effective_lengths(params, problem, q_len)[2]
+        assert _mean_tokens(params, problem, q_len) == pytest.approx(eff.mean()), q_len
+    params.kv_lens_host = []
+    assert _mean_tokens(params, problem, 1) == 0.0
+
+
 def test_wave_split_targets_on_the_h200():
     """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; wave tiles of 8, 5
     and 4 programs per SM) against the H200 sweeps of session 18 (TB/s split / whole): 170x4096

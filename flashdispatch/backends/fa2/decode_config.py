@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -111,10 +112,11 @@ class DecodeConfig:
     default to H200 sweeps (session 18), as the value that ranks the split and whole plans of
     each measured shape as measured: fp8 d128 72 (15 shapes of one partly filled wave, 2048 to
     8192 tokens, each within 1.7 % of its best, and 300x2048 in 3 chunks, 3.43-3.53 TB/s against
-    3.34 in 2; a cost in proportion to the request missed the 2048-token rows), bf16 GQA d128 48 (page 16: 133x2048 4.07 TB/s whole against 3.93 in 4
-    chunks, 266x2048 4.12 in 2 against 4.04 whole; page 1: 150x2048 4.00 in 2 against 3.88), MHA
-    d128 24 (20x1024 3.18 in 4 chunks against 3.02 in 2), d256 16 (75x1024 3.58 in 5 against
-    3.36 in 2).
+    3.34 in 2; a cost in proportion to the request missed the 2048-token rows; misses: 1024-token
+    batches of 199-215 requests, whole at 2.88-2.91 against 3.00-3.03 split), bf16 GQA d128 48
+    (page 16: 133x2048 4.07 TB/s whole against 3.93 in 4 chunks, 266x2048 4.12 in 2 against 4.04
+    whole; page 1: 150x2048 4.00 in 2 against 3.88), MHA d128 24 (20x1024 3.18 in 4 chunks
+    against 3.02 in 2), d256 16 (75x1024 3.58 in 5 against 3.36 in 2).
     lone_wave_split_tokens: a single, partly filled wave of programs (within one wave of the
     most resident tile) is split for waves only where its requests hold at least this many
     tokens on average, predicted as a last partial wave (`wave_cost`); 0: never (it reads at the
@@ -278,6 +280,8 @@ def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
 # proportion to its fill (fitted to the H200 fp8 sweeps of session 15, docs/perf-notes.md).
 PARTIAL_WAVE_COST = 0.5
+
+
 def wave_cost(programs: int, slots: int) -> float:
     """The time of ``programs`` programs of equal work on ``slots`` resident at once, in full
     waves: the whole waves, and a last partial one at PARTIAL_WAVE_COST + (1 -
@@ -326,20 +330,29 @@ def wave_split_config(cfg: DecodeConfig) -> DecodeConfig:
 
 def wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, tokens: float) -> tuple[int, float]:
     """(chunks per request, predicted fraction of full-wave throughput) of the best wave split of
-    ``programs`` unsplit programs whose requests hold ``tokens`` tokens on average: of 2 up to
-    wave_split_ctas x SMs / programs chunks, the count of the least predicted time on the split
-    grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of the tile of
-    `wave_split_config`, and that tile's rate): `wave_cost` of its programs, each
-    program's work tokens / chunks + split_chunk_tokens (fewer chunks on a tie). (1, 0.0): no
-    split, where fewer than 2 chunks fit, the requests are empty, the kernel has no figure, or
-    the programs fit one wave of the most resident tile and their requests are shorter than
+    ``programs`` unsplit programs whose requests hold ``tokens`` tokens on average (rounded to
+    1/32 of an octave: the answers are cached, plan() and its refresh are host-time bound): of 2
+    up to wave_split_ctas x SMs / programs chunks, the count of the least predicted time on the
+    split grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of the tile of
+    `wave_split_config`, and that tile's rate): `wave_cost` of its programs, each program's work
+    tokens / chunks + split_chunk_tokens (fewer chunks on a tie). (1, 0.0): no split, where
+    fewer than 2 chunks fit, the requests are empty, the kernel has no figure, or the programs
+    fit one wave of the most resident tile and their requests are shorter than
     `DecodeConfig.lone_wave_split_tokens`."""
+    if tokens <= 0:
+        return 1, 0.0
+    return _wave_split_choice(cfg, programs, sm_count, round(math.log2(tokens) * 32))
+
+
+@functools.lru_cache(maxsize=1024)
+def _wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, octave32: int) -> tuple[int, float]:
+    tokens = 2.0 ** (octave32 / 32)
     sms = max(sm_count, 1)
     most = cfg.wave_split_ctas * sms // max(programs, 1)
     split = wave_split_config(cfg)
     figure = _tile_figure(cfg, split.block_n, split.num_stages)
     lone = programs <= max((t[2] for t in _wave_figures(cfg)), default=0) * sms
-    if most < 2 or tokens <= 0 or figure is None or lone and not 0 < cfg.lone_wave_split_tokens <= tokens:
+    if most < 2 or figure is None or lone and not 0 < cfg.lone_wave_split_tokens <= tokens:
         return 1, 0.0
     slots = (cfg.wave_split_slots or figure[2]) * sms
 
