@@ -2,12 +2,12 @@
 
 Each config of the grid (`DecodeConfig` fields; the row ``{}`` is `default_config`) is planned
 with ``plan_decode(..., config)`` on each shape (the key ``fixed_split_size``, pages per chunk,
-is the plan's parameter of that name instead: a split of every request into equal chunks) and timed (median of --reps runs, each after a
-256 MB L2 flush and a GPU spin (`--l2-flush`, the bench's `L2Flusher`), CUDA events). TB/s counts
-the KV bytes read: batch x kv_len x kv_heads x head_dim x 2 (K, V) x the KV dtype's size. Every
-result is compared with a dense float32 attention over the same cache (in chunks of requests, so
-4 GB caches are checked too): a "!" after a figure means ||out - ref|| / ||ref|| > --tol or an lse
-error > --tol.
+is the plan's parameter of that name instead: a split of every request into equal chunks) and
+timed (median of --reps runs, each after a 256 MB L2 flush and a GPU spin (`--l2-flush`, the
+bench's `L2Flusher`), CUDA events). TB/s counts the KV bytes read: batch x kv_len x kv_heads x
+head_dim x 2 (K, V) x the KV dtype's size. Every result is compared with a dense float32
+attention over the same cache (in chunks of requests, so 4 GB caches are checked too): a "!"
+after a figure means ||out - ref|| / ||ref|| > --tol or an lse error > --tol.
 
     # fp8 e4m3 KV: fp16 vs q-dtype dots x block_n x warps x stages (one GPU call, ~2-3 min)
     python scripts/sweep_decode.py --kv e4m3 --shapes 64x4096,256x4096,16x8192 \\

@@ -286,9 +286,11 @@ def test_wave_tiles_by_batch(kv_dtype, layout, features):
     cfg = default_config(Problem("decode", torch.bfloat16, kv_dtype, torch.bfloat16, 32, 8, 128, 128, page_size=16))
     by_tile = {}
     gen = torch.Generator().manual_seed(43)
+    window = features.get("window_left", -1)
     for batch in range(sms * cfg.ctas_per_sm // 8, sms * 4):
         lens = torch.randint(0, 400, (batch,), generator=gen).tolist()
-        if _split_target(batch, cfg, 8, sms, sum(lens) / batch) is None:
+        tokens = sum(min(n, 1 + window) if window >= 0 else n for n in lens) / batch  # as the plan's _mean_tokens
+        if _split_target(batch, cfg, 8, sms, tokens) is None:
             by_tile.setdefault(wave_choice(cfg, batch * 8, sms)[0], lens)
     assert len(by_tile) == len(cfg.wave_tiles), {tile: len(lens) for tile, lens in by_tile.items()}
     scales = dict(k_scale=0.8, v_scale=1.5) if kv_dtype != torch.bfloat16 else {}
@@ -323,8 +325,8 @@ def test_wave_split_by_batch(heads, head_dim, page_size, kv_dtype):
     first = max(sms * per_sm // kv_heads + 1, -(-sms * cfg.ctas_per_sm // kv_heads))
     by_split = {}
     gen = torch.Generator().manual_seed(44)
-    for batch in range(first, 2 * first):
-        lens = torch.randint(500, 3000, (batch,), generator=gen).tolist()
+    for batch in range(first, 2 * first):  # lengths where either decision holds for dozens of batches
+        lens = torch.randint(1000, 6000, (batch,), generator=gen).tolist()
         by_split.setdefault(_split_target(batch, cfg, kv_heads, sms, sum(lens) / batch) is not None, lens)
     assert set(by_split) == {True, False}, {split: len(lens) for split, lens in by_split.items()}
     for split, lens in sorted(by_split.items()):

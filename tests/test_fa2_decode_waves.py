@@ -71,6 +71,7 @@ def test_wave_tile_choice_and_config():
     for explicit in ({"block_n": 32}, {"num_stages": 2}, {"num_warps": 2}, {"max_registers": 0}):  # kept at any batch
         assert apply_overrides(fp8, explicit).wave_tiles == () == apply_overrides(bf16, explicit).wave_tiles
     assert wave_choice(apply_overrides(bf16, {"block_n": 64}), 1280, 132) is None
+    assert wave_choice(bf16, 0, 132)[1] == 1.0  # no programs (an empty batch): nothing to split
     for bad in ([[32, 3, 8]], [[32, 0, 8, 1.0]], [[32, 3, 8, 0]], 5):
         with pytest.raises(ValueError, match="wave_tiles"):
             DecodeConfig(wave_tiles=bad)
@@ -230,7 +231,7 @@ def test_wave_split_choice_on_the_h200():
     assert [chunks(b, kv=fp8) for b in (270, 300, 420, 80, 100, 160)] == [3, 3, 2, 3, 5, 4]
     assert chunks(300, 2048, kv=fp8) == 3 and chunks(160, 8192, kv=fp8) == 4
     # one partly filled wave (fp8: within 12 per SM): split from lone_wave_split_tokens (3072) on
-    assert [chunks(160, n, kv=fp8) for n in (2048, 3072)] == [1, 4] and chunks(100, 8192) == 1  # bf16: never
+    assert [chunks(160, n, kv=fp8) for n in (2048, 3071, 3072)] == [1, 1, 4] and chunks(100, 8192) == 1  # bf16: never
     assert chunks(1100, kv=fp8) == 1  # 64 per SM hold fewer than 2 chunks of 8800 programs
     assert chunks(200) == 3 and chunks(85, d=256) == 3 and chunks(90, d=256) == 2 and chunks(70, page=1) == 2
     assert chunks(200, 0) == 1

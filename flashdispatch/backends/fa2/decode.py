@@ -134,8 +134,7 @@ def _effective_lengths(params: AttentionParams, problem: Problem, q_len: int) ->
 
 
 def _mean_tokens(params: AttentionParams, problem: Problem, q_len: int) -> float:
-    """Mean KV tokens per request from its window start (0.0 without requests): in Python, not
-    numpy (a re-plan's refresh reads it; ~3x faster at batch 256)."""
+    """Mean KV tokens per request from its window start (0.0: none); Python, ~3x numpy's speed here."""
     lens = params.kv_lens_host
     if not lens:
         return 0.0
@@ -238,10 +237,11 @@ class DecodePlan:
         # the default policy's split target (few programs: a function of the batch size; the wave
         # split's: of the mean length too, which a refresh checks); CUDA-graph grids split by the
         # batch size alone, never for waves
-        self._wave_policy = None if choice is None else (cfg, sm_count, choice)
-        tokens = 0.0 if choice is None else _mean_tokens(params, p, self.q_len)  # only the wave split reads it
+        waves = choice is not None and not p.use_cuda_graph
+        self._wave_policy = (cfg, sm_count, choice) if waves else None
+        tokens = _mean_tokens(params, p, self.q_len) if waves else 0.0  # 0.0: no wave split
         self.split_target = _split_target(params.batch_size, cfg, units, sm_count, tokens, choice)
-        self.wave_split = choice is not None and not p.use_cuda_graph and self.split_target is not None
+        self.wave_split = waves and self.split_target is not None
         # a wave-split plan runs the split block, or (fp8: none) the tile of the best full-wave
         # rate, and the wave tile where its partition splits nothing after all (short requests,
         # or the workspace fallback; `_build`); few programs keep the split block whatever the
@@ -269,10 +269,11 @@ class DecodePlan:
     def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
         batch size and scalars): when the kernel reads the page table directly and the new lengths
-        keep its layout (no request split, or the kernel's own split with as many chunk slots),
-        only the tables and the split length change (a copy of the plan with the new ones, its
-        config too: FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None
-        otherwise, to plan afresh."""
+        keep its layout (no request split, or the kernel's own split with as many chunk slots)
+        and the wave split's target (`_split_target` of the new mean length), only the tables and
+        the split length change (a copy of the plan with the new ones, its config too:
+        FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
+        plan afresh."""
         if not self.direct or params.batch_size != self.batch:
             return None
         if self._wave_policy is not None:

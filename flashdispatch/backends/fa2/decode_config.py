@@ -305,7 +305,7 @@ def wave_choice(cfg: DecodeConfig, programs: int, sm_count: int) -> tuple[tuple[
         slots = tile[2] * sms
         return wave_cost(programs, slots) * slots / tile[3]
     best = min(tiles, key=predicted)
-    return (best[0], best[1]), programs / predicted(best)
+    return (best[0], best[1]), programs / predicted(best) if programs > 0 else 1.0
 
 
 def _wave_figures(cfg: DecodeConfig) -> tuple:
@@ -331,7 +331,8 @@ def wave_split_config(cfg: DecodeConfig) -> DecodeConfig:
 def wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, tokens: float) -> tuple[int, float]:
     """(chunks per request, predicted fraction of full-wave throughput) of the best wave split of
     ``programs`` unsplit programs whose requests hold ``tokens`` tokens on average (rounded to
-    1/32 of an octave: the answers are cached, plan() and its refresh are host-time bound): of 2
+    1/32 of an octave in the cost: the answers are cached, plan() and its refresh are host-time
+    bound): of 2
     up to wave_split_ctas x SMs / programs chunks, the count of the least predicted time on the
     split grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of the tile of
     `wave_split_config`, and that tile's rate): `wave_cost` of its programs, each program's work
@@ -341,18 +342,20 @@ def wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, tokens: f
     `DecodeConfig.lone_wave_split_tokens`."""
     if tokens <= 0:
         return 1, 0.0
-    return _wave_split_choice(cfg, programs, sm_count, round(math.log2(tokens) * 32))
+    lone_splits = 0 < cfg.lone_wave_split_tokens <= tokens
+    return _wave_split_choice(cfg, programs, sm_count, round(math.log2(tokens) * 32), lone_splits)
 
 
 @functools.lru_cache(maxsize=1024)
-def _wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, octave32: int) -> tuple[int, float]:
+def _wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, octave32: int,
+                       lone_splits: bool) -> tuple[int, float]:
     tokens = 2.0 ** (octave32 / 32)
     sms = max(sm_count, 1)
     most = cfg.wave_split_ctas * sms // max(programs, 1)
     split = wave_split_config(cfg)
     figure = _tile_figure(cfg, split.block_n, split.num_stages)
     lone = programs <= max((t[2] for t in _wave_figures(cfg)), default=0) * sms
-    if most < 2 or figure is None or lone and not 0 < cfg.lone_wave_split_tokens <= tokens:
+    if most < 2 or figure is None or lone and not lone_splits:
         return 1, 0.0
     slots = (cfg.wave_split_slots or figure[2]) * sms
 
