@@ -238,6 +238,24 @@ def test_wave_split_choice_on_the_h200():
     assert chunks(133, overrides={"wave_tiles": [[32, 2, 8, 1.0]], "split_block_n": 128}) == 1
 
 
+def test_wave_split_ceiling():
+    """`wave_split_ceiling` bounds `wave_split_choice`'s prediction at every mean length, and a plan
+    whose best tile reads at least that much (bf16 256 requests: 2048 programs) neither splits
+    nor reads the mean length, at plan() or at its refresh."""
+    from flashdispatch.backends.fa2.decode_config import (default_config, wave_choice, wave_split_ceiling,
+                                                          wave_split_choice)
+    from flashdispatch.dispatch.problem import Problem
+    for kv in (F16, torch.float8_e4m3fn):
+        cfg = default_config(Problem("decode", F16, kv, F16, 32, 8, 128, 128, page_size=16))
+        for batch in (80, 133, 170, 200, 256, 300):
+            ceiling = wave_split_ceiling(cfg, batch * 8, 132)
+            assert all(wave_split_choice(cfg, batch * 8, 132, t)[1] <= ceiling for t in (512, 4096, 1 << 20))
+    cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
+    assert wave_split_ceiling(cfg, 2048, 132) <= wave_choice(cfg, 2048, 132)[1]
+    plan, _ = _h200_plan([4096] * 256)
+    assert plan._wave_policy is None and not plan.wave_split and plan.split_target is None
+
+
 def test_wave_split_defaults_by_config():
     """The defaults carry the sm90 programs per SM where the wave split was measured (bf16 d128
     GQA as wave tiles; MHA 4, page-1 GQA 3, d256 GQA 4) and none where it was not (d64, MHA d64

@@ -43,8 +43,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (DecodeConfig, resolve_config, wave_choice, wave_split_choice, wave_split_config,
-                            with_split_block, with_tile, without_waves)
+from .decode_config import (DecodeConfig, resolve_config, wave_choice, wave_split_ceiling, wave_split_choice,
+                            wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -235,9 +235,9 @@ class DecodePlan:
         choice = None if few or not policy_splits else wave_choice(cfg, programs, sm_count)
         tiled = cfg if choice is None else with_tile(cfg, *choice[0])
         # the default policy's split target (few programs: a function of the batch size; the wave
-        # split's: of the mean length too, which a refresh checks); CUDA-graph grids split by the
-        # batch size alone, never for waves
-        waves = choice is not None and not p.use_cuda_graph
+        # split's, where one may beat the best tile: of the mean length too, which a refresh
+        # checks); CUDA-graph grids split by the batch size alone, never for waves
+        waves = choice is not None and not p.use_cuda_graph and wave_split_ceiling(cfg, programs, sm_count) > choice[1]
         self._wave_policy = (cfg, sm_count, choice) if waves else None
         tokens = _mean_tokens(params, p, self.q_len) if waves else 0.0  # 0.0: no wave split
         self.split_target = _split_target(params.batch_size, cfg, units, sm_count, tokens, choice)

@@ -347,9 +347,18 @@ def wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, tokens: f
 
 
 @functools.lru_cache(maxsize=1024)
-def _wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, octave32: int,
+def wave_split_ceiling(cfg: DecodeConfig, programs: int, sm_count: int) -> float:
+    """The most `wave_split_choice` predicts for ``programs`` programs at any mean length (its
+    chunks free of cost); 0.0 where it splits them at no length. A plan whose best tile reads
+    at least this much skips the mean length (plan() and its refresh are host-time bound)."""
+    return _wave_split_choice(cfg, programs, sm_count, None, cfg.lone_wave_split_tokens > 0)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, octave32: int | None,
                        lone_splits: bool) -> tuple[int, float]:
-    tokens = 2.0 ** (octave32 / 32)
+    """`wave_split_choice` at a mean length of 2 ** (octave32 / 32) tokens (None: unbounded)."""
+    chunk_cost = 0.0 if octave32 is None else cfg.split_chunk_tokens / 2.0 ** (octave32 / 32)
     sms = max(sm_count, 1)
     most = cfg.wave_split_ctas * sms // max(programs, 1)
     split = wave_split_config(cfg)
@@ -360,7 +369,7 @@ def _wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, octave32
     slots = (cfg.wave_split_slots or figure[2]) * sms
 
     def predicted(n):  # in durations of one whole request's program at the full rate
-        return wave_cost(programs * n, slots) * slots / figure[3] * (1 / n + cfg.split_chunk_tokens / tokens)
+        return wave_cost(programs * n, slots) * slots / figure[3] * (1 / n + chunk_cost)
     chunks = min(range(2, most + 1), key=predicted)
     return chunks, programs / predicted(chunks)
 
