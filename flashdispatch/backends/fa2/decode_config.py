@@ -332,11 +332,10 @@ def wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, tokens: f
     """(chunks per request, predicted fraction of full-wave throughput) of the best wave split of
     ``programs`` unsplit programs whose requests hold ``tokens`` tokens on average (rounded to
     1/32 of an octave in the cost: the answers are cached, plan() and its refresh are host-time
-    bound): of 2
-    up to wave_split_ctas x SMs / programs chunks, the count of the least predicted time on the
-    split grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of the tile of
-    `wave_split_config`, and that tile's rate): `wave_cost` of its programs, each program's work
-    tokens / chunks + split_chunk_tokens (fewer chunks on a tie). (1, 0.0): no split, where
+    bound): of 2 up to wave_split_ctas x SMs / programs chunks, the count of the least predicted
+    time on the split grid's kernel (`DecodeConfig.wave_split_slots`, else the figure of the tile
+    of `wave_split_config`, and that tile's rate): `wave_cost` of its programs, each program's
+    work tokens / chunks + split_chunk_tokens (fewer chunks on a tie). (1, 0.0): no split, where
     fewer than 2 chunks fit, the requests are empty, the kernel has no figure, or the programs
     fit one wave of the most resident tile and their requests are shorter than
     `DecodeConfig.lone_wave_split_tokens`."""
@@ -357,7 +356,8 @@ def wave_split_ceiling(cfg: DecodeConfig, programs: int, sm_count: int) -> float
 @functools.lru_cache(maxsize=1024)
 def _wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, octave32: int | None,
                        lone_splits: bool) -> tuple[int, float]:
-    """`wave_split_choice` at a mean length of 2 ** (octave32 / 32) tokens (None: unbounded)."""
+    """`wave_split_choice` at a mean length of 2 ** (octave32 / 32) tokens (None: unbounded), a
+    single partly filled wave split only where ``lone_splits``."""
     chunk_cost = 0.0 if octave32 is None else cfg.split_chunk_tokens / 2.0 ** (octave32 / 32)
     sms = max(sm_count, 1)
     most = cfg.wave_split_ctas * sms // max(programs, 1)
