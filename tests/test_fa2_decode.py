@@ -416,6 +416,30 @@ def test_fused_merge_tile_sizes(no_merge_launch, values):
             DecodeConfig(fused_merge_values=bad)
 
 
+@pytest.mark.parametrize("name, bads", [
+    ("block_n", (0, 8, 48, 64.0, True)), ("max_block_m", (0, 4, 24)), ("split_block_n", (0, 8, 96)),
+    ("num_warps", (0, 3, 32, 4.0)), ("num_stages", (0, -1, 2.0)), ("ctas_per_sm", (0, -2, True)),
+    ("min_chunk_tokens", (0,)), ("max_splits", (0, 1.5)), ("split_chunk_tokens", (-1, 0.5)),
+])
+def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):
+    """Every size knob is checked where the config is built (a constructor call, the environment's
+    JSON, a plan's ``config``): the error names the knob, the value and what is accepted."""
+    import json
+    from flashdispatch.backends.fa2.decode_config import CONFIG_ENV, DecodeConfig, _base_config
+    for bad in bads:
+        with pytest.raises(ValueError, match=f"{name} must be .*got {bad!r}"):
+            DecodeConfig(**{name: bad})
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        _check(_case(seed=34), config={name: bads[0]})
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({name: bads[0]}))
+    _base_config.cache_clear()
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        _check(_case(seed=34))
+    monkeypatch.delenv(CONFIG_ENV)
+    _base_config.cache_clear()
+    assert DecodeConfig(split_block_n=None).split_block_n is None
+
+
 def test_max_registers_config():
     """max_registers: 0 or a ptxas cap in [24, 255], passed as Triton's maxnreg; the interpreter
     (no ptxas) runs the same plan without it."""

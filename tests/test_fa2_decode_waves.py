@@ -72,7 +72,7 @@ def test_wave_tile_choice_and_config():
         assert apply_overrides(fp8, explicit).wave_tiles == () == apply_overrides(bf16, explicit).wave_tiles
     assert wave_choice(apply_overrides(bf16, {"block_n": 64}), 1280, 132) is None
     assert wave_choice(bf16, 0, 132)[1] == 1.0  # no programs (an empty batch): nothing to split
-    for bad in ([[32, 3, 8]], [[32, 0, 8, 1.0]], [[32, 3, 8, 0]], 5):
+    for bad in ([[32, 3, 8]], [[32, 0, 8, 1.0]], [[32, 3, 8, 0]], [[24, 3, 8, 1.0]], [[8, 3, 8, 1.0]], 5):
         with pytest.raises(ValueError, match="wave_tiles"):
             DecodeConfig(wave_tiles=bad)
 

@@ -160,6 +160,17 @@ class DecodeConfig:
     lone_wave_split_tokens: int = 0
 
     def __post_init__(self):
+        for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
+                             ("split_block_n", 16 if self.split_block_n is None else self.split_block_n, 16)):
+            if not _int(v) or v < low or v & (v - 1):
+                raise ValueError(f"fa2 decode config {name} must be a power of two >= {low}"
+                                 f"{' or null' if name == 'split_block_n' else ''}, got {getattr(self, name)!r}")
+        if not _int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"fa2 decode config num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        for name in ("num_stages", "ctas_per_sm", "min_chunk_tokens", "max_splits"):
+            v = getattr(self, name)
+            if not _int(v) or v < 1:
+                raise ValueError(f"fa2 decode config {name} must be an int >= 1, got {v!r}")
         if self.fp8_dot_dtype not in ("q", "fp16"):
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
         if self.fp8_v_convert not in ("operand", "staged"):
@@ -170,16 +181,20 @@ class DecodeConfig:
         for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 0),
                           ("wave_split_slots", 0), ("split_chunk_tokens", 0), ("lone_wave_split_tokens", 0)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
         object.__setattr__(self, "wave_tiles", _checked_wave_tiles(self.wave_tiles))
         v = self.fused_merge_values
-        if not isinstance(v, int) or isinstance(v, bool) or v < 256 or v & (v - 1):
+        if not _int(v) or v < 256 or v & (v - 1):
             raise ValueError(f"fa2 decode config fused_merge_values must be a power of two >= 256, got {v!r}")
-        if not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool) \
-                or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
+        if not _int(self.max_registers) or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
             raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "
                              f"[24, 255], got {self.max_registers!r}")
+
+
+def _int(v) -> bool:
+    """Whether ``v`` is an int and not a bool (JSON and YAML give true/false as bools)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _checked_wave_tiles(tiles) -> tuple:
@@ -191,10 +206,11 @@ def _checked_wave_tiles(tiles) -> tuple:
         checked = None
     ok = checked is not None and all(
         len(t) == 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in t[:3])
+        and t[0] >= 16 and not t[0] & (t[0] - 1)
         and isinstance(t[3], (int, float)) and not isinstance(t[3], bool) and t[3] > 0 for t in checked)
     if not ok:
         raise ValueError("fa2 decode config wave_tiles must be a list of [block_n, num_stages, programs per SM, "
-                         f"rate] (ints >= 1, rate > 0), got {tiles!r}")
+                         f"rate] (ints >= 1, block_n a power of two >= 16, rate > 0), got {tiles!r}")
     return checked
 
 
