@@ -48,6 +48,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         if kind == "decode":
             p.add_argument("--stream", action="store_true",
                            help="add hw:stream, a plain streaming read of each row's KV cache (docs/benchmarks.md)")
+            p.add_argument("--cuda-graph", action="store_true",
+                           help="time every attention call as a CUDA-graph replay (wrappers made with "
+                                "use_cuda_graph=True, as serving engines run decode)")
         if kind == "prefill":
             p.add_argument("--peer-fa3", action="store_true",
                            help="add FlashInfer fa3 (its JIT compile takes 88-101 s)")
@@ -128,7 +131,7 @@ def select_columns(args) -> tuple[list[Column], list[str]]:
         ours = args.backends
     try:
         import flashdispatch as fd
-        columns = [mod.our_column(fd, name) for name in ours]
+        columns = [mod.our_column(fd, name, **_graph_arg(args)) for name in ours]
     except Exception as e:  # noqa: BLE001 - our package failing to import is shown per cell
         columns = [_failing_column(f"fd:{n}", f"import flashdispatch: {type(e).__name__}: {e}") for n in ours]
     if kind == "decode" and args.stream:
@@ -149,12 +152,17 @@ def select_columns(args) -> tuple[list[Column], list[str]]:
     fi_names = [p for p in peers if p in ("fa2-cc", "fa2-tc", "cudnn-fn", "xqa-fn", "fa2", "fa3")]
     fi, why = import_flashinfer() if fi_names else (None, None)
     if fi is not None:
-        columns += [mod.peer_column(fi, p) for p in fi_names]
+        columns += [mod.peer_column(fi, p, **_graph_arg(args)) for p in fi_names]
     elif fi_names:
         notes.append(f"FlashInfer columns not run: {why}")
     if kind == "prefill":
         columns += torch_columns(peers)
     return columns, notes
+
+
+def _graph_arg(args) -> dict:
+    """The column builders' ``cuda_graph`` keyword where the bench was asked for it (decode)."""
+    return {"cuda_graph": True} if getattr(args, "cuda_graph", False) else {}
 
 
 def decode_ratio_refs(labels: list[str]) -> dict[str, list[str]]:
@@ -219,6 +227,9 @@ def run_bench(args) -> int:
         make = lambda s: prefill.make_prefill_data(s, seed=args.seed)  # noqa: E731
         baseline = prefill.BASELINE_ORDER
     report.env, report.ceilings, report.notes = environment(), ceilings, list(notes)
+    if getattr(args, "cuda_graph", False):
+        report.notes.append("every attention call a CUDA-graph replay (use_cuda_graph=True wrappers); "
+                            "first call includes the capture")
     if args.l2_flush != "write":
         report.notes.append(f"L2 flush before each call: {args.l2_flush} (not ANCHORS' write flush)")
     intact = run_matrix(report, shapes, columns, make, _work(args.bench_kind), args.reps, baseline,

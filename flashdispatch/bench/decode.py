@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .matrix import Column
-from .timing import Job
+from .timing import Job, graphed
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -143,17 +143,24 @@ def api_function(mod, submodule: str, name: str):
     return fn
 
 
-def wrapper_job(mod, backend: str, d: DecodeData, **wrapper_kwargs) -> Job:
-    """``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", backend=...)``: plan, run."""
+def wrapper_job(mod, backend: str, d: DecodeData, cuda_graph: bool = False, **wrapper_kwargs) -> Job:
+    """``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", backend=...)``: plan, run.
+    ``cuda_graph``: a ``use_cuda_graph=True`` wrapper with its own fixed index buffers, whose
+    run() is captured once and replayed (`graphed`), as serving engines run decode."""
     s = d.shape
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
+    if cuda_graph:
+        wrapper_kwargs.update(use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty_like(d.indptr),
+                              paged_kv_indices_buffer=torch.empty_like(d.indices),
+                              paged_kv_last_page_len_buffer=torch.empty_like(d.last_page_len))
     wrapper = mod.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", backend=backend, **wrapper_kwargs)
 
     def plan():
         wrapper.plan(d.indptr, d.indices, d.last_page_len, s.qo_heads, s.kv_heads, s.head_dim,
                      s.page_size, q_data_type=s.dtype, kv_data_type=s.kv_dtype)
 
-    return Job(run=lambda: wrapper.run(d.q, d.cache), plan=plan, info=lambda: selected_backend(wrapper))
+    job = Job(run=lambda: wrapper.run(d.q, d.cache), plan=plan, info=lambda: selected_backend(wrapper))
+    return graphed(job) if cuda_graph else job
 
 
 def selected_backend(wrapper) -> str:
@@ -193,21 +200,27 @@ PEER_COLUMNS = ("fa2-cc", "fa2-tc", "cudnn-fn", "xqa-fn")
 BASELINE_ORDER = ["fi:fa2-tc", "fi:fa2-cc", "fd:fa2", "fd:auto"]
 
 
-def our_column(fd, name: str) -> Column:
-    if name == "cudnn-fn":
-        return Column("fd:cudnn-fn", lambda d: cudnn_fn_job(fd, d))
-    if name == "xqa-fn":
-        return Column("fd:xqa-fn", lambda d: xqa_fn_job(fd, d))
-    return Column(f"fd:{name}", lambda d: wrapper_job(fd, name, d))
+def our_column(fd, name: str, cuda_graph: bool = False) -> Column:
+    """Our column ``name`` (a backend through the wrapper, or an API function column);
+    ``cuda_graph``: each call a CUDA-graph replay (`wrapper_job`, `graphed`)."""
+    if name in OUR_FUNCTION_COLUMNS:
+        job = cudnn_fn_job if name == "cudnn-fn" else xqa_fn_job
+        return Column(f"fd:{name}", lambda d: _maybe_graphed(job(fd, d), cuda_graph))
+    return Column(f"fd:{name}", lambda d: wrapper_job(fd, name, d, cuda_graph))
 
 
-def peer_column(fi, name: str) -> Column:
+def peer_column(fi, name: str, cuda_graph: bool = False) -> Column:
+    """FlashInfer's column ``name`` (`PEER_COLUMNS`), replayed from a CUDA graph with ``cuda_graph``."""
     builders = {
-        "fa2-cc": lambda d: wrapper_job(fi, "fa2", d, use_tensor_cores=False),
-        "fa2-tc": lambda d: wrapper_job(fi, "fa2", d, use_tensor_cores=True),
-        "cudnn-fn": lambda d: cudnn_fn_job(fi, d),
-        "xqa-fn": lambda d: xqa_fn_job(fi, d),
+        "fa2-cc": lambda d: wrapper_job(fi, "fa2", d, cuda_graph, use_tensor_cores=False),
+        "fa2-tc": lambda d: wrapper_job(fi, "fa2", d, cuda_graph, use_tensor_cores=True),
+        "cudnn-fn": lambda d: _maybe_graphed(cudnn_fn_job(fi, d), cuda_graph),
+        "xqa-fn": lambda d: _maybe_graphed(xqa_fn_job(fi, d), cuda_graph),
     }
     if name not in builders:
         raise ValueError(f"decode peer {name!r}: valid: {', '.join(builders)}")
     return Column(f"fi:{name}", builders[name])
+
+
+def _maybe_graphed(job: Job, cuda_graph: bool) -> Job:
+    return graphed(job) if cuda_graph else job
