@@ -223,12 +223,12 @@ def test_caps():
 def test_split_policy_stays_within_one_wave(batch, kv_len, chunks):
     """Chunks per request are rounded down so the grid never exceeds SMs x ctas_per_sm programs
     (132 SMs x 4 = 528 on an H200; 8 KV heads): a chunk more would start a mostly idle wave."""
-    from flashdispatch.backends.fa2.decode import _chunk_tokens, _split_target
+    from flashdispatch.backends.fa2.decode_split import chunk_tokens, split_target
     from flashdispatch.backends.fa2.decode_config import DecodeConfig
     case = _case((1,))
     case.params.fixed_split_size, case.params.disable_split_kv = None, False
     eff, cfg = np.full(batch, kv_len), DecodeConfig(block_n=64)
-    chunk = _chunk_tokens(eff, case.problem, case.params, cfg, 8, _split_target(batch, cfg, 8, 132, kv_len))
+    chunk = chunk_tokens(eff, case.problem, case.params, cfg, 8, split_target(batch, cfg, 8, 132, kv_len))
     if chunks is None:
         assert chunk is None
     else:

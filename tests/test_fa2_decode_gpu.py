@@ -279,7 +279,7 @@ def test_wave_tiles_by_batch(kv_dtype, layout, features):
     """32/8 heads, d128 on this GPU's SMs: the batch sizes whose program counts (x 8 KV heads)
     `wave_choice` gives each wave tile (and does not split for waves) run it and match the
     reference, NHD, and HND with a window and sinks."""
-    from flashdispatch.backends.fa2.decode import _split_target
+    from flashdispatch.backends.fa2.decode_split import split_target
     from flashdispatch.backends.fa2.decode_config import default_config, wave_choice
     from flashdispatch.dispatch.problem import Problem
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -289,8 +289,8 @@ def test_wave_tiles_by_batch(kv_dtype, layout, features):
     window = features.get("window_left", -1)
     for batch in range(sms * cfg.ctas_per_sm // 8, sms * 4):
         lens = torch.randint(0, 400, (batch,), generator=gen).tolist()
-        tokens = sum(min(n, 1 + window) if window >= 0 else n for n in lens) / batch  # as the plan's _mean_tokens
-        if _split_target(batch, cfg, 8, sms, tokens) is None:
+        tokens = sum(min(n, 1 + window) if window >= 0 else n for n in lens) / batch  # as the plan's mean_tokens
+        if split_target(batch, cfg, 8, sms, tokens) is None:
             by_tile.setdefault(wave_choice(cfg, batch * 8, sms)[0], lens)
     assert len(by_tile) == len(cfg.wave_tiles), {tile: len(lens) for tile, lens in by_tile.items()}
     scales = dict(k_scale=0.8, v_scale=1.5) if kv_dtype != torch.bfloat16 else {}
@@ -309,10 +309,10 @@ def test_wave_tiles_by_batch(kv_dtype, layout, features):
     ids=["gqa", "mha", "d256", "page1", "fp8kv"])
 def test_wave_split_by_batch(heads, head_dim, page_size, kv_dtype):
     """Defaults with a wave split (DecodeConfig.wave_split_ctas), on this GPU's SMs: the
-    first batch past one wave whose waves `_split_target` finds wasteful splits its requests and
+    first batch past one wave whose waves `split_target` finds wasteful splits its requests and
     matches the reference; the first past one wave that it keeps whole runs unsplit and matches
     too."""
-    from flashdispatch.backends.fa2.decode import _split_target
+    from flashdispatch.backends.fa2.decode_split import split_target
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.dispatch.problem import Problem
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -327,7 +327,7 @@ def test_wave_split_by_batch(heads, head_dim, page_size, kv_dtype):
     gen = torch.Generator().manual_seed(44)
     for batch in range(first, 2 * first):  # lengths where either decision holds for dozens of batches
         lens = torch.randint(1000, 6000, (batch,), generator=gen).tolist()
-        by_split.setdefault(_split_target(batch, cfg, kv_heads, sms, sum(lens) / batch) is not None, lens)
+        by_split.setdefault(split_target(batch, cfg, kv_heads, sms, sum(lens) / batch) is not None, lens)
     assert set(by_split) == {True, False}, {split: len(lens) for split, lens in by_split.items()}
     for split, lens in sorted(by_split.items()):
         batch = len(lens)

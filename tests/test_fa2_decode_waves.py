@@ -177,36 +177,36 @@ def test_split_block_only_where_requests_split(lens, block_n):
 
 @pytest.mark.parametrize("window_left", [-1, 0, 100])
 def test_mean_tokens_match_the_partition(window_left):
-    """The wave split's mean length (`_mean_tokens`, plain Python for plan()'s host time) is the
-    mean of the tokens the partition works on (`_effective_lengths`), with and without a window;
+    """The wave split's mean length (`mean_tokens`, plain Python for plan()'s host time) is the
+    mean of the tokens the partition works on (`effective_lengths`), with and without a window;
     no requests: 0."""
-    from flashdispatch.backends.fa2.decode import _effective_lengths, _mean_tokens
+    from flashdispatch.backends.fa2.decode_split import effective_lengths, mean_tokens
     lens = [0, 1, 17, 99, 101, 102, 5000, 333]
     _, params = _h200_plan(lens)
     problem = _h200_plan([1])[0].problem.with_(window_left=window_left)
     for q_len in (1, 3):
-        eff = _effective_lengths(params, problem, q_len)[2]
-        assert _mean_tokens(params, problem, q_len) == pytest.approx(eff.mean()), q_len
+        eff = effective_lengths(params, problem, q_len)[2]
+        assert mean_tokens(params, problem, q_len) == pytest.approx(eff.mean()), q_len
     params.kv_lens_host = []
-    assert _mean_tokens(params, problem, 1) == 0.0
+    assert mean_tokens(params, problem, 1) == 0.0
 
 
 def test_wave_split_targets_on_the_h200():
-    """`_split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; wave tiles of 8, 5
+    """`split_target` for the bf16 GQA d128 default on 132 SMs (8 KV heads; wave tiles of 8, 5
     and 4 programs per SM) against the H200 sweeps of session 18 (TB/s split / whole): 170x4096
     in 3 chunks (4.28 / 4.08), 140x8192 in 5 (4.36 / 4.32), 266x2048 in 2 (4.12 / 4.04);
     133x2048 (3.93 / 4.07) and 200x1024 (3.80 / 3.88) whole. One partial wave and the ANCHORS
     batches are not split for waves; fewer than 4 per SM aim at 4."""
-    from flashdispatch.backends.fa2.decode import _split_target
+    from flashdispatch.backends.fa2.decode_split import split_target
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.dispatch.problem import Problem
     cfg = default_config(Problem("decode", F16, F16, F16, 32, 8, 128, 128, page_size=16))
     for batch, tokens, chunks in ((170, 4096, 3), (140, 8192, 5), (266, 2048, 2)):
-        assert _split_target(batch, cfg, 8, 132, tokens) == batch * 8 * chunks, batch
+        assert split_target(batch, cfg, 8, 132, tokens) == batch * 8 * chunks, batch
     for batch, tokens in ((133, 2048), (200, 1024), (96, 4096), (128, 2048), (256, 1024), (256, 4096)):
-        assert _split_target(batch, cfg, 8, 132, tokens) is None, batch
-    assert _split_target(64, cfg, 8, 132, 4096) == 132 * 4
-    assert _split_target(200, cfg, 8, 132, 0.0) is None  # empty requests
+        assert split_target(batch, cfg, 8, 132, tokens) is None, batch
+    assert split_target(64, cfg, 8, 132, 4096) == 132 * 4
+    assert split_target(200, cfg, 8, 132, 0.0) is None  # empty requests
 
 
 def test_wave_split_choice_on_the_h200():

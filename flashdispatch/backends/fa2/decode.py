@@ -43,9 +43,11 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (DecodeConfig, resolve_config, wave_choice, wave_split_ceiling, wave_split_choice,
-                            wave_split_config, with_split_block, with_tile, without_waves)
+from .decode_config import (DecodeConfig, resolve_config, wave_choice, wave_split_ceiling, wave_split_config,
+                            with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
+from .decode_split import (balanced_chunks, chunk_tokens, effective_lengths, mean_tokens, never_split,
+                           policy_tokens, split_target)
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
@@ -95,84 +97,6 @@ def row_block(rows: int, cfg: DecodeConfig) -> tuple[int, int]:
 def _workspace_bytes(params: AttentionParams) -> int:
     ws = params.workspace
     return 0 if ws is None else ws.numel() * ws.element_size()
-
-
-def _balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
-    """Chunk length per request for ``n`` chunks each: equal shares, rounded up to whole blocks."""
-    per = -(-eff // np.maximum(n, 1))
-    return np.maximum(block_n, -(-per // block_n) * block_n)
-
-
-def _split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int, tokens: float,
-                  choice: tuple | None = None) -> int | None:
-    """The programs the default split policy aims for (`_chunk_tokens`), or None: none needed.
-    Fewer programs than ctas_per_sm x SMs aim for that many; more, where `wave_split_choice`
-    predicts a split of requests of ``tokens`` tokens on average faster than the best tile whole
-    (`wave_choice`; `DecodeConfig.wave_split_ctas`), its chunks per request. ``choice``:
-    `wave_choice` of these programs where the caller has it already."""
-    sms = max(sm_count, 1)
-    programs = batch * units
-    if programs < sms * cfg.ctas_per_sm:
-        return sms * cfg.ctas_per_sm
-    if not cfg.wave_split_ctas:
-        return None
-    if choice is None:
-        choice = wave_choice(cfg, programs, sms)
-    if choice is None or choice[1] >= 1.0:
-        return None
-    chunks, predicted = wave_split_choice(cfg, programs, sms, tokens)
-    return programs * chunks if chunks > 1 and predicted > choice[1] else None
-
-
-def _effective_lengths(params: AttentionParams, problem: Problem, q_len: int) -> tuple:
-    """(kv lengths, window starts, tokens from there) of ``params``' requests (int64 arrays)."""
-    lens = np.array(params.kv_lens_host, dtype=np.int64)
-    if problem.window_left < 0:
-        return lens, np.zeros(len(lens), np.int64), lens
-    lo = np.maximum(lens - q_len - problem.window_left, 0)
-    return lens, lo, lens - lo
-
-
-def _mean_tokens(params: AttentionParams, problem: Problem, q_len: int) -> float:
-    """Mean KV tokens per request from its window start (0.0: none); Python, ~3x numpy's speed here."""
-    lens = params.kv_lens_host
-    if not lens:
-        return 0.0
-    if problem.window_left < 0:
-        return sum(lens) / len(lens)
-    cap = q_len + problem.window_left
-    return sum(min(n, cap) for n in lens) / len(lens)
-
-
-def _never_split(batch: int, params: AttentionParams, target: int | None) -> bool:
-    """Whether `_chunk_tokens` splits no request whatever the lengths: split-KV off, no request,
-    or (the policy's split) no split ``target`` (`_split_target`)."""
-    if params.disable_split_kv or batch == 0:
-        return True
-    return params.fixed_split_size is None and target is None
-
-
-def _chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
-                  units: int, target: int | None) -> np.ndarray | None:
-    """Chunk length in tokens per request, or None: no request is split. ``target``: the
-    policy's split target for this batch (`_split_target`)."""
-    if params.disable_split_kv or len(eff) == 0:
-        return None
-    if params.fixed_split_size is not None:
-        return np.full_like(eff, max(1, params.fixed_split_size) * problem.page_size)
-    if target is None:
-        return None
-    # Chunks per request rounded down: the grid stays within the target (one more chunk each
-    # would start a second, mostly idle wave: 32 x 4096 ran at 3.06 TB/s with 3 chunks, 3.73 with 2).
-    n = np.minimum(np.maximum(eff // _policy_tokens(eff, cfg, units, target), 1), cfg.max_splits)
-    return _balanced_chunks(eff, n, cfg.block_n) if n.max() > 1 else None
-
-
-def _policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, target: int) -> int:
-    """The split policy's chunk length before balancing: the tokens that give each of the
-    ``target`` programs (`_split_target`) an equal share (rounded down, so that requests of
-    equal length get target / programs chunks each), at least ``min_chunk_tokens``."""
-    return max(cfg.min_chunk_tokens, int(eff.sum()) * units // target)
 
 
 def _plain_variant(p: Problem, block_m: int) -> bool:
@@ -239,8 +163,8 @@ class DecodePlan:
         # checks); CUDA-graph grids split by the batch size alone, never for waves
         waves = choice is not None and not p.use_cuda_graph and wave_split_ceiling(cfg, programs, sm_count) > choice[1]
         self._wave_policy = (cfg, sm_count, choice) if waves else None
-        tokens = _mean_tokens(params, p, self.q_len) if waves else 0.0  # 0.0: no wave split
-        self.split_target = _split_target(params.batch_size, cfg, units, sm_count, tokens, choice)
+        tokens = mean_tokens(params, p, self.q_len) if waves else 0.0  # 0.0: no wave split
+        self.split_target = split_target(params.batch_size, cfg, units, sm_count, tokens, choice)
         self.wave_split = waves and self.split_target is not None
         # a wave-split plan runs the split block, or (fp8: none) the tile of the best full-wave
         # rate, and the wave tile where its partition splits nothing after all (short requests,
@@ -264,13 +188,13 @@ class DecodePlan:
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
         self.units = units  # programs per work item
         self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
-        self._build(device, params, run_device, _effective_lengths(params, p, self.q_len))
+        self._build(device, params, run_device, effective_lengths(params, p, self.q_len))
 
     def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
         batch size and scalars): when the kernel reads the page table directly and the new lengths
         keep its layout (no request split, or the kernel's own split with as many chunk slots)
-        and the wave split's target (`_split_target` of the new mean length), only the tables and
+        and the wave split's target (`split_target` of the new mean length), only the tables and
         the split length change (a copy of the plan with the new ones, its config too:
         FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
         plan afresh."""
@@ -278,12 +202,12 @@ class DecodePlan:
             return None
         if self._wave_policy is not None:
             cfg, sm_count, choice = self._wave_policy
-            tokens = _mean_tokens(params, self.problem, self.q_len)
-            if _split_target(self.batch, cfg, self.units, sm_count, tokens, choice) != self.split_target:
+            tokens = mean_tokens(params, self.problem, self.q_len)
+            if split_target(self.batch, cfg, self.units, sm_count, tokens, choice) != self.split_target:
                 return None
         split = (0, 1)
-        if not _never_split(self.batch, params, self.split_target):
-            lengths = _effective_lengths(params, self.problem, self.q_len)
+        if not never_split(self.batch, params, self.split_target):
+            lengths = effective_lengths(params, self.problem, self.q_len)
             _, _, eff, _, chunk = self._partition(device, params, lengths)
             if chunk is not None:
                 split = self._direct_split(eff, chunk, params)
@@ -302,14 +226,14 @@ class DecodePlan:
     # --- planning --------------------------------------------------------------------------
     def _partition(self, device: Device, params: AttentionParams, lengths: tuple):
         """(kv lengths, window starts, tokens from there, graph splits, chunk tokens per request or
-        None) of ``params``' requests, whose `_effective_lengths` are ``lengths``: the split-KV
-        partition (see `_chunk_tokens`, `_graph_splits`; a wave split whose partials the
+        None) of ``params``' requests, whose `effective_lengths` are ``lengths``: the split-KV
+        partition (see `chunk_tokens`, `_graph_splits`; a wave split whose partials the
         workspace cannot hold is left out)."""
         p, cfg = self.problem, self.config
         lens, lo, eff = lengths
         batch = len(lens)
         if not p.use_cuda_graph:
-            splits, chunk = 0, _chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
+            splits, chunk = 0, chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
             if chunk is not None and self.wave_split:
                 nsplit = np.maximum(1, -(-eff // chunk))  # work items, or the kernel's own request x slots
                 n_partial = max(int(nsplit.sum()), batch * int(nsplit.max()))
@@ -318,9 +242,9 @@ class DecodePlan:
         else:  # the grid's chunks per request are fixed by the batch size: the policy's split does not apply
             splits = self._graph_splits(batch, self.units, device.sm_count or 8, params)
             if params.fixed_split_size is not None:
-                chunk = _chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
+                chunk = chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
             elif splits > 1:
-                chunk = _balanced_chunks(eff, np.minimum(-(-eff // cfg.min_chunk_tokens), splits), cfg.block_n)
+                chunk = balanced_chunks(eff, np.minimum(-(-eff // cfg.min_chunk_tokens), splits), cfg.block_n)
             else:
                 chunk = None
         return lens, lo, eff, splits, chunk
@@ -329,14 +253,14 @@ class DecodePlan:
         """(split tokens, chunk slots per request) when the kernel derives the policy's split of
         these requests itself from the tables (`DecodeConfig.direct_table`, no fixed_split_size, no
         CUDA graph) and idles at most half of its requests x slots grid; else None (the host
-        builds the work array). ``chunk``: `_chunk_tokens`' result."""
+        builds the work array). ``chunk``: `chunk_tokens`' result."""
         if not self.config.direct_table or self.problem.use_cuda_graph or params.fixed_split_size is not None:
             return None
         nsplit = np.maximum(1, -(-eff // chunk))
         slots = int(nsplit.max())
         if len(eff) * slots > 2 * int(nsplit.sum()):
             return None
-        return _policy_tokens(eff, self.config, self.units, self.split_target), slots
+        return policy_tokens(eff, self.config, self.units, self.split_target), slots
 
     def _build(self, device: Device, params: AttentionParams, run_device: torch.device, lengths: tuple) -> None:
         p, cfg, ql = self.problem, self.config, self.q_len
@@ -436,7 +360,7 @@ class DecodePlan:
         """`DecodeConfig.direct_table`: the kernel reads kv_indptr / last_page_len (on the run
         device: a host one is uploaded here, with the API's other host arrays) for its request.
         ``split_slots`` > 1: each request has that many work items (chunk slots) and the kernel
-        splits it as `_chunk_tokens` would (see `_direct_split`); its partials take slots
+        splits it as `chunk_tokens` would (see `_direct_split`); its partials take slots
         request x split_slots + chunk, the fused merge's counters are zeroed here once (the merging
         program resets its own), else the kernel writes the merge kernel's info row per request."""
         self.direct = True

@@ -199,7 +199,7 @@ def decode_kernel(
         slot = -1
         is_first = 1
         if DIRECT_SPLIT:
-            # decode.py's split policy for this request (_chunk_tokens): n chunks of split_tokens
+            # decode_split.py's policy for this request (chunk_tokens): n chunks of split_tokens
             # (at most max_splits), balanced and rounded up to whole BLOCK_N steps, then as many
             # chunks of that length as the tokens need; a chunk slot past them is idle. Tables
             # changed after plan() could need more chunks than the plan's slots: the last slot then

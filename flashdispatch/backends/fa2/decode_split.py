@@ -1,0 +1,89 @@
+"""fa2 decode's split-KV policy on the host: the tokens each request's chunks hold, and how many
+programs a plan aims for (the few-programs target and the wave split, decode_config.py's wave
+model). decode.py partitions with these; the kernel's own split (`DecodeConfig.direct_table`)
+repeats `chunk_tokens`' arithmetic on the device."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...dispatch.problem import Problem
+from ..base import AttentionParams
+from .decode_config import DecodeConfig, wave_choice, wave_split_choice
+
+
+def balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
+    """Chunk length per request for ``n`` chunks each: equal shares, rounded up to whole blocks."""
+    per = -(-eff // np.maximum(n, 1))
+    return np.maximum(block_n, -(-per // block_n) * block_n)
+
+
+def split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int, tokens: float,
+                  choice: tuple | None = None) -> int | None:
+    """The programs the default split policy aims for (`chunk_tokens`), or None: none needed.
+    Fewer programs than ctas_per_sm x SMs aim for that many; more, where `wave_split_choice`
+    predicts a split of requests of ``tokens`` tokens on average faster than the best tile whole
+    (`wave_choice`; `DecodeConfig.wave_split_ctas`), its chunks per request. ``choice``:
+    `wave_choice` of these programs where the caller has it already."""
+    sms = max(sm_count, 1)
+    programs = batch * units
+    if programs < sms * cfg.ctas_per_sm:
+        return sms * cfg.ctas_per_sm
+    if not cfg.wave_split_ctas:
+        return None
+    if choice is None:
+        choice = wave_choice(cfg, programs, sms)
+    if choice is None or choice[1] >= 1.0:
+        return None
+    chunks, predicted = wave_split_choice(cfg, programs, sms, tokens)
+    return programs * chunks if chunks > 1 and predicted > choice[1] else None
+
+
+def effective_lengths(params: AttentionParams, problem: Problem, q_len: int) -> tuple:
+    """(kv lengths, window starts, tokens from there) of ``params``' requests (int64 arrays)."""
+    lens = np.array(params.kv_lens_host, dtype=np.int64)
+    if problem.window_left < 0:
+        return lens, np.zeros(len(lens), np.int64), lens
+    lo = np.maximum(lens - q_len - problem.window_left, 0)
+    return lens, lo, lens - lo
+
+
+def mean_tokens(params: AttentionParams, problem: Problem, q_len: int) -> float:
+    """Mean KV tokens per request from its window start (0.0: none); Python, ~3x numpy's speed here."""
+    lens = params.kv_lens_host
+    if not lens:
+        return 0.0
+    if problem.window_left < 0:
+        return sum(lens) / len(lens)
+    cap = q_len + problem.window_left
+    return sum(min(n, cap) for n in lens) / len(lens)
+
+
+def never_split(batch: int, params: AttentionParams, target: int | None) -> bool:
+    """Whether `chunk_tokens` splits no request whatever the lengths: split-KV off, no request,
+    or (the policy's split) no split ``target`` (`split_target`)."""
+    if params.disable_split_kv or batch == 0:
+        return True
+    return params.fixed_split_size is None and target is None
+
+
+def chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
+                  units: int, target: int | None) -> np.ndarray | None:
+    """Chunk length in tokens per request, or None: no request is split. ``target``: the
+    policy's split target for this batch (`split_target`)."""
+    if params.disable_split_kv or len(eff) == 0:
+        return None
+    if params.fixed_split_size is not None:
+        return np.full_like(eff, max(1, params.fixed_split_size) * problem.page_size)
+    if target is None:
+        return None
+    # Chunks per request rounded down: the grid stays within the target (one more chunk each
+    # would start a second, mostly idle wave: 32 x 4096 ran at 3.06 TB/s with 3 chunks, 3.73 with 2).
+    n = np.minimum(np.maximum(eff // policy_tokens(eff, cfg, units, target), 1), cfg.max_splits)
+    return balanced_chunks(eff, n, cfg.block_n) if n.max() > 1 else None
+
+
+def policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, target: int) -> int:
+    """The split policy's chunk length before balancing: the tokens that give each of the
+    ``target`` programs (`split_target`) an equal share (rounded down, so that requests of
+    equal length get target / programs chunks each), at least ``min_chunk_tokens``."""
+    return max(cfg.min_chunk_tokens, int(eff.sum()) * units // target)
