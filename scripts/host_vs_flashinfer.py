@@ -9,7 +9,8 @@ a device sync, as the bench's host columns). ``--profile N`` adds a cProfile of 
 at the last shape (the N functions with the most own time). ``--host-indptr`` passes indptr and
 last_page_len as CPU tensors (indices stays on the GPU), as serving engines that build the
 batch's metadata on the host do: FlashInfer's plan then reads nothing from the device, ours
-still reads the used page indices' (min, max) for its page-index check.
+still reads the used page indices' (min, max) for its page-index check. ``--cuda-graph`` times
+use_cuda_graph=True wrappers, run() as a graph replay.
 
     python scripts/host_vs_flashinfer.py --shapes 256x1024,64x4096,1x32768
     python scripts/host_vs_flashinfer.py --ours fa2 --peer fa2-tc --rounds 9 --profile 25
@@ -43,11 +44,13 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=30, help="calls per round and side")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="cProfile our plan and run (last shape)")
     ap.add_argument("--host-indptr", action="store_true", help="indptr and last_page_len on the CPU")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="use_cuda_graph=True wrappers, run() a graph replay (as the bench's --cuda-graph)")
     args = ap.parse_args(argv)
     fi, why = import_flashinfer()
     if fi is None:
         raise SystemExit(why)
-    where = "host" if args.host_indptr else "device"
+    where = ("host" if args.host_indptr else "device") + (", CUDA-graph wrappers" if args.cuda_graph else "")
     print(f"host us per call, median of {args.rounds} rounds x {args.calls} calls; ours fd:{args.ours}, "
           f"peer fi:{args.peer}; indptr on the {where}; torch {torch.__version__}, flashinfer {fi.__version__}")
     print(f"{'shape':<12} {'plan ours':>9} {'plan fi':>8} {'ratio':>6} {'run ours':>9} {'run fi':>7} {'ratio':>6}")
@@ -56,8 +59,8 @@ def main(argv=None) -> None:
         data = make_decode_data(shape)
         if args.host_indptr:
             data = dataclasses.replace(data, indptr=data.indptr.cpu(), last_page_len=data.last_page_len.cpu())
-        ours = wrapper_job(fd, args.ours, data)
-        peer = peer_column(fi, args.peer).build(data)
+        ours = wrapper_job(fd, args.ours, data, args.cuda_graph)
+        peer = peer_column(fi, args.peer, args.cuda_graph).build(data)
         for job in (ours, peer):
             job.plan()
             job.run()

@@ -136,30 +136,47 @@ def test_empty_and_sink_rows():
     _check(case, disable_split_kv=True)
 
 
-def test_cuda_graph_replan_in_place():
-    """Graph mode: fixed grid, plan arrays in the int workspace. A plan made first and run after a
+class _GraphBuffers:
+    """The CUDA-graph wrapper's fixed kv_indices / kv_indptr / last_page_len buffers: each plan's
+    tables are copied into their front, as the wrapper does, and the params point at those views."""
+
+    def __init__(self, slots: int = 64, batch: int = 3):
+        self.indices = torch.zeros(slots, dtype=torch.int32)
+        self.indptr = torch.zeros(batch + 1, dtype=torch.int32)
+        self.last = torch.zeros(batch, dtype=torch.int32)
+
+    def adopt(self, case):
+        prm = case.params
+        for name, buf in (("kv_indices", self.indices), ("kv_indptr", self.indptr), ("kv_last_page_len", self.last)):
+            t = getattr(prm, name)
+            buf[:t.numel()] = t
+            setattr(prm, name, buf[:t.numel()])
+        return case
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "work-array"])
+def test_cuda_graph_replan_in_place(direct):
+    """Graph mode: fixed grid; the kernel reads the wrapper's fixed buffers and splits itself
+    (direct table) or reads plan arrays from the int workspace. A plan made first and run after a
     second plan (same batch size, other lengths and page table, same buffers) equals the second:
     what a graph captured on the first plan replays."""
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     iws = torch.zeros(1 << 20, dtype=torch.uint8)
-    first = _case((10, 200, 33), use_cuda_graph=True, seed=9)
-    buffer = torch.zeros(64, dtype=torch.int32)  # the wrapper's fixed kv_indices buffer
-    buffer[:first.params.kv_indices.numel()] = first.params.kv_indices
-    first.params.kv_indices = buffer
-    plan1 = _check(first, workspace=ws, int_workspace=iws)
-    assert plan1.n_merge == 3, "graph grids split every request into a fixed number of slots"
-    second = _case((300, 0, 17), use_cuda_graph=True, seed=10)
-    # the wrapper copies new page tables into its fixed buffers: emulate that
-    buffer[:second.params.kv_indices.numel()] = second.params.kv_indices
-    second.params.kv_indices = buffer
-    plan2 = _check(second, workspace=ws, int_workspace=iws)
-    assert (plan2.n_work, plan2.n_merge) == (plan1.n_work, plan1.n_merge)
-    assert plan2.work.data_ptr() == plan1.work.data_ptr()
+    bufs, config = _GraphBuffers(), {"direct_table": direct, "min_chunk_tokens": 32}
+    first = bufs.adopt(_case((10, 200, 33), use_cuda_graph=True, seed=9))
+    plan1 = _check(first, workspace=ws, int_workspace=iws, config=config)
+    assert plan1.direct == direct and plan1.n_merge == 3, "graph grids split every request into fixed slots"
+    second = bufs.adopt(_case((300, 0, 17), use_cuda_graph=True, seed=10))
+    plan2 = _check(second, workspace=ws, int_workspace=iws, config=config)
+    assert (plan2.n_work, plan2.n_merge, plan2.split_tokens) == (plan1.n_work, plan1.n_merge, plan1.split_tokens)
+    assert plan2.work.data_ptr() == plan1.work.data_ptr() and plan2.info.data_ptr() == plan1.info.data_ptr()
     ref = second.inputs.out.clone(), second.inputs.lse.clone()
     second.inputs.out.fill_(float("nan"))
     second.inputs.lse.fill_(float("nan"))
     plan1.run(second.inputs)
     assert torch.equal(second.inputs.out, ref[0]) and torch.equal(second.inputs.lse, ref[1])
+    refreshed = plan1.refreshed(second.device, second.params)
+    assert (refreshed is not None) == direct  # the direct graph layout is the batch size's alone
 
 
 def test_cuda_graph_grid_of_one_chunk_with_a_long_request():
@@ -364,31 +381,31 @@ def test_fused_merge_counter_gates_the_merge(no_merge_launch):
 
 
 def test_fused_merge_cuda_graph_replan(no_merge_launch):
-    """Graph mode: counters in the int workspace at a fixed address across re-plans, zeroed by
-    each plan, back to zero after each run; a plan made first and run after a re-plan equals the
-    re-plan's result (what a captured graph replays)."""
+    """Graph mode: counters in the int workspace at one address across re-plans, the kernel's own
+    split (direct table) and the work array's alike, zeroed by each fresh plan, back to zero after
+    each run; a plan made first and run after a re-plan of the same kind equals the re-plan's
+    result (what a captured graph replays)."""
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     iws = torch.zeros(1 << 20, dtype=torch.uint8)
-    buffer = torch.zeros(64, dtype=torch.int32)  # the wrapper's fixed kv_indices buffer
-    plans, cases = [], []
-    for lens, seed, split in (((10, 200, 33), 26, {"config": {"min_chunk_tokens": 32}}),
+    bufs = _GraphBuffers()
+    plans = []
+    own_split = {"config": {"min_chunk_tokens": 32}}
+    for lens, seed, split in (((10, 200, 33), 26, own_split), ((300, 0, 17), 27, own_split),
                               ((300, 0, 17), 27, {"fixed_split_size": 8}), ((40, 41, 0), 28, {"fixed_split_size": 1})):
         if plans:
             plans[0].counters.fill_(5)  # e.g. an aborted launch: the next plan must zero them
-        case = _case(lens, use_cuda_graph=True, sinks=True, seed=seed)
-        buffer[:case.params.kv_indices.numel()] = case.params.kv_indices
-        case.params.kv_indices = buffer
+        case = bufs.adopt(_case(lens, use_cuda_graph=True, sinks=True, seed=seed))
         plans.append(_check_fused(case, workspace=ws, int_workspace=iws, **split))
-        cases.append(case)
         assert plans[-1].counters.data_ptr() == plans[0].counters.data_ptr()
         assert plans[-1].counters.data_ptr() - iws.data_ptr() + plans[-1].counters.nbytes <= iws.numel()
-    last = cases[-1]
-    ref = last.inputs.out.clone(), last.inputs.lse.clone()
-    last.inputs.out.fill_(float("nan"))
-    last.inputs.lse.fill_(float("nan"))
-    plans[0].run(last.inputs)
-    assert torch.equal(last.inputs.out, ref[0]) and torch.equal(last.inputs.lse, ref[1])
-    assert not plans[0].counters.any()
+        if len(plans) in (2, 4):  # the first plan of this kind, run on the re-plan's tables
+            ref = case.inputs.out.clone(), case.inputs.lse.clone()
+            case.inputs.out.fill_(float("nan"))
+            case.inputs.lse.fill_(float("nan"))
+            plans[-2].run(case.inputs)
+            assert torch.equal(case.inputs.out, ref[0]) and torch.equal(case.inputs.lse, ref[1])
+            assert not plans[-2].counters.any()
+    assert [p.direct for p in plans] == [True, True, False, False]
 
 
 def test_fused_merge_without_splits_and_config_check():

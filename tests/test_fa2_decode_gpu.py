@@ -73,12 +73,14 @@ def test_features(feature, split, swap):
 
 def _captured(case, indices_slots: int, config=None):
     """(plan, graph): ``case`` planned in CUDA-graph mode on fixed buffers (the wrapper's kv_indices
-    buffer of ``indices_slots`` entries, workspaces) and its run() captured (compiled outside)."""
+    buffer of ``indices_slots`` entries, its indptr and last_page_len buffers, workspaces) and its
+    run() captured (compiled outside)."""
     from flashdispatch.backends.fa2.decode import plan_decode
     prm = case.params
     indices = torch.zeros(indices_slots, dtype=torch.int32, device="cuda")
     indices[:prm.kv_indices.numel()] = prm.kv_indices
     prm.kv_indices = indices
+    prm.kv_indptr, prm.kv_last_page_len = prm.kv_indptr.clone(), prm.kv_last_page_len.clone()
     prm.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     prm.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     plan = plan_decode(case.problem, case.device, prm, config)
@@ -95,17 +97,16 @@ def _captured(case, indices_slots: int, config=None):
 
 def _replanned(case, lens, config=None):
     """Re-plan ``case`` (captured by `_captured`) for other kv lengths on random pages, written into
-    the same kv_indices buffer; returns (plan, its params)."""
+    the same kv_indices, indptr and last_page_len buffers; returns (plan, its params)."""
     from flashdispatch.backends.fa2.decode import plan_decode
     prm, indices = case.params, case.params.kv_indices
     counts = [-(-n // 16) for n in lens]
     new_pages = torch.randperm(case.inputs.kv.k.shape[0], device="cuda")[:sum(counts)].int()
     indices[:new_pages.numel()] = new_pages
-    indptr = torch.tensor([0] + counts, device="cuda").cumsum(0).int()
-    last = [n - (c - 1) * 16 if c else 0 for n, c in zip(lens, counts)]
-    prm_b = dataclasses.replace(prm, kv_lens_host=list(lens), kv_indptr=indptr, kv_indices=indices,
-                                kv_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                kv_last_page_len=torch.tensor(last, dtype=torch.int32, device="cuda"))
+    prm.kv_indptr.copy_(torch.tensor([0] + counts, device="cuda").cumsum(0))
+    prm.kv_last_page_len.copy_(torch.tensor([n - (c - 1) * 16 if c else 0 for n, c in zip(lens, counts)]))
+    prm_b = dataclasses.replace(prm, kv_lens_host=list(lens), kv_indices=indices,
+                                kv_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
     return plan_decode(case.problem, case.device, prm_b, config), prm_b
 
 

@@ -32,8 +32,8 @@ def test_kernel_split_matches_the_host_partition(feature, config):
     case = _case((1200, 1000, 0, 1320, 870), seed=60, **FEATURES[feature])
     plan = _check(case, config=config)
     assert plan.direct and plan.split_slots > 1, "the case must take the kernel's own split"
-    from flashdispatch.backends.fa2.decode import _effective_lengths
-    lengths = _effective_lengths(case.params, plan.problem, plan.q_len)
+    from flashdispatch.backends.fa2.decode_split import effective_lengths
+    lengths = effective_lengths(case.params, plan.problem, plan.q_len)
     lens, _, eff, _, chunk = plan._partition(case.device, case.params, lengths)
     nsplit = np.maximum(1, -(-eff // chunk))
     info = plan.info.view(-1, 4)

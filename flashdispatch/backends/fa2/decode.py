@@ -21,9 +21,12 @@ so every re-plan zeroes them at the same address. The kernel's own split (direct
 work rows: the merge row is the request, and its counters are a tensor of the plan zeroed when
 the plan is made (a refreshed plan keeps them: each launch leaves them at zero).
 
-CUDA graphs: the grid is fixed by the batch size (batch x max_splits programs, idle ones
+CUDA graphs: the grid is fixed by the batch size (batch x chunk slots programs, idle ones
 exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, updated in place,
-so a graph captured once replays correctly after a later plan() of the same batch size.
+so a graph captured once replays correctly after a later plan() of the same batch size. With
+`DecodeConfig.direct_table` there are no plan arrays: the kernel reads the wrapper's fixed
+indptr / last_page_len buffers and splits each request into the slots itself; its merge rows and
+counters take the work array layout's places in the int workspace.
 
 Tuning: `DecodeConfig` (decode_config.py) fields can be overridden per plan
 (``plan_decode(..., config={...})``) or through
@@ -188,7 +191,11 @@ class DecodePlan:
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
         self.units = units  # programs per work item
         self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
-        self._build(device, params, run_device, effective_lengths(params, p, self.q_len))
+        self.kernel_max_splits = cfg.max_splits  # the kernel's cap on its own split's chunks
+        if p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
+            self._place_graph_direct(device, params, run_device)
+        else:
+            self._build(device, params, run_device, effective_lengths(params, p, self.q_len))
 
     def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
@@ -206,7 +213,9 @@ class DecodePlan:
             if split_target(self.batch, cfg, self.units, sm_count, tokens, choice) != self.split_target:
                 return None
         split = (0, 1)
-        if not never_split(self.batch, params, self.split_target):
+        if self.problem.use_cuda_graph:  # `_place_graph_direct`: a function of the batch size alone
+            split = (self.split_tokens, self.split_slots)
+        elif not never_split(self.batch, params, self.split_target):
             lengths = effective_lengths(params, self.problem, self.q_len)
             _, _, eff, _, chunk = self._partition(device, params, lengths)
             if chunk is not None:
@@ -355,6 +364,18 @@ class DecodePlan:
         target = sm_count * self.config.ctas_per_sm
         return max(1, min(self.config.max_splits, target // max(batch * units, 1)))
 
+    def _place_graph_direct(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
+        """CUDA graphs with `DecodeConfig.direct_table`: the kernel reads the wrapper's fixed
+        indptr / last_page_len buffers and splits each request itself into at most the graph
+        grid's chunk slots (`_graph_splits`, a function of the batch size) of at least
+        min_chunk_tokens, so a replay after any later plan() of this batch size splits by the new
+        lengths; plan() reads no length and builds nothing (`_place_direct`)."""
+        self.batch = params.batch_size
+        slots = self._graph_splits(self.batch, self.units, device.sm_count or 8, params)
+        self.n_work, self.n_merge, self.max_chunks = self.batch, 0, 1
+        self.kernel_max_splits = slots
+        self._place_direct(params, run_device, self.config.min_chunk_tokens if slots > 1 else 0, slots)
+
     def _place_direct(self, params: AttentionParams, run_device: torch.device, split_tokens: int = 0,
                       split_slots: int = 1) -> None:
         """`DecodeConfig.direct_table`: the kernel reads kv_indptr / last_page_len (on the run
@@ -370,10 +391,21 @@ class DecodePlan:
         if split_slots > 1:
             self.n_work, self.n_merge, self.max_chunks = self.batch * split_slots, self.batch, split_slots
             self.fused_merge = split_slots <= self.config.fused_merge_max_chunks
-            if self.fused_merge:
-                self.counters = torch.zeros(self.batch * self.units, dtype=torch.int32, device=run_device)
+            n_info, n_counters = self.batch * MERGE_INFO_COLS, self.batch * self.units
+            if self.problem.use_cuda_graph:
+                # the int workspace, where a work-array graph plan of this batch size has its merge
+                # rows and counters: the addresses a captured graph replays
+                info_at = self.n_work * WORK_COLS
+                counters_at = _align((info_at + n_info) * 4) // 4
+                table = self._int_workspace_ints(params, counters_at + n_counters)
+                self.info = table[info_at:info_at + n_info]
+                self.counters = table[counters_at:counters_at + n_counters]
+                if self.fused_merge:
+                    self.counters.zero_()
+            elif self.fused_merge:
+                self.counters = torch.zeros(n_counters, dtype=torch.int32, device=run_device)
             else:
-                self.info = torch.empty(self.batch * MERGE_INFO_COLS, dtype=torch.int32, device=run_device)
+                self.info = torch.empty(n_info, dtype=torch.int32, device=run_device)
             self.plse, self.po, self.workspace_bytes = self._partials(self.n_work, params)
         else:
             self.fused_merge = False
@@ -418,11 +450,7 @@ class DecodePlan:
         host = torch.from_numpy(meta)  # pageable: a copy returns once the driver has staged it
         if graph:
             # the wrapper's own int workspace: same addresses at every re-plan, never shared
-            iws = params.int_workspace
-            if iws is None or iws.numel() * iws.element_size() < meta.nbytes:
-                raise ValueError(f"fa2 decode with use_cuda_graph needs {meta.nbytes} bytes of int workspace, "
-                                 f"got {0 if iws is None else iws.numel() * iws.element_size()}")
-            dst = iws.view(torch.uint8).reshape(-1)[:meta.nbytes].view(torch.int32)
+            dst = self._int_workspace_ints(params, meta.size)
             dst.copy_(host, non_blocking=True)
         else:
             dst = host.to(run_device, non_blocking=True)
@@ -433,6 +461,15 @@ class DecodePlan:
         self.plse, self.po = (plse, po) if need else (self.work, self.work)
         self.workspace_bytes = need
         self._launch_constants()
+
+    @staticmethod
+    def _int_workspace_ints(params: AttentionParams, count: int) -> torch.Tensor:
+        """The first ``count`` int32 of the wrapper's own int workspace (CUDA graphs)."""
+        iws = params.int_workspace
+        have = 0 if iws is None else iws.numel() * iws.element_size()
+        if have < count * 4:
+            raise ValueError(f"fa2 decode with use_cuda_graph needs {count * 4} bytes of int workspace, got {have}")
+        return iws.view(torch.uint8).reshape(-1)[:count * 4].view(torch.int32)
 
     # --- running ----------------------------------------------------------------------------
     def _launch_constants(self) -> None:
@@ -457,7 +494,7 @@ class DecodePlan:
                         self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope,
-                              self.split_tokens, self.split_slots, self.config.max_splits)
+                              self.split_tokens, self.split_slots, self.kernel_max_splits)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:

@@ -60,7 +60,7 @@ class DecodeConfig:
     rounds: 4x8192 2.69 -> 2.74-2.76, 8x8192 3.39-3.40 -> 3.43, 16x8192 3.88-3.89 -> 3.92,
     32x4096 3.87-3.88 -> 3.91-3.92, 16x16384 4.20-4.21 -> 4.25; fp8 flat; MHA lost (8x8192 4.17
     -> 3.01): default_config takes 8192 for 16-bit GQA d128 group 4 only.
-    direct_table: a plan that is not a CUDA-graph grid gives the kernel the API's kv_indptr and
+    direct_table: a plan without fixed_split_size gives the kernel the API's kv_indptr and
     last_page_len instead of a work array: one program per (request, KV head, row block) reads its
     pages and length from them, so plan() builds and uploads nothing (H200 bf16 GQA d128 with
     max_registers 64, TB/s work array -> direct: 256x1024 4.15 -> 4.15, 128x2048 4.15 -> 4.15,
@@ -68,7 +68,8 @@ class DecodeConfig:
     requests by the default policy does too when at most half of its grid would idle: a program
     per (request, chunk slot, KV head, row block) works its request's chunk out from the length,
     as plan() would (`DecodePlan._direct_split`), and a re-plan only passes the new split length.
-    default_config turns it on for 16-bit GQA KV up to d128, where it was measured; fp8 KV and
+    A CUDA-graph plan reads the wrapper's fixed buffers and splits into its grid's chunk slots,
+    a function of the batch size (`DecodePlan._place_graph_direct`). default_config turns it on for 16-bit GQA KV up to d128, where it was measured; fp8 KV and
     MHA measured slower with it, d256 is not measured.
     swap_ab: compute both dots transposed (S^T = K Q^T, O^T = V^T P^T; decode_kernel.py), so the
     query rows are the mma's N: row blocks start at 8 rows instead of 16 (half the padding of a
