@@ -451,12 +451,14 @@ class WrapperBase:
 
     def _fixed_buffer(self, buf, data: torch.Tensor, name: str) -> torch.Tensor:
         """Copy ``data`` into the front of a user's CUDA-graph buffer (on the wrapper's device, so
-        a captured graph reads it in place) and return that view."""
+        a captured graph reads it in place) and return that view. No copy where ``data`` already
+        is that front (an engine that writes its tables into the buffers and passes views of them)."""
         checks.check_tensor(buf, name, ndim=1, dtypes=(data.dtype,), device=self._device)
         if buf.numel() < data.numel():
             raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
         view = buf[: data.numel()]
-        view.copy_(data, non_blocking=True)
+        if data.data_ptr() != buf.data_ptr() or data.device != buf.device or data.stride() != view.stride():
+            view.copy_(data, non_blocking=True)
         return view
 
     def _int_workspace(self, variant) -> torch.Tensor:

@@ -458,6 +458,33 @@ def test_graph_mode_wrappers_sharing_a_workspace_keep_their_own_plans(backend):
         assert rel(out[b], ref[0]) < 4e-3
 
 
+def test_graph_mode_plan_on_views_of_its_own_buffers(monkeypatch):
+    """An engine that writes its tables into the CUDA-graph buffers and passes views of them: plan()
+    copies nothing into them, and the result is right."""
+    torch.manual_seed(13)
+    page, hq, hkv, d, lens = 4, 4, 2, 64, [9, 30]
+    kv = torch.randn(40, 2, page, hkv, d).half()
+    bufs = [torch.zeros(3, dtype=torch.int32), torch.zeros(40, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)]
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 22, dtype=torch.uint8), "NHD",
+                                                      use_cuda_graph=True, backend="fa2", paged_kv_indptr_buffer=bufs[0],
+                                                      paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2])
+    pages = [(n + page - 1) // page for n in lens]
+    bufs[0].copy_(torch.tensor([0, pages[0], sum(pages)]))
+    bufs[1][:sum(pages)] = torch.randperm(40)[:sum(pages)].int()
+    bufs[2].copy_(torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages)]))
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, *a, **k: copies.append(t) or real_copy(t, src, *a, **k))
+    w.plan(bufs[0], bufs[1][:sum(pages)], bufs[2], hq, hkv, d, page, data_type=torch.float16)
+    assert not [t for t in copies if any(t.data_ptr() == b.data_ptr() for b in bufs)]
+    q = torch.randn(2, hq, d).half()
+    out = w.run(q, kv)
+    for b in range(2):
+        k, v = paged_to_dense(kv, bufs[0], bufs[1], bufs[2], page, b)
+        ref, _ = dense_attention(q[b:b + 1], k, v)
+        assert rel(out[b], ref[0]) < 4e-3
+
+
 def test_explain_a_described_gpu_judges_capabilities_not_this_machine():
     from flashdispatch.dispatch.explain import describe_device
     text = flashinfer.explain(op="decode", heads="32/8", head_dim=128, page_size=16, features="soft_cap",
