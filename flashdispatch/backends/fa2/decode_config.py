@@ -69,8 +69,12 @@ class DecodeConfig:
     per (request, chunk slot, KV head, row block) works its request's chunk out from the length,
     as plan() would (`DecodePlan._direct_split`), and a re-plan only passes the new split length.
     A CUDA-graph plan reads the wrapper's fixed buffers and splits into its grid's chunk slots,
-    a function of the batch size (`DecodePlan._place_graph_direct`). default_config turns it on for 16-bit GQA KV up to d128, where it was measured; fp8 KV and
-    MHA measured slower with it, d256 is not measured.
+    a function of the batch size (`DecodePlan._place_graph_direct`). default_config turns it on
+    for 16-bit GQA KV up to d128 and fp8 GQA d128, where it was measured (fp8 32/8, session 19,
+    TB/s work array -> direct: 128x4096 3.90 -> 3.95, 256x4096 4.08 -> 4.14, 512x4096 4.19 ->
+    4.22, 200x1024 2.89 -> 2.95, 16x8192 3.06 -> 3.08, 64x4096 3.47 -> 3.41, 1x32768 1.98 ->
+    1.95); MHA d128 (64x4096 4.48 -> 4.33, 24x4096 4.22 -> 3.93) and d256 GQA (85x4096 4.35 ->
+    3.97) read less with it.
     swap_ab: compute both dots transposed (S^T = K Q^T, O^T = V^T P^T; decode_kernel.py), so the
     query rows are the mma's N: row blocks start at 8 rows instead of 16 (half the padding of a
     group of 4). H200 fp8 e4m3 32/8 heads d128, one warp, 64 x 3, TB/s off -> on: 64x4096 3.37
@@ -218,9 +222,9 @@ def _checked_wave_tiles(tiles) -> tuple:
 def default_config(problem: Problem) -> DecodeConfig:
     """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
     d = problem.head_dim_qk
-    # direct_table where the H200 sweep (session 6, TB/s work array / direct) found parity:
-    # 16-bit GQA (group 4 and 16, page 16 and 1, d64 and d128); fp8 256x4096 3.69 / 3.66, MHA
-    # 64x4096 4.39 / 4.20 (twice) measured slower, d256 not measured
+    # direct_table where the H200 sweeps (TB/s work array / direct) found parity or better:
+    # 16-bit GQA (session 6: group 4 and 16, page 16 and 1, d64 and d128), fp8 GQA d128 (session
+    # 19: -1.5 % to +2 %, see DecodeConfig.direct_table); MHA and d256 GQA read less with it
     gqa = problem.num_qo_heads != problem.num_kv_heads
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
@@ -232,6 +236,7 @@ def default_config(problem: Problem) -> DecodeConfig:
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
+                                direct_table=gqa and d == 128,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
                                 lone_wave_split_tokens=3072)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
