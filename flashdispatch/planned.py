@@ -454,6 +454,8 @@ class WrapperBase:
         a captured graph reads it in place) and return that view. No copy where ``data`` already
         is that front (an engine that writes its tables into the buffers and passes views of them)."""
         checks.check_tensor(buf, name, ndim=1, dtypes=(data.dtype,), device=self._device)
+        if not buf.is_contiguous():  # the kernels read it as flat memory, in place
+            raise ValueError(f"{name} must be contiguous (a CUDA graph reads it in place), got stride {buf.stride()}")
         if buf.numel() < data.numel():
             raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
         view = buf[: data.numel()]

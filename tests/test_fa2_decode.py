@@ -177,6 +177,10 @@ def test_cuda_graph_replan_in_place(direct):
     assert torch.equal(second.inputs.out, ref[0]) and torch.equal(second.inputs.lse, ref[1])
     refreshed = plan1.refreshed(second.device, second.params)
     assert (refreshed is not None) == direct  # the direct graph layout is the batch size's alone
+    if direct:
+        second.inputs.out.fill_(float("nan"))
+        refreshed.run(second.inputs)
+        assert torch.equal(second.inputs.out, ref[0])
 
 
 def test_cuda_graph_grid_of_one_chunk_with_a_long_request():

@@ -50,9 +50,10 @@ def graphed(job: Job) -> Job:
                 for _ in range(2):
                     job.run()
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
                 output = job.run()
+            graph = captured  # kept only once captured: a failed capture is tried again, not replayed
         graph.replay()
         return output
 

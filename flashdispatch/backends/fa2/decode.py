@@ -18,8 +18,9 @@ host sync). Without CUDA graphs that copy is a tensor the plan owns. With them i
 wrapper's int workspace: the counters' offset is the plan arrays' size, batch x graph-splits
 work rows + batch merge rows, fixed by the batch size as the grid a captured graph replays is,
 so every re-plan zeroes them at the same address. The kernel's own split (direct table) has no
-work rows: the merge row is the request, and its counters are a tensor of the plan zeroed when
-the plan is made (a refreshed plan keeps them: each launch leaves them at zero).
+work rows: the merge row is the request, and its counters are a tensor of the plan (under CUDA
+graphs: the work array layout's place in the int workspace) zeroed when the plan is made (a
+refreshed plan keeps them: each launch leaves them at zero).
 
 CUDA graphs: the grid is fixed by the batch size (batch x chunk slots programs, idle ones
 exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, updated in place,
