@@ -3,7 +3,7 @@ from kv_indptr / last_page_len. It must split exactly as plan()'s host partition
 sizes the grid and the partials from that), over the features that change the arithmetic: query
 rows per request, the window, several row blocks, the max_splits cap, program order. Checked
 against the oracle, and, with the merge kernel, the info rows the kernel writes (chunks per
-request) against the host's count."""
+request) against the host's count; CUDA-graph plans split into their grid's slots evenly."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,3 +49,26 @@ def test_kernel_split_with_the_fused_merge(feature):
     plan = _check(case, config={"direct_table": True, "fused_merge_max_chunks": 64})
     assert plan.direct and plan.split_slots > 1 and plan.fused_merge
     assert not plan.counters.any(), "each merging program resets its counter"
+
+
+@pytest.mark.parametrize("feature", ["plain", "window"])
+def test_graph_plan_splits_into_its_slots_evenly(feature):
+    """CUDA graphs with the direct table: the kernel splits each request into at most the graph
+    grid's chunk slots (a function of the batch size) of at least min_chunk_tokens, evenly: its
+    chunk length covers the request in that many chunks (a cap of the config's max_splits instead
+    would leave the last slot the rest), as the info rows it writes count."""
+    case = _case((1200, 1000, 0, 1320, 870), seed=62, use_cuda_graph=True, **FEATURES[feature])
+    plan = _check(case, config=UNFUSED)
+    slots = plan._graph_splits(plan.batch, plan.units, case.device.sm_count or 8, case.params)
+    assert plan.direct and plan.split_slots == slots == plan.kernel_max_splits > 1
+    assert plan.split_tokens == plan.config.min_chunk_tokens
+    from flashdispatch.backends.fa2.decode_split import effective_lengths
+    eff = effective_lengths(case.params, plan.problem, plan.q_len)[2]
+    # the kernel's arithmetic (decode_kernel.py, DIRECT_SPLIT) with the plan's arguments
+    n = np.minimum(np.maximum(eff // plan.split_tokens, 1), plan.kernel_max_splits)
+    block = plan.config.block_n
+    chunk = np.maximum(block, -(-(-(-eff // n)) // block) * block)
+    count = np.minimum(np.maximum(-(-eff // chunk), 1), slots)
+    assert (count * chunk >= eff).all(), "no slot takes a remainder"
+    assert plan.info.view(-1, 4)[:, 2].tolist() == count.tolist()
+    assert (count == slots).any() and (count < slots).any()
