@@ -160,7 +160,7 @@ def wrapper_job(mod, backend: str, d: DecodeData, cuda_graph: bool = False, **wr
                      s.page_size, q_data_type=s.dtype, kv_data_type=s.kv_dtype)
 
     job = Job(run=lambda: wrapper.run(d.q, d.cache), plan=plan, info=lambda: selected_backend(wrapper))
-    return graphed(job) if cuda_graph else job
+    return _maybe_graphed(job, cuda_graph)
 
 
 def selected_backend(wrapper) -> str:
@@ -223,4 +223,4 @@ def peer_column(fi, name: str, cuda_graph: bool = False) -> Column:
 
 
 def _maybe_graphed(job: Job, cuda_graph: bool) -> Job:
-    return graphed(job) if cuda_graph else job
+    return _maybe_graphed(job, cuda_graph)
