@@ -223,4 +223,4 @@ def peer_column(fi, name: str, cuda_graph: bool = False) -> Column:
 
 
 def _maybe_graphed(job: Job, cuda_graph: bool) -> Job:
-    return _maybe_graphed(job, cuda_graph)
+    return graphed(job) if cuda_graph else job
