@@ -79,6 +79,13 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _counters_offset(n_ints: int) -> int:
+    """Where the fused merge's counters start after ``n_ints`` int32 of plan arrays (work rows,
+    then merge rows), in int32: the next `_ALIGN`-byte boundary (under CUDA graphs the same place
+    for the work array and the kernel's own split)."""
+    return _align(n_ints * 4) // 4
+
+
 def _merge_tile(rows: int, head_dim: int, values: int) -> tuple[int, int]:
     """(rows, partials) per load round of the fused merge for ``rows`` query rows per program: a
     [rows, partials, head_dim] float32 tile of ``values`` (DecodeConfig.fused_merge_values), all
@@ -397,7 +404,7 @@ class DecodePlan:
                 # the int workspace, where a work-array graph plan of this batch size has its merge
                 # rows and counters: the addresses a captured graph replays
                 info_at = self.n_work * WORK_COLS
-                counters_at = _align((info_at + n_info) * 4) // 4
+                counters_at = _counters_offset(info_at + n_info)
                 table = self._int_workspace_ints(params, counters_at + n_counters)
                 self.info = table[info_at:info_at + n_info]
                 self.counters = table[counters_at:counters_at + n_counters]
@@ -445,7 +452,7 @@ class DecodePlan:
         self.fused_merge = self.n_merge > 0 and self.max_chunks <= self.config.fused_merge_max_chunks
         n_meta = meta.size
         if self.fused_merge:
-            counters_at = _align(meta.nbytes) // 4
+            counters_at = _counters_offset(n_meta)
             meta = np.concatenate([meta, np.zeros(counters_at - n_meta + self.n_merge * self.units, np.int32)])
         plse, po, need = self._partials(n_partial, params)
         host = torch.from_numpy(meta)  # pageable: a copy returns once the driver has staged it

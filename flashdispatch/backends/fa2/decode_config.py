@@ -210,7 +210,7 @@ def _checked_wave_tiles(tiles) -> tuple:
     except TypeError:
         checked = None
     ok = checked is not None and all(
-        len(t) == 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in t[:3])
+        len(t) == 4 and all(_int(x) and x >= 1 for x in t[:3])
         and t[0] >= 16 and not t[0] & (t[0] - 1)
         and isinstance(t[3], (int, float)) and not isinstance(t[3], bool) and t[3] > 0 for t in checked)
     if not ok:
