@@ -16,7 +16,7 @@ import torch
 
 from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.dispatch.caps import check_caps
-from flashdispatch.dispatch.problem import Device
+from flashdispatch.dispatch.problem import Device, Problem
 
 from oracle import assert_close, make_paged_case
 
@@ -256,6 +256,45 @@ def test_split_policy_stays_within_one_wave(batch, kv_len, chunks):
         assert (-(-eff // chunk) == chunks).all() and batch * 8 * chunks <= 528
 
 
+@pytest.mark.parametrize("batch,kv_len,chunks", [(64, 4096, 2), (48, 4096, 2), (16, 8192, 8), (1, 32768, 64),
+                                                 (1, 1024, 4), (66, 4096, None)])
+def test_split_ctas_per_sm_sets_the_few_programs_target(batch, kv_len, chunks):
+    """Fewer than ctas_per_sm x SMs programs (528) split into a wave of split_ctas_per_sm x SMs
+    (1056) instead, capped by max_splits and min_chunk_tokens; from 528 programs on, the target is
+    the wave split's (none here: no wave_split_ctas)."""
+    from flashdispatch.backends.fa2.decode_config import DecodeConfig
+    from flashdispatch.backends.fa2.decode_split import chunk_tokens, split_target
+    case = _case((1,))
+    case.params.fixed_split_size, case.params.disable_split_kv = None, False
+    eff, cfg = np.full(batch, kv_len), DecodeConfig(block_n=32, split_ctas_per_sm=8)
+    target = split_target(batch, cfg, 8, 132, kv_len)
+    assert target == (1056 if batch * 8 < 528 else None)
+    chunk = chunk_tokens(eff, case.problem, case.params, cfg, 8, target)
+    if chunks is None:
+        assert chunk is None
+    else:
+        assert (-(-eff // chunk) == chunks).all() and batch * 8 * chunks <= 1056
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
+    """fp8 GQA d128 on a described H200: 16 x 8192 (128 programs) splits into 8 chunks of the
+    32 x 3 split block (1024 programs: one wave at 8 per SM), eager and in a CUDA-graph grid."""
+    from flashdispatch.planned import paged_params
+    h200 = Device("cuda", 0, (9, 0), "H200", 132, described=True)
+    batch, pages = 16, 512
+    problem = Problem("decode", torch.float16, torch.float8_e4m3fn, torch.float16, 32, 8, 128, 128, page_size=16,
+                      use_cuda_graph=graph)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+    params = paged_params(np.arange(batch + 1), np.full(batch, pages * 16), indptr, torch.arange(batch * pages,
+                          dtype=torch.int32), torch.full((batch,), 16, dtype=torch.int32), torch.device("cpu"),
+                          qo_lens_host=[1] * batch, workspace=torch.empty(64 << 20, dtype=torch.uint8), sm_scale=0.1,
+                          int_workspace=torch.empty(8 << 20, dtype=torch.uint8) if graph else None)
+    plan = plan_decode(problem, h200, params)
+    assert (plan.config.block_n, plan.config.num_stages) == (32, 3)
+    assert plan.split_slots == 8 and plan.n_work * plan.units == 1024
+
+
 # --- fused split-KV merge (DecodeConfig.fused_merge_max_chunks) ----------------------------
 # The interpreter runs the programs one after another, so these check the arithmetic and the
 # bookkeeping (which program merges, counter indices and reset); the races are the GPU tests'.
@@ -441,6 +480,7 @@ def test_fused_merge_tile_sizes(no_merge_launch, values):
     ("block_n", (0, 8, 48, 64.0, True)), ("max_block_m", (0, 4, 24)), ("split_block_n", (0, 8, 96)),
     ("num_warps", (0, 3, 32, 4.0)), ("num_stages", (0, -1, 2.0)), ("ctas_per_sm", (0, -2, True)),
     ("min_chunk_tokens", (0,)), ("max_splits", (0, 1.5)), ("split_chunk_tokens", (-1, 0.5)),
+    ("split_ctas_per_sm", (-1, 2.0)),
 ])
 def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):
     """Every size knob is checked where the config is built (a constructor call, the environment's

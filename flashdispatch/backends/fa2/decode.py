@@ -50,8 +50,8 @@ from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_wind
 from .decode_config import (DecodeConfig, resolve_config, wave_choice, wave_split_ceiling, wave_split_config,
                             with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
-from .decode_split import (balanced_chunks, chunk_tokens, effective_lengths, mean_tokens, never_split,
-                           policy_tokens, split_target)
+from .decode_split import (balanced_chunks, chunk_tokens, effective_lengths, few_programs_target, mean_tokens,
+                           never_split, policy_tokens, split_target)
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
@@ -366,11 +366,12 @@ class DecodePlan:
         self._place(meta, n_work, n_partial, params, run_device)
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
-        """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""
-        if params.disable_split_kv:
+        """Chunks per request in a CUDA-graph grid: a function of the batch size alone (a split
+        into `few_programs_target` programs where there are fewer than ctas_per_sm x SMs)."""
+        programs = batch * units
+        if params.disable_split_kv or programs >= sm_count * self.config.ctas_per_sm:
             return 1
-        target = sm_count * self.config.ctas_per_sm
-        return max(1, min(self.config.max_splits, target // max(batch * units, 1)))
+        return max(1, min(self.config.max_splits, few_programs_target(self.config, sm_count) // max(programs, 1)))
 
     def _place_graph_direct(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
         """CUDA graphs with `DecodeConfig.direct_table`: the kernel reads the wrapper's fixed

@@ -33,6 +33,12 @@ class DecodeConfig:
     max_block_m: most query rows per program (more rows use several row blocks);
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
     worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
+    split_ctas_per_sm: programs per SM that a plan of fewer than ctas_per_sm x SMs programs
+    splits its requests into, where its split block fits more than ctas_per_sm (0: ctas_per_sm).
+    H200 fp8 32/8 d128, TB/s 64 x 3 at 4 per SM -> split block 32 x 3 at 8 per SM (session 20,
+    one run): 24x8192 2.77 -> 3.28, 48x4096 2.81 -> 3.18, 64x4096 3.36 -> 3.58, 16x1024 1.45 ->
+    1.53, 1x8192 0.88 -> 0.92, 1x32768 2.01 -> 1.93, 2x16384 1.94 -> 1.95; page 1 16x8192 3.08
+    -> 3.23, 4x8192 2.00 -> 1.92. The 32 x 3 tile at 4 per SM read less (64x4096 3.06).
     k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
     split_block_n: block_n for plans that split requests by the default policy (few requests with
     long contexts, or the wave split: fewer, longer steps pay off there); None: block_n.
@@ -143,6 +149,7 @@ class DecodeConfig:
     num_stages: int = 2
     max_block_m: int = 64
     ctas_per_sm: int = 4
+    split_ctas_per_sm: int = 0
     min_chunk_tokens: int = 256
     max_splits: int = 64
     k_rows: bool = False
@@ -183,7 +190,7 @@ class DecodeConfig:
         for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        for name, low in (("fused_merge_max_chunks", 0), ("wave_slots", 0), ("wave_split_ctas", 0),
+        for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0), ("wave_split_ctas", 0),
                           ("wave_split_slots", 0), ("split_chunk_tokens", 0), ("lone_wave_split_tokens", 0)):
             v = getattr(self, name)
             if not _int(v) or v < low:
@@ -234,9 +241,12 @@ def default_config(problem: Problem) -> DecodeConfig:
             # 32 x 3: 210x4096 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34 -> 3.82, 300x4096
             # 3.65 -> 3.95, 420x4096 3.72 -> 3.96), a partly filled single wave too (session 18)
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
+            # few programs: split into a wave of the 32 x 3 tile (8 per SM; DecodeConfig.split_ctas_per_sm,
+            # GQA d128, where it was measured)
+            few = dict(split_block_n=32, split_ctas_per_sm=8) if gqa and d == 128 else {}
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
-                                direct_table=gqa and d == 128,
+                                direct_table=gqa and d == 128, **few,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
                                 lone_wave_split_tokens=3072)
         return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)

@@ -20,14 +20,14 @@ def balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
 def split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int, tokens: float,
                   choice: tuple | None = None) -> int | None:
     """The programs the default split policy aims for (`chunk_tokens`), or None: none needed.
-    Fewer programs than ctas_per_sm x SMs aim for that many; more, where `wave_split_choice`
+    Fewer programs than ctas_per_sm x SMs aim for `few_programs_target`; more, where `wave_split_choice`
     predicts a split of requests of ``tokens`` tokens on average faster than the best tile whole
     (`wave_choice`; `DecodeConfig.wave_split_ctas`), its chunks per request. ``choice``:
     `wave_choice` of these programs where the caller has it already."""
     sms = max(sm_count, 1)
     programs = batch * units
     if programs < sms * cfg.ctas_per_sm:
-        return sms * cfg.ctas_per_sm
+        return few_programs_target(cfg, sms)
     if not cfg.wave_split_ctas:
         return None
     if choice is None:
@@ -36,6 +36,12 @@ def split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int, token
         return None
     chunks, predicted = wave_split_choice(cfg, programs, sms, tokens)
     return programs * chunks if chunks > 1 and predicted > choice[1] else None
+
+
+def few_programs_target(cfg: DecodeConfig, sm_count: int) -> int:
+    """The programs that a plan of fewer than ctas_per_sm x SMs programs splits into
+    (`DecodeConfig.split_ctas_per_sm`)."""
+    return max(sm_count, 1) * (cfg.split_ctas_per_sm or cfg.ctas_per_sm)
 
 
 def effective_lengths(params: AttentionParams, problem: Problem, q_len: int) -> tuple:
