@@ -16,8 +16,8 @@ split request's merge row (-1 for direct writes): its row of the merge info arra
 (merge.py: out row base, first partial slot, number of chunks) and of the arrival counters.
 
 DIRECT: no work array; work_ptr is the API's kv_indptr and last_ptr its last_page_len. Without
-DIRECT_SPLIT a work item is a request, read whole. With it a work item is (request, chunk slot),
-split_slots slots per request: the program applies decode.py's split policy to its request's
+DIRECT_SPLIT a work item is a request, read whole. With it a work item is (chunk slot, request),
+split_slots slots per request, slot-major: the program applies decode.py's split policy to its request's
 length (split_tokens, max_splits, balanced BLOCK_N-rounded chunks), exits when its slot is past
 the request's chunks, writes its partial to slot request x split_slots + chunk (directly to out
 when the request has one chunk), and the merge row is the request (the merge kernel's info row
@@ -183,9 +183,12 @@ def decode_kernel(
         item = tl.program_id(0) % n_items
     wrow = work_ptr + item * 8  # WORK_COLS
     if DIRECT:  # work_ptr is kv_indptr: the request's pages and length from the API's tables
-        if DIRECT_SPLIT:  # item = request x split_slots chunk slots
-            req = item // split_slots
-            chunk_idx = item % split_slots
+        if DIRECT_SPLIT:  # item = chunk slot x request: the slots of every request's first chunk
+            # come first, so a request's unused slots (shorter than its slots can hold) are at the
+            # grid's end, launched last
+            n_req = tl.num_programs(0) // (UNITS * split_slots)
+            req = item % n_req
+            chunk_idx = item // n_req
         else:  # item = request, its whole KV
             req = item
             chunk_idx = 0
