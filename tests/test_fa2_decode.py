@@ -279,7 +279,8 @@ def test_split_ctas_per_sm_sets_the_few_programs_target(batch, kv_len, chunks):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
 def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
     """fp8 GQA d128 on a described H200: 16 x 8192 (128 programs) splits into 8 chunks of the
-    32 x 3 split block (1024 programs: one wave at 8 per SM), eager and in a CUDA-graph grid."""
+    32 x 3 split block (1024 programs: one wave at 8 per SM); a CUDA-graph grid keeps the 64 x 3
+    tile in 4 chunk slots (512 programs: DecodeConfig.split_ctas_per_sm is for eager plans)."""
     from flashdispatch.planned import paged_params
     h200 = Device("cuda", 0, (9, 0), "H200", 132, described=True)
     batch, pages = 16, 512
@@ -291,8 +292,8 @@ def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
                           qo_lens_host=[1] * batch, workspace=torch.empty(64 << 20, dtype=torch.uint8), sm_scale=0.1,
                           int_workspace=torch.empty(8 << 20, dtype=torch.uint8) if graph else None)
     plan = plan_decode(problem, h200, params)
-    assert (plan.config.block_n, plan.config.num_stages) == (32, 3)
-    assert plan.split_slots == 8 and plan.n_work * plan.units == 1024
+    assert (plan.config.block_n, plan.config.num_stages) == ((64, 3) if graph else (32, 3))
+    assert plan.split_slots == (4 if graph else 8) and plan.n_work * plan.units == (512 if graph else 1024)
 
 
 # --- fused split-KV merge (DecodeConfig.fused_merge_max_chunks) ----------------------------

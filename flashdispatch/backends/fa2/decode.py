@@ -185,8 +185,8 @@ class DecodePlan:
         if self.wave_split:
             self._unsplit_config = tiled
             cfg = wave_split_config(cfg)
-        elif few and cfg.split_block_n and policy_splits:
-            cfg = with_split_block(cfg)
+        elif few and cfg.split_block_n and policy_splits and not (p.use_cuda_graph and cfg.split_ctas_per_sm):
+            cfg = with_split_block(cfg)  # a graph grid keeps its own tile (DecodeConfig.split_ctas_per_sm)
         else:
             cfg = tiled
         self.problem, self.config = problem, cfg
@@ -366,12 +366,11 @@ class DecodePlan:
         self._place(meta, n_work, n_partial, params, run_device)
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
-        """Chunks per request in a CUDA-graph grid: a function of the batch size alone (a split
-        into `few_programs_target` programs where there are fewer than ctas_per_sm x SMs)."""
-        programs = batch * units
-        if params.disable_split_kv or programs >= sm_count * self.config.ctas_per_sm:
+        """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""
+        if params.disable_split_kv:
             return 1
-        return max(1, min(self.config.max_splits, few_programs_target(self.config, sm_count) // max(programs, 1)))
+        target = few_programs_target(self.config, sm_count, graph=True)
+        return max(1, min(self.config.max_splits, target // max(batch * units, 1)))
 
     def _place_graph_direct(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
         """CUDA graphs with `DecodeConfig.direct_table`: the kernel reads the wrapper's fixed

@@ -39,6 +39,9 @@ class DecodeConfig:
     one run): 24x8192 2.77 -> 3.28, 48x4096 2.81 -> 3.18, 64x4096 3.36 -> 3.58, 16x1024 1.45 ->
     1.53, 1x8192 0.88 -> 0.92, 1x32768 2.01 -> 1.93, 2x16384 1.94 -> 1.95; page 1 16x8192 3.08
     -> 3.23, 4x8192 2.00 -> 1.92. The 32 x 3 tile at 4 per SM read less (64x4096 3.06).
+    Eager plans only: a CUDA-graph grid is sized by the batch alone, and at 8 per SM the short
+    requests of a replay leave half of it idle (fp8 16x1024 1.35 TB/s, 1.54 eager), so graph
+    plans keep ctas_per_sm and the config's own tile.
     k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
     split_block_n: block_n for plans that split requests by the default policy (few requests with
     long contexts, or the wave split: fewer, longer steps pay off there); None: block_n.
