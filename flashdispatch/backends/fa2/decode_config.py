@@ -193,8 +193,9 @@ class DecodeConfig:
         for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
-        for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0), ("wave_split_ctas", 0),
-                          ("wave_split_slots", 0), ("split_chunk_tokens", 0), ("lone_wave_split_tokens", 0)):
+        for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
+                          ("wave_split_ctas", 0), ("wave_split_slots", 0), ("split_chunk_tokens", 0),
+                          ("lone_wave_split_tokens", 0)):
             v = getattr(self, name)
             if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
