@@ -17,8 +17,8 @@ split request's merge row (-1 for direct writes): its row of the merge info arra
 
 DIRECT: no work array; work_ptr is the API's kv_indptr and last_ptr its last_page_len. Without
 DIRECT_SPLIT a work item is a request, read whole. With it a work item is (chunk slot, request),
-split_slots slots per request, slot-major: the program applies decode.py's split policy to its request's
-length (split_tokens, max_splits, balanced BLOCK_N-rounded chunks), exits when its slot is past
+split_slots slots per request, slot-major: the program applies decode.py's split policy to its
+request's length (split_tokens, max_splits, balanced BLOCK_N-rounded chunks), exits when its slot is past
 the request's chunks, writes its partial to slot request x split_slots + chunk (directly to out
 when the request has one chunk), and the merge row is the request (the merge kernel's info row
 is written by chunk 0's first unit; its count is 1 for a request not split, which the merge
