@@ -47,8 +47,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (DecodeConfig, resolve_config, wave_choice, wave_split_ceiling, wave_split_config,
-                            with_split_block, with_tile, without_waves)
+from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, wave_choice, wave_split_ceiling,
+                            wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (balanced_chunks, chunk_tokens, effective_lengths, few_programs_target, mean_tokens,
                            never_split, policy_tokens, split_target)
@@ -155,6 +155,8 @@ class DecodePlan:
         if cfg.fp8_v_convert == "staged" and device.cc is not None and device.cc < (8, 9):
             # staged V converts with cvt.*.e4m3x2/e5m2x2, which ptxas takes from sm_89 on only
             cfg = dataclasses.replace(cfg, fp8_v_convert="operand")
+        if p.use_cuda_graph:
+            cfg = for_cuda_graph(cfg)
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
         self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
@@ -185,8 +187,8 @@ class DecodePlan:
         if self.wave_split:
             self._unsplit_config = tiled
             cfg = wave_split_config(cfg)
-        elif few and cfg.split_block_n and policy_splits and not (p.use_cuda_graph and cfg.split_ctas_per_sm):
-            cfg = with_split_block(cfg)  # a graph grid keeps its own tile (DecodeConfig.split_ctas_per_sm)
+        elif few and cfg.split_block_n and policy_splits:
+            cfg = with_split_block(cfg)
         else:
             cfg = tiled
         self.problem, self.config = problem, cfg
@@ -369,7 +371,7 @@ class DecodePlan:
         """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""
         if params.disable_split_kv:
             return 1
-        target = few_programs_target(self.config, sm_count, graph=True)
+        target = few_programs_target(self.config, sm_count)
         return max(1, min(self.config.max_splits, target // max(batch * units, 1)))
 
     def _place_graph_direct(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:

@@ -41,7 +41,7 @@ class DecodeConfig:
     -> 3.23, 4x8192 2.00 -> 1.92. The 32 x 3 tile at 4 per SM read less (64x4096 3.06).
     Eager plans only: a CUDA-graph grid is sized by the batch alone, and at 8 per SM the short
     requests of a replay leave half of it idle (fp8 16x1024 1.35 TB/s, 1.54 eager), so graph
-    plans keep ctas_per_sm and the config's own tile.
+    plans keep ctas_per_sm and the config's own tile (`for_cuda_graph`).
     k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
     split_block_n: block_n for plans that split requests by the default policy (few requests with
     long contexts, or the wave split: fewer, longer steps pay off there); None: block_n.
@@ -305,6 +305,15 @@ def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeCon
     cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size,
                        problem.num_qo_heads // problem.num_kv_heads, os.environ.get(CONFIG_ENV))
     return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+@functools.lru_cache(maxsize=64)
+def for_cuda_graph(cfg: DecodeConfig) -> DecodeConfig:
+    """The config of a CUDA-graph plan: without the eager plans' few-programs split
+    (`DecodeConfig.split_ctas_per_sm` and the split block it runs), else ``cfg`` itself."""
+    if not cfg.split_ctas_per_sm:
+        return cfg
+    return dataclasses.replace(cfg, split_ctas_per_sm=0, split_block_n=None)
 
 
 @functools.lru_cache(maxsize=64)

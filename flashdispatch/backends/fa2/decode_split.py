@@ -38,10 +38,10 @@ def split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int, token
     return programs * chunks if chunks > 1 and predicted > choice[1] else None
 
 
-def few_programs_target(cfg: DecodeConfig, sm_count: int, graph: bool = False) -> int:
+def few_programs_target(cfg: DecodeConfig, sm_count: int) -> int:
     """The programs that a plan of fewer than ctas_per_sm x SMs programs splits into
-    (`DecodeConfig.split_ctas_per_sm`; a CUDA-graph grid: ctas_per_sm x SMs)."""
-    return max(sm_count, 1) * (cfg.split_ctas_per_sm if cfg.split_ctas_per_sm and not graph else cfg.ctas_per_sm)
+    (`DecodeConfig.split_ctas_per_sm`)."""
+    return max(sm_count, 1) * (cfg.split_ctas_per_sm or cfg.ctas_per_sm)
 
 
 def effective_lengths(params: AttentionParams, problem: Problem, q_len: int) -> tuple:
