@@ -8,9 +8,9 @@ work layout (work array with and without the fused merge, direct table, the kern
 with and without the fused merge; fp8 KV: the work array only, as its configs use), at the base
 tile and, for the variants that take them (`decode._plain_variant`), each other wave tile, for
 GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
-one that fails.
+one that fails. d128 by default (the CPU suite runs that); other head dims as arguments.
 
-    .venv/bin/python scripts/decode_compile_matrix.py
+    .venv/bin/python scripts/decode_compile_matrix.py [HEAD_DIM ...]
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ LAYOUTS = [("work array", False, False, False), ("work array, fused", True, Fals
            ("direct split, fused", True, True, True)]
 
 
-def main() -> None:
-    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+def main(head_dims: list[int]) -> None:
+    for d, kv in [(d, kv) for d in head_dims for kv in (torch.bfloat16, torch.float8_e4m3fn)]:
         for feature, changes in FEATURES.items():
-            p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, 128, 128, page_size=16, **changes)
+            p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, d, d, page_size=16, **changes)
             base = resolve_config(p, None)
             block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, base)
             # the wave tiles run for the plain variant only (decode.py), unsplit or (fp8's wave
@@ -56,8 +56,9 @@ def main() -> None:
                     consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False)
                     consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
                     regs.compile_variant(consts, torch.bfloat16, kv)
-                    print(f"{str(kv).removeprefix('torch.'):14} {feature:22} {name}{tile}", flush=True)
+                    dims = "" if head_dims == [128] else f"d{d:<4}"
+                    print(f"{dims}{str(kv).removeprefix('torch.'):14} {feature:22} {name}{tile}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main([int(a) for a in sys.argv[1:]] or [128])

@@ -71,6 +71,21 @@ def test_features(feature, split, swap):
     _check(case, config=config, **split)
 
 
+@pytest.mark.parametrize("feature", [
+    dict(logits_soft_cap=50.0, window_left=200, sinks=True), dict(pos_encoding_mode="ROPE_LLAMA"),
+    dict(pos_encoding_mode="ALIBI"), dict(q_len_per_req=3, mask_mode="causal"),
+], ids=["softcap+window+sinks", "rope", "alibi", "qlen3"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8kv"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_features_other_head_dims(head_dim, kv_dtype, feature):
+    """The d64 and d256 defaults (their own tiles, unlike d128's) with the features that change the
+    kernel's code, split by the default policy (a long request) or not."""
+    scales = dict(k_scale=0.8, v_scale=1.5) if kv_dtype == torch.float8_e4m3fn else {}
+    case = _case([0, 33, 700, 5000], head_dim_qk=head_dim, kv_dtype=kv_dtype, seed=head_dim + 5, **scales,
+                 **feature)
+    _check(case)
+
+
 def _captured(case, indices_slots: int, config=None):
     """(plan, graph): ``case`` planned in CUDA-graph mode on fixed buffers (the wrapper's kv_indices
     buffer of ``indices_slots`` entries, its indptr and last_page_len buffers, workspaces) and its

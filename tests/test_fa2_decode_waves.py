@@ -169,8 +169,8 @@ def test_wave_split_of_a_partial_last_wave(batch, split):
 def test_split_block_only_where_requests_split(lens, block_n):
     """A plan the wave split targets runs split_block_n only when its partition splits a request:
     requests shorter than the policy's chunk keep the base block (and its register cap)."""
-    # figures for both blocks (2 stages: the d64 default's), or the split is not predicted
-    config = {**SPLIT_AT_ONE_SLOT, "split_block_n": 32, "wave_tiles": [[16, 2, 1, 1.0], [32, 2, 1, 1.0]]}
+    # figures for both blocks (3 stages: the d64 default's), or the split is not predicted
+    config = {**SPLIT_AT_ONE_SLOT, "split_block_n": 32, "wave_tiles": [[16, 3, 1, 1.0], [32, 3, 1, 1.0]]}
     plan = _check(_case(lens, seed=13), config=config)
     assert (plan.config.block_n, plan.max_chunks > 1) == (block_n, block_n == 32)
 

@@ -253,7 +253,11 @@ def default_config(problem: Problem) -> DecodeConfig:
                                 direct_table=gqa and d == 128, **few,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
                                 lone_wave_split_tokens=3072)
-        return DecodeConfig(block_n=64, fp8_dot_dtype="fp16", num_stages=3)
+        # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-168 registers, 4 per SM; H200
+        # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
+        # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
+        return DecodeConfig(block_n=32, num_warps=2, num_stages=3, k_rows=True, fp8_dot_dtype="fp16",
+                            page_prefetch=True, fp8_v_convert="staged", swap_ab=True)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows
@@ -264,7 +268,9 @@ def default_config(problem: Problem) -> DecodeConfig:
         return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24,
                             split_chunk_tokens=24)
     if d <= 64:
-        return DecodeConfig(block_n=64, direct_table=True)
+        # 128 x 3 (H200 32/8, session 21, TB/s 64 x 2 -> 128 x 3: 1x32768 1.99 -> 2.11, 16x8192 3.12 ->
+        # 3.27, 64x4096 3.43 -> 3.82, 256x1024 3.78 -> 3.74, 256x4096 4.15 -> 4.16)
+        return DecodeConfig(block_n=128, num_stages=3, direct_table=True)
     if d <= 128:
         # the fused merge's 8K tile only where it was measured: group 4 (offline sm90, the direct
         # split with it: groups 2 and 16 152-156 registers, 3 programs per SM; group 4 122, 4)
