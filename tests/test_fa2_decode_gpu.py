@@ -135,13 +135,18 @@ def _assert_replay_is_replanned(case, graph, prm_b):
     graph.replay()
     torch.cuda.synchronize()
     ref_out, ref_lse = reference_backend_result(dataclasses.replace(case, params=prm_b))
-    assert_close(inputs.out, inputs.lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    assert_close(inputs.out, inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])
 
 
-def test_cuda_graph_replay_after_replan():
+@pytest.mark.parametrize("head_dim, kv_heads, kv_dtype", [
+    (128, 2, torch.bfloat16), (64, 2, torch.bfloat16), (256, 2, torch.float8_e4m3fn), (128, 8, torch.float8_e4m3fn)],
+    ids=["gqa", "d64", "d256-fp8kv", "mha-fp8kv"])
+def test_cuda_graph_replay_after_replan(head_dim, kv_heads, kv_dtype):
     """Capture on one plan, re-plan (same batch size, other lengths and pages, same buffers),
-    replay: the result is the new plan's."""
-    case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=400, seed=4)
+    replay: the result is the new plan's. The d128 GQA defaults, and the d64, fp8 d256 and fp8
+    MHA ones (their own tiles and splits)."""
+    case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=400, seed=4, head_dim_qk=head_dim,
+                 num_kv_heads=kv_heads, kv_dtype=kv_dtype, **_fp8_scales(kv_dtype))
     _, graph = _captured(case, 2048)
     _, prm_b = _replanned(case, [3000, 17, 900, 1])
     _assert_replay_is_replanned(case, graph, prm_b)

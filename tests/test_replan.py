@@ -99,8 +99,9 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
     ones) takes the work array. Each plan() and its lse variant count two fresh plans; every run
     is checked against the dense computation, lse too. The fused merge (in the decode kernel) and
     the merge kernel (info rows the decode kernel writes) both."""
-    if merge == "merge_kernel":
-        monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"fused_merge_max_chunks": 0}')
+    # block_n 64: the chunk lengths and slot counts below are in 64-token steps
+    config = '{"block_n": 64, "fused_merge_max_chunks": 0}' if merge == "merge_kernel" else '{"block_n": 64}'
+    monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", config)
     torch.manual_seed(2)
     pages = 420
     kv = torch.randn(pages, 2, PAGE, HKV, D).half()

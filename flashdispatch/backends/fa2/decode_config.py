@@ -38,7 +38,8 @@ class DecodeConfig:
     H200 fp8 32/8 d128, TB/s 64 x 3 at 4 per SM -> split block 32 x 3 at 8 per SM (session 20,
     one run): 24x8192 2.77 -> 3.28, 48x4096 2.81 -> 3.18, 64x4096 3.36 -> 3.58, 16x1024 1.45 ->
     1.53, 1x8192 0.88 -> 0.92, 1x32768 2.01 -> 1.93, 2x16384 1.94 -> 1.95; page 1 16x8192 3.08
-    -> 3.23, 4x8192 2.00 -> 1.92. The 32 x 3 tile at 4 per SM read less (64x4096 3.06).
+    -> 3.23, 4x8192 2.00 -> 1.92. The 32 x 3 tile at 4 per SM read less (64x4096 3.06). fp8
+    MHA d128 takes it too (session 21: +2-3 % on 1-16 requests).
     Eager plans only: a CUDA-graph grid is sized by the batch alone, and at 8 per SM the short
     requests of a replay leave half of it idle (fp8 16x1024 1.35 TB/s, 1.54 eager), so graph
     plans keep ctas_per_sm and the config's own tile (`for_cuda_graph`).
@@ -79,7 +80,8 @@ class DecodeConfig:
     as plan() would (`DecodePlan._direct_split`), and a re-plan only passes the new split length.
     A CUDA-graph plan reads the wrapper's fixed buffers and splits into its grid's chunk slots,
     a function of the batch size (`DecodePlan._place_graph_direct`). default_config turns it on
-    for 16-bit GQA KV up to d128 and fp8 GQA d128, where it was measured (fp8 32/8, session 19,
+    for 16-bit GQA KV up to d128 and fp8 GQA d128 and d256, where it was measured (fp8 d256:
+    session 21, -1 % to +3 %; fp8 32/8 d128, session 19,
     TB/s work array -> direct: 128x4096 3.90 -> 3.95, 256x4096 4.08 -> 4.14, 512x4096 4.19 ->
     4.22, 200x1024 2.89 -> 2.95, 16x8192 3.06 -> 3.08, 64x4096 3.47 -> 3.41, 1x32768 1.98 ->
     1.95); MHA d128 (64x4096 4.48 -> 4.33, 24x4096 4.22 -> 3.93) and d256 GQA (85x4096 4.35 ->
@@ -235,7 +237,8 @@ def default_config(problem: Problem) -> DecodeConfig:
     d = problem.head_dim_qk
     # direct_table where the H200 sweeps (TB/s work array / direct) found parity or better:
     # 16-bit GQA (session 6: group 4 and 16, page 16 and 1, d64 and d128), fp8 GQA d128 (session
-    # 19: -1.5 % to +2 %, see DecodeConfig.direct_table); MHA and d256 GQA read less with it
+    # 19: -1.5 % to +2 %, see DecodeConfig.direct_table) and d256 (session 21, groups 2 and 4: -1 %
+    # to +3 %); MHA and 16-bit d256 GQA read less with it
     gqa = problem.num_qo_heads != problem.num_kv_heads
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
@@ -246,8 +249,9 @@ def default_config(problem: Problem) -> DecodeConfig:
             # 3.65 -> 3.95, 420x4096 3.72 -> 3.96), a partly filled single wave too (session 18)
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
             # few programs: split into a wave of the 32 x 3 tile (8 per SM; DecodeConfig.split_ctas_per_sm,
-            # GQA d128, where it was measured)
-            few = dict(split_block_n=32, split_ctas_per_sm=8) if gqa and d == 128 else {}
+            # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
+            # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83)
+            few = dict(split_block_n=32, split_ctas_per_sm=8) if d == 128 else {}
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
@@ -257,7 +261,7 @@ def default_config(problem: Problem) -> DecodeConfig:
         # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
         # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
         return DecodeConfig(block_n=32, num_warps=2, num_stages=3, k_rows=True, fp8_dot_dtype="fp16",
-                            page_prefetch=True, fp8_v_convert="staged", swap_ab=True)
+                            page_prefetch=True, fp8_v_convert="staged", swap_ab=True, direct_table=gqa)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows
