@@ -80,9 +80,8 @@ def test_features(feature, split, swap):
 def test_features_other_head_dims(head_dim, kv_dtype, feature):
     """The d64 and d256 defaults (their own tiles, unlike d128's) with the features that change the
     kernel's code, split by the default policy (a long request) or not."""
-    scales = dict(k_scale=0.8, v_scale=1.5) if kv_dtype == torch.float8_e4m3fn else {}
-    case = _case([0, 33, 700, 5000], head_dim_qk=head_dim, kv_dtype=kv_dtype, seed=head_dim + 5, **scales,
-                 **feature)
+    case = _case([0, 33, 700, 5000], head_dim_qk=head_dim, kv_dtype=kv_dtype, seed=head_dim + 5,
+                 **_fp8_scales(kv_dtype), **feature)
     _check(case)
 
 

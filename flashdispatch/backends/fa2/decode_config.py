@@ -80,12 +80,11 @@ class DecodeConfig:
     as plan() would (`DecodePlan._direct_split`), and a re-plan only passes the new split length.
     A CUDA-graph plan reads the wrapper's fixed buffers and splits into its grid's chunk slots,
     a function of the batch size (`DecodePlan._place_graph_direct`). default_config turns it on
-    for 16-bit GQA KV up to d128 and fp8 GQA d128 and d256, where it was measured (fp8 d256:
-    session 21, -1 % to +3 %; fp8 32/8 d128, session 19,
-    TB/s work array -> direct: 128x4096 3.90 -> 3.95, 256x4096 4.08 -> 4.14, 512x4096 4.19 ->
-    4.22, 200x1024 2.89 -> 2.95, 16x8192 3.06 -> 3.08, 64x4096 3.47 -> 3.41, 1x32768 1.98 ->
-    1.95); MHA d128 (64x4096 4.48 -> 4.33, 24x4096 4.22 -> 3.93) and d256 GQA (85x4096 4.35 ->
-    3.97) read less with it.
+    for 16-bit GQA KV up to d128 and fp8 GQA d128 and d256, where it was measured (fp8 32/8 d128,
+    session 19, TB/s work array -> direct: 128x4096 3.90 -> 3.95, 256x4096 4.08 -> 4.14, 512x4096
+    4.19 -> 4.22, 200x1024 2.89 -> 2.95, 16x8192 3.06 -> 3.08, 64x4096 3.47 -> 3.41, 1x32768 1.98
+    -> 1.95; fp8 d256, session 21: -1 % to +3 %); MHA d128 (64x4096 4.48 -> 4.33, 24x4096 4.22 ->
+    3.93) and 16-bit d256 GQA (85x4096 4.35 -> 3.97) read less with it.
     swap_ab: compute both dots transposed (S^T = K Q^T, O^T = V^T P^T; decode_kernel.py), so the
     query rows are the mma's N: row blocks start at 8 rows instead of 16 (half the padding of a
     group of 4). H200 fp8 e4m3 32/8 heads d128, one warp, 64 x 3, TB/s off -> on: 64x4096 3.37
@@ -257,7 +256,7 @@ def default_config(problem: Problem) -> DecodeConfig:
                                 direct_table=gqa and d == 128, **few,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
                                 lone_wave_split_tokens=3072)
-        # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-168 registers, 4 per SM; H200
+        # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-196 registers, 4 per SM; H200
         # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
         # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
         return DecodeConfig(block_n=32, num_warps=2, num_stages=3, k_rows=True, fp8_dot_dtype="fp16",
