@@ -56,8 +56,7 @@ def main(head_dims: list[int]) -> None:
                     consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False)
                     consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
                     regs.compile_variant(consts, torch.bfloat16, kv)
-                    dims = "" if head_dims == [128] else f"d{d:<4}"
-                    print(f"{dims}{str(kv).removeprefix('torch.'):14} {feature:22} {name}{tile}", flush=True)
+                    print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {name}{tile}", flush=True)
 
 
 if __name__ == "__main__":

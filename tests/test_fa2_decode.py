@@ -540,9 +540,9 @@ def test_unsplit_plan_direct_table_or_work_array(feature, direct):
 
 
 def test_default_direct_table_and_register_cap():
-    """The measured defaults: the direct table for 16-bit GQA KV up to d128 and fp8 GQA d128 (not
-    MHA, d256 or fp8 at other head dims), and the 64-register cap on the d128 GQA config only, dropped where a split plan takes
-    split_block_n or a config overrides block_n."""
+    """The measured defaults: the direct table for 16-bit GQA KV up to d128 and fp8 GQA d128 and
+    d256 (not MHA, 16-bit d256 or fp8 d64), and the 64-register cap on the d128 GQA config only,
+    dropped where a split plan takes split_block_n or a config overrides block_n."""
     from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config, with_split_block
     from flashdispatch.dispatch.problem import Problem
 
@@ -553,7 +553,9 @@ def test_default_direct_table_and_register_cap():
     assert apply_overrides(cfg(), {"block_n": 64, "max_registers": 72}).max_registers == 72
     assert cfg(d=64).direct_table and cfg(page=1).direct_table and cfg(d=64).max_registers == 0
     assert cfg(kv=torch.float8_e4m3fn).direct_table and cfg(kv=torch.float8_e5m2, page=1).direct_table
+    assert cfg(kv=torch.float8_e4m3fn, d=256).direct_table and cfg(kv=torch.float8_e4m3fn, d=256).max_registers == 0
     for other in (cfg(kv=torch.float8_e4m3fn, heads=(32, 32)), cfg(kv=torch.float8_e4m3fn, d=64),
+                  cfg(kv=torch.float8_e4m3fn, heads=(32, 32), d=256),
                   cfg(heads=(32, 32)), cfg(heads=(32, 32), page=1), cfg(heads=(32, 32), d=256), cfg(d=256)):
         assert not other.direct_table and other.max_registers == 0
     # the fused merge's 8K tile: d128 group 4 only (measured there; MHA lost, groups 2 and 16 would
