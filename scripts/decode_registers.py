@@ -1,7 +1,7 @@
-"""Offline sm90 compile of the fa2 decode kernel: registers, spills, shared memory and programs
-per SM of the variants a plan would launch (no GPU needed).
+"""Offline compile of the fa2 decode kernel (sm90 unless --cc says another): registers, spills,
+shared memory and programs per SM of the variants a plan would launch (no GPU needed).
 
-Compiles ``decode_kernel`` for GPUTarget("cuda", 90, 32) with the constexprs ``_kernel_constants``
+Compiles ``decode_kernel`` for GPUTarget("cuda", 90, 32) (or --cc) with the constexprs ``_kernel_constants``
 gives the problem's default config plus run()'s (float scales; lse with --lse), pointers and
 strides divisible by 16 as a launch of contiguous tensors specializes them, once per (work
 array | direct table) x (register cap as configured | none), and runs ptxas -v on the PTX.
@@ -10,6 +10,7 @@ This is how session 6 explained a slower direct table: 79 registers against the 
 
     .venv/bin/python scripts/decode_registers.py                          # bf16, 32/8 heads, d128
     .venv/bin/python scripts/decode_registers.py --heads 64,4 --kv e4m3 --q-len 4
+    .venv/bin/python scripts/decode_registers.py --kv e5m2 --cc 80       # an A100's compile
 """
 from __future__ import annotations
 
@@ -36,18 +37,20 @@ from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
 from offline_compile import compile_like_launch, ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
 
-TARGET = GPUTarget("cuda", 90, 32)
 KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
                 torch.float8_e5m2: "*fp8e5"}
 FLOATS = {"qk_scale", "v_scale", "soft_cap", "rope_rcp_scale", "rope_log2_theta"}
-# H100/H200 per SM: registers, shared memory (228 KB; a block may take 227 KB, plus 1 KB the
-# driver reserves per block), threads
-SM_REGISTERS, SM_SHARED, SM_THREADS = 65536, 233472, 2048
+# per SM by compute capability: registers, shared memory (H100/H200 228 KB, A100 164 KB, sm86/89
+# 100 KB; a block may take 1 KB less, which the driver reserves per block), threads
+SM_REGISTERS = 65536
+# (shared memory, threads, resident blocks)
+SM_LIMITS = {80: (167936, 2048, 32), 86: (102400, 1536, 16), 89: (102400, 1536, 24), 90: (233472, 2048, 32)}
+PTXAS_GPU = {80: "sm_80", 86: "sm_86", 89: "sm_89", 90: "sm_90a"}
 
 
-def compile_variant(consts: dict, q_dtype, kv_dtype):
-    """The CompiledKernel of ``decode_kernel`` with these constexprs and launch options."""
+def compile_variant(consts: dict, q_dtype, kv_dtype, cc: int = 90):
+    """The CompiledKernel of ``decode_kernel`` with these constexprs and launch options, for sm ``cc``."""
     options = {k: consts[k] for k in ("num_warps", "num_stages", "maxnreg") if k in consts}
     const = {k: v for k, v in consts.items() if k not in options}
     const["stride_lh"] = 1  # lse rows are contiguous: a launch makes the unit stride a constexpr
@@ -58,7 +61,7 @@ def compile_variant(consts: dict, q_dtype, kv_dtype):
         return pointers.get(name, "*i32" if name in ("work_ptr", "last_ptr", "kv_indices_ptr", "merge_info_ptr",
                                                      "counters_ptr")
                             else "*fp32" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32")
-    return compile_like_launch(decode_kernel, const, arg_type, TARGET, options)
+    return compile_like_launch(decode_kernel, const, arg_type, GPUTarget("cuda", cc, 32), options)
 
 
 def main() -> None:
@@ -71,14 +74,16 @@ def main() -> None:
     ap.add_argument("--config", default="{}", help="JSON DecodeConfig overrides, as FLASHDISPATCH_FA2_DECODE_CONFIG")
     ap.add_argument("--lse", action="store_true", help="the run variant that writes lse")
     ap.add_argument("--fused", action="store_true", help="the variants with the fused merge (split plans)")
+    ap.add_argument("--cc", type=int, default=90, choices=sorted(SM_LIMITS), help="compute capability x 10")
     args = ap.parse_args()
     hq, hk = (int(h) for h in args.heads.split(","))
     q_dtype = torch.bfloat16
     p = Problem("decode", q_dtype, KV[args.kv], q_dtype, hq, hk, args.head_dim, args.head_dim,
                 page_size=args.page_size, q_len_per_req=args.q_len)
-    cfg = decode_config.resolve_config(p, json.loads(args.config))
+    # the defaults of a GPU with this shared memory per block (per SM less the 1 KB a block reserves)
+    cfg = decode_config.resolve_config(p, json.loads(args.config), SM_LIMITS[args.cc][0] - 1024)
     block_m, row_blocks = fdec.row_block(args.q_len * (hq // hk), cfg)
-    print(f"triton {triton.__version__}, sm90; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
+    print(f"triton {triton.__version__}, sm{args.cc}; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")
     # the work array and the direct table, capped and not; the direct split with the policy's
@@ -96,14 +101,15 @@ def main() -> None:
         consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
         if capped and "maxnreg" not in consts:  # _register_cap: not this variant
             continue
-        k = compile_variant(consts, q_dtype, KV[args.kv])
-        regs, spill = ptxas_usage(k.asm["ptx"])
+        k = compile_variant(consts, q_dtype, KV[args.kv], args.cc)
+        regs, spill = ptxas_usage(k.asm["ptx"], PTXAS_GPU[args.cc])
         if regs is None:
             raise RuntimeError(f"ptxas gave no register count for {direct=}, {split=}, {capped=}")
         spill = spill or 0
         threads = 32 * consts["num_warps"]
-        per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), SM_SHARED // max(k.metadata.shared + 1024, 1),
-                     SM_THREADS // threads, 32)
+        shared, sm_threads, blocks = SM_LIMITS[args.cc]
+        per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), shared // max(k.metadata.shared + 1024, 1),
+                     sm_threads // threads, blocks)
         name = ("direct split" if split else "direct table" if direct else "work array") + \
             (f", cap {cfg.max_registers}" if capped else "") + (", fused" if args.fused else "")
         print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)

@@ -1,6 +1,6 @@
 """What the offline-compile scripts share (no GPU and no CUDA toolkit needed): compiling a kernel
-the way a launch specializes it, and ptxas -v on its PTX for sm_90a with the ptxas bundled in the
-Triton wheel (register and spill figures)."""
+the way a launch specializes it, and ptxas -v on its PTX (sm_90a unless told) with the ptxas
+bundled in the Triton wheel (register and spill figures)."""
 from __future__ import annotations
 
 import os
@@ -30,13 +30,14 @@ def compile_like_launch(kernel, const: dict, arg_type: Callable[[str], str], tar
                           target=target, options=options)
 
 
-def ptxas_usage(ptx: str) -> tuple[int | None, int | None]:
-    """(registers, spill-store bytes) of the PTX's kernel; None where ptxas printed no figure."""
+def ptxas_usage(ptx: str, gpu: str = "sm_90a") -> tuple[int | None, int | None]:
+    """(registers, spill-store bytes) of the PTX's kernel assembled for ``gpu``; None where ptxas
+    printed no figure."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        res = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+        res = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
                              capture_output=True, text=True, check=False)
     finally:
         os.unlink(f.name)

@@ -2,7 +2,9 @@
 shared-memory check compiles offline for sm86 with scripts/prefill_tma_compile.py)."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import torch
 
 from flashdispatch.backends.fa2 import FA2Backend
 from flashdispatch.backends.fa2.decode import plan_decode
-from flashdispatch.backends.fa2.decode_config import resolve_config
+from flashdispatch.backends.fa2.decode_config import resolve_config, shared_per_block
 from flashdispatch.backends.fa2.prefill import plan_prefill
 from flashdispatch.backends.fa2.prefill_config import PrefillConfig, default_config
 from flashdispatch.dispatch.problem import Device
@@ -161,9 +163,46 @@ def test_e4m3_kv_is_refused_before_sm89():
         plan_decode(case.problem, A10, case.params)
 
 
-def test_fp8_decode_before_sm89_converts_v_in_the_dot_operand():
-    """The staged fp8 V conversion (cvt.*x2, sm89+) gives way to the operand path before sm89."""
-    case = make_paged_case("decode", kv_lens=[40, 7], kv_dtype=torch.float8_e5m2, q_dtype=torch.float16)
-    assert resolve_config(case.problem).fp8_v_convert == "staged"
-    assert plan_decode(case.problem, A10, case.params).config.fp8_v_convert == "operand"
-    assert plan_decode(case.problem, H200, case.params).config.fp8_v_convert == "staged"
+def test_fp8_decode_tiles_follow_the_shared_memory():
+    """The sm90 fp8 decode tiles (50-52 KB) fit 1-3 programs per SM on GPUs with less shared
+    memory: those take 32 x 3 tiles (d <= 128) or 2 warps of 16 x 3 (d256), split for the
+    programs that fit (at most 8 per SM), V staged before sm89 too (e5m2 by byte permutes)."""
+    def config(device, head_dim=128, kv_dtype=torch.float8_e5m2):
+        case = make_paged_case("decode", kv_lens=[40, 7], kv_dtype=kv_dtype, q_dtype=torch.float16,
+                               head_dim_qk=head_dim, num_qo_heads=4, num_kv_heads=2)
+        return resolve_config(case.problem, None, shared_per_block(device))
+
+    sm90 = config(H200)
+    assert (sm90.block_n, sm90.num_stages, sm90.ctas_per_sm) == (64, 3, 4)
+    for device, fits in ((A10, 3), (A100, 6), (L4, 3)):
+        cfg = config(device, kv_dtype=torch.float8_e4m3fn if device is L4 else torch.float8_e5m2)
+        assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.ctas_per_sm) == (32, 1, 3, fits), device
+        assert cfg.fp8_v_convert == "staged" and cfg.direct_table and not cfg.wave_tiles
+    d256 = config(L4, head_dim=256)
+    assert (d256.block_n, d256.num_warps, d256.num_stages, d256.ctas_per_sm) == (16, 2, 3, 3)
+    assert config(A100, head_dim=64).ctas_per_sm == 8 and not config(A100, head_dim=64).direct_table
+    # the device's own figure wins over its compute capability; 16-bit KV keeps its tiles
+    assert config(dataclasses.replace(A10, shared_per_block=232448)) == sm90
+    case = make_paged_case("decode", kv_lens=[40, 7], q_dtype=torch.float16)
+    assert resolve_config(case.problem, None, shared_per_block(A10)) == resolve_config(case.problem)
+    # plans take the device's tiles
+    case = make_paged_case("decode", kv_lens=[40, 7], kv_dtype=torch.float8_e5m2, q_dtype=torch.float16,
+                           head_dim_qk=128)
+    assert plan_decode(case.problem, A10, case.params).config.ctas_per_sm == 3
+    assert plan_decode(case.problem, H200, case.params).config.ctas_per_sm == 4
+
+
+@pytest.mark.parametrize("cc, head_dim", [(89, 64), (89, 128), (89, 256), (80, 128)])
+def test_small_shared_fp8_tiles_compile_and_fit(cc, head_dim):
+    """Offline compile (scripts/decode_registers.py --cc, no GPU) of the small-shared fp8 decode
+    defaults: no spills, and at least the programs per SM the config's split aims for fit in the
+    shared memory (the config estimates its tile's bytes)."""
+    script = os.path.join(ROOT, "scripts", "decode_registers.py")
+    res = subprocess.run([sys.executable, script, "--cc", str(cc), "--kv", "e5m2", "--head-dim", str(head_dim)],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ctas = int(re.search(r"ctas_per_sm=(\d+)", res.stdout).group(1))
+    rows = [line[24:].split() for line in res.stdout.splitlines()[2:]]
+    assert len(rows) == 3 and ctas >= 3, res.stdout
+    for _, spill, _, per_sm in rows:
+        assert int(spill) == 0 and int(per_sm) >= ctas, res.stdout

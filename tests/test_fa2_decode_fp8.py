@@ -10,6 +10,7 @@ values, and the same range cases.
 """
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -161,6 +162,24 @@ def test_gpu_bf16_q_fp8_kv(mode, kv_dtype, head_dim, layout, page_size, scales, 
                  v_scale=vs, seed=head_dim + page_size)
     _check_gpu(case, {"fp8_dot_dtype": mode}, **split)
 
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim, heads, block_n", [(64, (8, 2), 32), (128, (32, 8), 32), (128, (8, 8), 32),
+                                                      (256, (16, 8), 16)])
+@pytest.mark.parametrize("split", [{}, {"fixed_split_size": 8}], ids=["auto", "fixed8"])
+def test_gpu_small_shared_memory_defaults(kv_dtype, head_dim, heads, block_n, split):
+    """The fp8 defaults of GPUs with 99 KB of shared memory per block (sm86/89/120), planned for
+    this GPU with that figure: its tiles against the reference."""
+    case = _case([0, 1, 33, 700, 4097], device="cuda", q_dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                 head_dim_qk=head_dim, num_qo_heads=heads[0], num_kv_heads=heads[1], k_scale=0.8, v_scale=1.5,
+                 seed=head_dim + heads[1])
+    case.device = dataclasses.replace(case.device, shared_per_block=101376)
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case, None, **split)
+    assert plan.config.block_n == block_n and plan.config.fp8_v_convert == "staged"
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, GPU_TOL[kv_dtype])
 
 
 @pytest.mark.gpu

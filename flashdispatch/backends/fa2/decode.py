@@ -35,7 +35,6 @@ FLASHDISPATCH_FA2_DECODE_CONFIG='{"block_n": 64, "num_stages": 3, ...}'.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -47,8 +46,8 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, wave_choice, wave_split_ceiling,
-                            wave_split_config, with_split_block, with_tile, without_waves)
+from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, shared_per_block, wave_choice,
+                            wave_split_ceiling, wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (balanced_chunks, chunk_tokens, effective_lengths, few_programs_target, mean_tokens,
                            never_split, policy_tokens, split_target)
@@ -151,10 +150,7 @@ class DecodePlan:
     """A planned decode: the work array on the device, the grid, and the launch options."""
 
     def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: dict | None = None):
-        cfg, p = resolve_config(problem, config), problem
-        if cfg.fp8_v_convert == "staged" and device.cc is not None and device.cc < (8, 9):
-            # staged V converts with cvt.*.e4m3x2/e5m2x2, which ptxas takes from sm_89 on only
-            cfg = dataclasses.replace(cfg, fp8_v_convert="operand")
+        cfg, p = resolve_config(problem, config, shared_per_block(device)), problem
         if p.use_cuda_graph:
             cfg = for_cuda_graph(cfg)
         self.q_len = p.q_len_per_req

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...dispatch.problem import FP8_DTYPES, Problem
+from ...dispatch.problem import FP8_DTYPES, Device, Problem
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
 
@@ -55,8 +55,8 @@ class DecodeConfig:
     num_stages - 1 buffers (else one buffer below num_stages 5: no copy in flight during compute).
     fp8_v_convert (fp8 KV with fp16 dots): "operand" converts V inside the dot operand layout
     (one ld.shared.b8 per value), "staged" converts it in registers and stages it as fp16 in
-    shared memory (more shared memory, far fewer instructions); the interpreter and GPUs before
-    sm89 (whose ptxas has no fp8x2 cvt) run "operand".
+    shared memory (more shared memory, far fewer instructions); the interpreter runs "operand".
+    Before sm89 (e5m2 KV only there) "staged" converts by byte permutes, so it runs there too.
     fused_merge_max_chunks: plans whose requests have at most this many chunks merge the partials
     inside the decode kernel (the last program of each split request to finish merges, through an
     arrival counter) instead of in a second kernel launch; 0: never. That last program merges
@@ -231,14 +231,50 @@ def _checked_wave_tiles(tiles) -> tuple:
     return checked
 
 
-def default_config(problem: Problem) -> DecodeConfig:
-    """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md)."""
+# Opt-in shared memory per block under which the sm90 fp8 tiles (50-52 KB at d128 and d256, offline
+# compiles) fit few programs per SM: sm80 (163 KB) 3, sm86/89/120 (99 KB) 1. Such GPUs take
+# `_small_shared_fp8_config`; a described GPU without the figure is judged by its compute capability.
+FP8_SMALL_SHARED = 200 * 1024
+_SHARED_BY_CC = {(8, 6): 101376, (8, 9): 101376, (12, 0): 101376, (12, 1): 101376}
+
+
+def shared_per_block(device: Device) -> int:
+    """The device's opt-in shared memory per block in bytes, from its compute capability where it
+    does not say (sm80/87 163 KB, sm86/89/120 99 KB, sm90/100 227 KB); 0 on CPU."""
+    if device.shared_per_block or device.cc is None:
+        return device.shared_per_block
+    return _SHARED_BY_CC.get(device.cc, 166912 if device.cc < (9, 0) else 232448)
+
+
+def _small_shared_fp8_config(problem: Problem, shared: int) -> DecodeConfig:
+    """fp8 KV tiles where the sm90 ones fit few programs per SM (`FP8_SMALL_SHARED`): up to d128
+    the H200's best one-warp tile, 32 x 3 (its few-programs split's; offline compiles, bytes: d64
+    13312, d128 26624; sm80 11 / 6 programs per SM, sm86/89 7 / 3), and two warps of 16 x 3 at
+    d256 (28672; sm80 5, sm86/89 3). The split aims at the programs that fit, at most 8 per SM.
+    Not measured on such a GPU (the H200's 32 x 2 tile, 1.5 more per SM there, read 0.7 of 32 x 3
+    split at 12 per SM, session 22)."""
+    d = problem.head_dim_qk
+    if d <= 128:
+        tile_bytes, tile = 208 * d, dict(block_n=32, num_warps=1, num_stages=3)
+    else:
+        tile_bytes, tile = 112 * d, dict(block_n=16, num_warps=2, num_stages=3)
+    fit = (shared + 1024) // (tile_bytes + 1024)  # the driver reserves 1 KB per block
+    return DecodeConfig(**tile, ctas_per_sm=max(1, min(8, fit)), k_rows=True, fp8_dot_dtype="fp16",
+                        page_prefetch=True, fp8_v_convert="staged", swap_ab=True,
+                        direct_table=problem.num_qo_heads != problem.num_kv_heads and d >= 128)
+
+
+def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
+    """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md); ``shared``:
+    the GPU's opt-in shared memory per block (`shared_per_block`; 0: an sm90-class GPU)."""
     d = problem.head_dim_qk
     # direct_table where the H200 sweeps (TB/s work array / direct) found parity or better:
     # 16-bit GQA (session 6: group 4 and 16, page 16 and 1, d64 and d128), fp8 GQA d128 (session
     # 19: -1.5 % to +2 %, see DecodeConfig.direct_table) and d256 (session 21, groups 2 and 4: -1 %
     # to +3 %); MHA and 16-bit d256 GQA read less with it
     gqa = problem.num_qo_heads != problem.num_kv_heads
+    if problem.kv_dtype in FP8_DTYPES and 0 < shared < FP8_SMALL_SHARED:
+        return _small_shared_fp8_config(problem, shared)
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
             # the wave tiles' programs per SM and rates: the d128 sm90 compile and H200 sweeps
@@ -302,17 +338,18 @@ def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _base_config(head_dim: int, kv_dtype: torch.dtype, page_size: int, group: int,
+def _base_config(head_dim: int, kv_dtype: torch.dtype, page_size: int, group: int, shared: int,
                  env: str | None) -> DecodeConfig:
     cfg = default_config(Problem("decode", torch.float16, kv_dtype, torch.float16, group, 1, head_dim, head_dim,
-                                 page_size=page_size))
+                                 page_size=page_size), shared)
     return apply_overrides(cfg, json.loads(env)) if env else cfg
 
 
-def resolve_config(problem: Problem, overrides: dict | None = None) -> DecodeConfig:
-    """Defaults, then FLASHDISPATCH_FA2_DECODE_CONFIG (JSON), then ``overrides``."""
+def resolve_config(problem: Problem, overrides: dict | None = None, shared: int = 0) -> DecodeConfig:
+    """Defaults (for a GPU of ``shared`` bytes of shared memory per block, see `default_config`),
+    then FLASHDISPATCH_FA2_DECODE_CONFIG (JSON), then ``overrides``."""
     cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size,
-                       problem.num_qo_heads // problem.num_kv_heads, os.environ.get(CONFIG_ENV))
+                       problem.num_qo_heads // problem.num_kv_heads, shared, os.environ.get(CONFIG_ENV))
     return apply_overrides(cfg, overrides) if overrides else cfg
 
 

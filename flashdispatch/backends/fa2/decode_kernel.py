@@ -61,8 +61,8 @@ load chain for which Triton's pipeliner gives K and V (num_stages - 1) // 2 buff
 num_stages 2..4, i.e. no copy in flight while the tile is computed. With it K/V get num_stages - 1.
 
 V_STAGED (fp8 KV with fp16 dots): V is converted to fp16 in registers right after its tile arrives
-(4 bytes per 32-bit register, one cvt.rn.f16x2 per half) and reaches the P @ V dot through a fp16
-shared tile (ldmatrix.trans). Without it Triton converts V inside the dot operand layout, where
+(4 bytes per 32-bit register, one instruction per pair: `_fp8_to_f16_regs`) and reaches the
+P @ V dot through a fp16 shared tile (ldmatrix.trans). Without it Triton converts V inside the dot operand layout, where
 each fp8 value is its own ld.shared.b8 (V's tokens, the dot's K dimension, are not contiguous in
 memory) plus a byte pack per pair. The conversion is inline PTX (marked impure so that Triton does
 not move it back behind the operand load); the interpreter cannot run it (decode.py passes False).
@@ -115,11 +115,13 @@ def _row_pow2(x):
 
 @triton.jit
 def _fp8_to_f16_regs(x, E5M2: tl.constexpr):
-    """fp8 -> fp16 (exact), four values per 32-bit register, in the layout x is in."""
+    """fp8 -> fp16 (exact), four values per 32-bit register, in the layout x is in. e4m3: one
+    cvt.rn.f16x2.e4m3x2 per pair (sm89+, as e4m3 KV itself); e5m2 is the high byte of the fp16 of
+    the same value: one byte permute per pair, on any GPU."""
     b = x.to(tl.uint8, bitcast=True)
     if E5M2:
-        y = tl.inline_asm_elementwise("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; "
-                                      "cvt.rn.f16x2.e5m2x2 $1, hi; }", "=r,=r,r", [b], dtype=tl.float16,
+        y = tl.inline_asm_elementwise("{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x1404; "
+                                      "prmt.b32 $1, $2, z, 0x3424; }", "=r,=r,r", [b], dtype=tl.float16,
                                       is_pure=False, pack=4)
     else:
         y = tl.inline_asm_elementwise("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
