@@ -108,7 +108,7 @@ def decode_variant(head: int, rope: bool, split: bool, tiles: list[int] | None):
                  Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, K_ROWS=cfg.k_rows,
                  FP16_DOTS=False, HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
                  V_STAGED=False, FUSED_MERGE=False, MERGE_BLOCK_R=1, MERGE_BLOCK_S=1, DIRECT=False, DIRECT_SPLIT=False,
-                 PDL_TRIGGER=False)
+                 PDL_TRIGGER=False, SWAP_AB=cfg.swap_ab, ITEMS=1)
     fp16 = {name: "*fp16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     f32 = {name: "*fp32" for name in ("lse_ptr", "po_ptr", "plse_ptr", "slopes_ptr", "sinks_ptr",
                                       "q_scale_ptr", "k_scale_ptr", "v_scale_ptr")}

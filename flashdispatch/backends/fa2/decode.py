@@ -46,11 +46,11 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, shared_per_block, wave_choice,
+from .decode_config import (PACK_FILL, DecodeConfig, for_cuda_graph, resolve_config, shared_per_block, wave_choice,
                             wave_split_ceiling, wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (balanced_chunks, chunk_tokens, effective_lengths, few_programs_target, mean_tokens,
-                           never_split, policy_tokens, split_target)
+                           never_split, packed_segments, policy_tokens, split_target)
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
@@ -124,7 +124,7 @@ def _register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool
 
 @functools.lru_cache(maxsize=256)
 def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool,
-                      direct: bool, direct_split: bool, pdl: bool) -> dict:
+                      direct: bool, direct_split: bool, pdl: bool, items: int = 1) -> dict:
     """The decode kernel's constexprs and launch options of a plan (cached: plan() is host-time
     bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
     q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
@@ -141,7 +141,7 @@ def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: i
         HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
         FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
-        DIRECT_SPLIT=direct_split, PDL_TRIGGER=pdl, SWAP_AB=cfg.swap_ab,
+        DIRECT_SPLIT=direct_split, PDL_TRIGGER=pdl, SWAP_AB=cfg.swap_ab, ITEMS=items,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cap} if cap and not TRITON_INTERPRETED else {}))
 
@@ -197,6 +197,8 @@ class DecodePlan:
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
         self.units = units  # programs per work item
         self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
+        # work rows per program (`DecodeConfig.pack_items`): a few-programs split may pack
+        self.items, self._may_pack = 1, few and policy_splits and not p.use_cuda_graph and cfg.pack_items > 1
         self.kernel_max_splits = cfg.max_splits  # the kernel's cap on its own split's chunks
         if p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
             self._place_graph_direct(device, params, run_device)
@@ -289,7 +291,8 @@ class DecodePlan:
             if cfg.direct_table and not p.use_cuda_graph:
                 self._place_direct(params, run_device)
                 return
-        elif not splits:
+        packed = None if unsplit or splits else self._packed(eff, chunk)
+        if not unsplit and not splits and packed is None:
             split = self._direct_split(eff, chunk, params)
             if split is not None:
                 self._place_direct(params, run_device, *split)
@@ -308,8 +311,12 @@ class DecodePlan:
             self._place(meta.ravel(), batch, 0, params, run_device)
             return
 
-        nsplit = np.maximum(1, -(-eff // chunk)) if chunk is not None else np.ones_like(eff)
-        req = np.arange(batch).repeat(nsplit)
+        if packed is not None:  # segments (request, first and end token from lo, work row) and the rows
+            req, seg_lo, seg_hi, items, n_work = packed
+            nsplit = np.bincount(req, minlength=batch)
+        else:
+            nsplit = np.maximum(1, -(-eff // chunk)) if chunk is not None else np.ones_like(eff)
+            req = np.arange(batch).repeat(nsplit)
         if splits:  # CUDA graph: request b owns work items and partial slots b*splits .. +splits-1
             if nsplit.max() > splits:
                 raise ValueError(f"use_cuda_graph: a request needs {int(nsplit.max())} chunks of "
@@ -322,14 +329,14 @@ class DecodePlan:
             merge_rows = np.arange(batch if splits > 1 else 0)
             merge_row_of = np.where(nsplit[req] > 1, req, -1)
             merge_first = merge_rows * splits
-        else:  # items in order (a slice below, not an index array: plan() is host-time bound)
-            n_work = len(req)
-            items = slice(None)
+        else:  # items in order (a slice below, not an index array: plan() is host-time bound), or packed
+            if packed is None:
+                n_work, items = len(req), slice(None)
             first_item = nsplit.cumsum() - nsplit
-            sidx = np.arange(n_work) - first_item[req]
+            sidx = np.arange(len(req)) - first_item[req]
             merge_rows = np.flatnonzero(nsplit > 1)
             if merge_rows.size == batch:  # every request split (the usual case): every item a partial
-                slot_of, merge_row_of, n_partial, merge_first = np.arange(n_work), req, n_work, first_item
+                slot_of, merge_row_of, n_partial, merge_first = np.arange(len(req)), req, len(req), first_item
             else:
                 split_item = nsplit[req] > 1
                 slot_of = np.where(split_item, split_item.cumsum() - 1, -1)
@@ -340,16 +347,20 @@ class DecodePlan:
         meta = np.zeros(n_work * WORK_COLS + n_merge * MERGE_INFO_COLS, dtype=np.int32)
         work = meta[:n_work * WORK_COLS].reshape(n_work, WORK_COLS)
         info = meta[n_work * WORK_COLS:].reshape(n_merge, MERGE_INFO_COLS)
-        if splits:  # the graph grid's idle items
+        if splits or packed is not None:  # the graph grid's or the packed rows' idle items
             work[:, 0] = -1
             work[:, 7] = -1
-        req_chunk = chunk[req] if chunk is not None else 0
-        start = lo[req] + sidx * req_chunk
         lens_req = lens[req]
+        if packed is not None:
+            start, end = lo[req] + seg_lo, lo[req] + seg_hi
+        else:
+            req_chunk = chunk[req] if chunk is not None else 0
+            start = lo[req] + sidx * req_chunk
+            end = np.minimum(start + req_chunk, lens_req) if chunk is not None else lens_req
         work[items, 0] = req
         work[items, 1] = page_base[req]
         work[items, 2] = start
-        work[items, 3] = np.minimum(start + req_chunk, lens_req) if chunk is not None else lens_req
+        work[items, 3] = end
         work[items, 4] = lens_req
         work[items, 5] = slot_of
         work[items, 6] = sidx == 0
@@ -362,6 +373,18 @@ class DecodePlan:
         # variant a captured graph replays must be)
         self.max_chunks = splits if splits else int(nsplit.max())
         self._place(meta, n_work, n_partial, params, run_device)
+
+    def _packed(self, eff: np.ndarray, chunk: np.ndarray) -> tuple | None:
+        """`decode_split.packed_segments` of a few-programs split whose chunks (``chunk`` tokens
+        per request) fill less than PACK_FILL of its target (`DecodeConfig.pack_items`), else None."""
+        cfg = self.config
+        if not self._may_pack or np.maximum(1, -(-eff // chunk)).sum() * self.units >= PACK_FILL * self.split_target:
+            return None
+        packed = packed_segments(eff, self.split_target // self.units, cfg.pack_items, cfg.min_chunk_tokens,
+                                 cfg.max_splits)
+        if packed is not None:
+            self.items = cfg.pack_items
+        return packed
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
         """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""
@@ -481,13 +504,13 @@ class DecodePlan:
     def _launch_constants(self) -> None:
         """Everything of the decode launch that run() does not learn from the inputs."""
         p = self.problem
-        self._grid = (self.n_work * p.num_kv_heads * self.row_blocks,)
+        self._grid = (self.n_work // self.items * p.num_kv_heads * self.row_blocks,)
         merge_kernel = self.n_merge > 0 and not self.fused_merge
         self.pdl = self.pdl_capable and merge_kernel
         self._merge = (DecodeMerge(self.po, self.plse, self.info, self.n_merge, self.q_len, p.num_qo_heads,
                                    p.head_dim_vo, self.pdl) if merge_kernel else None)
         self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
-                                         self.direct, self.split_slots > 1, self.pdl)
+                                         self.direct, self.split_slots > 1, self.pdl, self.items)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
         self._set_tables()
 

@@ -140,6 +140,15 @@ class DecodeConfig:
     TB/s whole -> split: 80x4096 3.02 -> 3.49, 160x4096 3.66 -> 3.86, 75x8192 2.94 -> 3.81,
     92x16384 3.49 -> 4.13, 160x3072 3.58 -> 3.69; at 2048 tokens 70x2048 2.53 -> 2.69 but
     160x2048 3.46 -> 3.26 and 120x2048 3.48 -> 3.35, at 1024 80x1024 2.67 -> 2.55; session 18).
+    pack_items: > 1: a plan of the few-programs split whose requests' chunks would fill less than
+    `PACK_FILL` of its target (the chunks per request are whole numbers: 48 requests of 4096
+    tokens, 32/8 heads, split in 2 fill 0.73 of 132 SMs x 8) lays the requests' tokens end to end
+    and gives each of the target's programs an equal piece, up to this many segments of different
+    requests in one program, one after the other (`decode_split.packed_segments`; the kernel's
+    ITEMS); a work-array plan, never under CUDA graphs. 1: never. H200 fp8 e4m3 d128, session 22,
+    TB/s 1 -> 2: 32/8 heads 36x4096 3.14 -> 3.21, 48x4096 3.20 -> 3.39, 52x4096 3.25 -> 3.44,
+    60x4096 3.42 -> 3.52, 24x8192 3.30 -> 3.39 (shapes the split fills: equal); 32/32 9x4096 3.12
+    -> 3.20, 12x4096 3.14 -> 3.34.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -174,6 +183,7 @@ class DecodeConfig:
     wave_split_slots: int = 0
     split_chunk_tokens: int = 48
     lone_wave_split_tokens: int = 0
+    pack_items: int = 1
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -183,7 +193,7 @@ class DecodeConfig:
                                  f"{' or null' if name == 'split_block_n' else ''}, got {getattr(self, name)!r}")
         if not _int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"fa2 decode config num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        for name in ("num_stages", "ctas_per_sm", "min_chunk_tokens", "max_splits"):
+        for name in ("num_stages", "ctas_per_sm", "min_chunk_tokens", "max_splits", "pack_items"):
             v = getattr(self, name)
             if not _int(v) or v < 1:
                 raise ValueError(f"fa2 decode config {name} must be an int >= 1, got {v!r}")
@@ -285,8 +295,9 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
             # few programs: split into a wave of the 32 x 3 tile (8 per SM; DecodeConfig.split_ctas_per_sm,
             # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
-            # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83)
-            few = dict(split_block_n=32, split_ctas_per_sm=8) if d == 128 else {}
+            # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
+            # where its chunks fill that wave poorly (DecodeConfig.pack_items)
+            few = dict(split_block_n=32, split_ctas_per_sm=8, pack_items=2) if d == 128 else {}
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
@@ -367,6 +378,9 @@ def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` with block_n = split_block_n, uncapped (cached: plan() is host-time bound)."""
     return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
 
+
+# The fill of its target under which a few-programs split packs (`DecodeConfig.pack_items`).
+PACK_FILL = 0.95
 
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
 # proportion to its fill (fitted to the H200 fp8 sweeps of session 15, docs/perf-notes.md).

@@ -24,6 +24,10 @@ when the request has one chunk), and the merge row is the request (the merge ker
 is written by chunk 0's first unit; its count is 1 for a request not split, which the merge
 kernel skips).
 
+ITEMS (DecodeConfig.pack_items; work array only): each program runs ITEMS consecutive work rows
+one after the other, all for its (KV head, row block): a packed plan's equal piece of the requests'
+tokens laid end to end, one row per request it touches (idle rows return at once).
+
 FUSED_MERGE (DecodeConfig.fused_merge_max_chunks): no second kernel merges the partials. Each
 program of a split work item, once its partial rows are stored, passes a CTA barrier (every
 thread's stores issued before) and adds 1 to the int32 counter of its (merge row, KV head, row
@@ -155,8 +159,9 @@ def _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, counter_ptr, first, chunk
         tl.store(counter_ptr, 0)
 
 
-@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits"])  # they change per plan
-def decode_kernel(
+@triton.jit
+def _decode_item(
+    item, unit,
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
@@ -167,22 +172,13 @@ def decode_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
     ROPE: tl.constexpr, SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
     Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
-    FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
+    FP16_DOTS: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, SWAP_AB: tl.constexpr,
+    DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
-    if PDL_TRIGGER:  # the merge kernel may launch now (DecodeConfig.pdl); it waits for this grid
-        gdc_launch_dependents()
-    # 1-D grid of work items x (kv head, row block) units. HEADS_FASTEST: the programs resident
-    # together read every head of the same pages; else one head of many requests at a time.
+    """Row ``item`` of the work array (or the direct table's request / chunk slot) for one
+    (KV head, row block) ``unit``: the program of the module docstring; an idle row returns."""
     UNITS: tl.constexpr = NUM_QO_HEADS // GROUP * ROW_BLOCKS
-    if HEADS_FASTEST:
-        unit = tl.program_id(0) % UNITS
-        item = tl.program_id(0) // UNITS
-    else:
-        n_items = tl.num_programs(0) // UNITS
-        unit = tl.program_id(0) // n_items
-        item = tl.program_id(0) % n_items
     wrow = work_ptr + item * 8  # WORK_COLS
     if DIRECT:  # work_ptr is kv_indptr: the request's pages and length from the API's tables
         if DIRECT_SPLIT:  # item = chunk slot x request: the slots of every request's first chunk
@@ -407,3 +403,45 @@ def decode_kernel(
             _merge_if_last(po_ptr, plse_ptr, out_ptr, lse_ptr, counters_ptr + merge_row * UNITS + unit,
                            merge_first, merge_chunks, req, hk, rb, stride_ot, stride_oh, stride_lt, stride_lh,
                            NUM_QO_HEADS, GROUP, QLEN, BLOCK_M, HEAD_DIM, MERGE_BLOCK_R, MERGE_BLOCK_S, WRITE_LSE)
+
+
+@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits"])  # they change per plan
+def decode_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
+    work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
+    ROPE: tl.constexpr, SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, K_ROWS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, SWAP_AB: tl.constexpr,
+    ITEMS: tl.constexpr,
+):
+    if PDL_TRIGGER:  # the merge kernel may launch now (DecodeConfig.pdl); it waits for this grid
+        gdc_launch_dependents()
+    # 1-D grid of item groups x (kv head, row block) units. HEADS_FASTEST: the programs resident
+    # together read every head of the same pages; else one head of many requests at a time.
+    UNITS: tl.constexpr = NUM_QO_HEADS // GROUP * ROW_BLOCKS
+    if HEADS_FASTEST:
+        unit = tl.program_id(0) % UNITS
+        group = tl.program_id(0) // UNITS
+    else:
+        n_groups = tl.num_programs(0) // UNITS
+        unit = tl.program_id(0) // n_groups
+        group = tl.program_id(0) % n_groups
+    tl.static_assert(ITEMS == 1 or not DIRECT, "the direct table is one item per program")
+    for i in tl.static_range(ITEMS):  # ITEMS: the work rows of a packed plan's program
+        _decode_item(
+            group * ITEMS + i, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
+            counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
+            v_scale_ptr, qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens,
+            split_slots, max_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_kp,
+            stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS, PAGE,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
+            K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
+            MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB)

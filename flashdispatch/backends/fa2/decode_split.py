@@ -93,3 +93,28 @@ def policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, target: int) -
     ``target`` programs (`split_target`) an equal share (rounded down, so that requests of
     equal length get target / programs chunks each), at least ``min_chunk_tokens``."""
     return max(cfg.min_chunk_tokens, int(eff.sum()) * units // target)
+
+
+def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int, max_splits: int) -> tuple | None:
+    """A packed split (`DecodeConfig.pack_items`): the requests' tokens from their window starts
+    laid end to end and cut into ``groups`` equal pieces, each one program's work of up to
+    ``items`` segments (one per request it touches), so that every program reads the same number
+    of tokens however the requests' lengths divide. Returns (request, first token, end token (both
+    from the request's window start), work row) per segment in request order, and the work rows
+    (groups x items; a row without a segment is idle); None where a request is empty, a piece is
+    shorter than ``min_chunk`` tokens or touches more than ``items`` requests, or a request gets
+    more than ``max_splits`` segments."""
+    total = int(eff.sum())
+    piece = -(-total // max(groups, 1))
+    if eff.size == 0 or eff.min() <= 0 or piece < min_chunk:
+        return None
+    req_start = np.concatenate([[0], eff.cumsum()])
+    starts = np.union1d(req_start[:-1], np.arange(0, total, piece))  # segment starts on the line
+    ends = np.append(starts[1:], total)
+    req = np.searchsorted(req_start, starts, side="right") - 1
+    group = starts // piece
+    slot = np.arange(starts.size) - np.searchsorted(group, group)  # the segment's place in its group
+    if slot.max() >= items or np.bincount(req).max() > max_splits:
+        return None
+    n_rows = (int(group[-1]) + 1) * items
+    return req, starts - req_start[req], ends - req_start[req], group * items + slot, n_rows
