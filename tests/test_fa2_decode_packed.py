@@ -2,8 +2,8 @@
 equal piece per program, up to ``pack_items`` segments of different requests in one program.
 
 CPU: `decode_split.packed_segments` on its own, and packed plans under the Triton interpreter
-(fp16) against the float64 oracle. GPU (``-m gpu``): the fp8 d128 default's packed plans
-against the reference backend.
+(fp16) against the float64 oracle. GPU (``-m gpu``): the d128 defaults' packed plans (fp8 and
+bf16) against the reference backend.
 """
 from __future__ import annotations
 
@@ -87,17 +87,42 @@ def test_packing_only_where_the_split_fills_its_target_poorly():
     assert run_fa2_decode(graph, CPU_PACK).items == 1
 
 
+@interpreted
+def test_16bit_d128_defaults_pack_only_a_poorly_filled_plan():
+    """The fp16 d128 defaults pack below 0.65 of the target (here 8 SMs x 4, 2 KV heads): 9 whole
+    requests fill 0.56 and pack, 14 fill 0.88 and do not (GQA and MHA). A direct plan refreshed
+    for lengths that pack plans afresh."""
+    small = {"min_chunk_tokens": 16}
+    for heads in ((8, 2), (2, 2)):
+        case = _case([300] * 9, head_dim_qk=128, num_qo_heads=heads[0], num_kv_heads=heads[1], seed=66)
+        ref_out, ref_lse = case.oracle()
+        assert run_fa2_decode(case, small).items == 2
+        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+        case = _case([300] * 14, head_dim_qk=128, num_qo_heads=heads[0], num_kv_heads=heads[1], seed=67)
+        assert run_fa2_decode(case, small).items == 1
+    direct = run_fa2_decode(_case([2000] * 3 + [100] * 6, head_dim_qk=128, seed=68), small)  # 18 chunks: 1.1
+    assert direct.direct and direct.items == 1
+    for lens, refreshed in (([2100] * 3 + [90] * 6, True), ([300] * 9, False)):
+        case = _case(lens, head_dim_qk=128, seed=69)
+        case.params.workspace = torch.zeros(1 << 22, dtype=torch.uint8)
+        assert (direct.refreshed(case.device, case.params) is not None) == refreshed, lens
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("lens, heads", [([4096] * 48, (32, 8)), ([4096] * 36, (32, 8)),
-                                         ([3000, 9000, 2000, 4000] * 12, (32, 8)), ([4096] * 12, (32, 32)),
-                                         ([4096] * 9, (32, 32))],
-                         ids=["48x4096", "36x4096", "mixed48", "mha12x4096", "mha9x4096"])
-def test_gpu_fp8_default_packs(lens, heads):
-    """The fp8 d128 default packs batches whose split would fill its target poorly."""
-    case = _case(lens, device="cuda", kv_dtype=torch.float8_e4m3fn, num_qo_heads=heads[0], num_kv_heads=heads[1],
-                 k_scale=0.8, v_scale=1.5, seed=len(lens) + heads[1])
+@pytest.mark.parametrize("lens, heads, kv", [
+    ([4096] * 48, (32, 8), "e4m3"), ([4096] * 36, (32, 8), "e4m3"), ([3000, 9000, 2000, 4000] * 12, (32, 8), "e4m3"),
+    ([4096] * 12, (32, 32), "e4m3"), ([4096] * 9, (32, 32), "e4m3"), ([4096] * 36, (32, 8), "bf16"),
+    ([4096, 3800, 4300] * 12, (32, 8), "bf16"), ([4096] * 9, (32, 32), "bf16")],
+    ids=["48x4096", "36x4096", "mixed48", "mha12x4096", "mha9x4096", "bf16-36x4096", "bf16-mixed36", "bf16-mha9x4096"])
+def test_gpu_defaults_pack(lens, heads, kv):
+    """The d128 defaults pack batches whose plain plan fills its target poorly (fp8 under 0.95,
+    bf16 under 0.65)."""
+    fp8 = kv == "e4m3"
+    case = _case(lens, device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                 num_qo_heads=heads[0], num_kv_heads=heads[1], k_scale=0.8 if fp8 else None,
+                 v_scale=1.5 if fp8 else None, seed=len(lens) + heads[1])
     ref_out, ref_lse = reference_backend_result(case)
     plan = run_fa2_decode(case)
     assert plan.items == 2
-    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2)
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)

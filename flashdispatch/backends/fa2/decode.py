@@ -46,7 +46,7 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (PACK_FILL, DecodeConfig, for_cuda_graph, resolve_config, shared_per_block, wave_choice,
+from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, shared_per_block, wave_choice,
                             wave_split_ceiling, wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (balanced_chunks, chunk_tokens, effective_lengths, few_programs_target, mean_tokens,
@@ -226,6 +226,8 @@ class DecodePlan:
         elif not never_split(self.batch, params, self.split_target):
             lengths = effective_lengths(params, self.problem, self.q_len)
             _, _, eff, _, chunk = self._partition(device, params, lengths)
+            if self._may_pack and self._packed(eff, chunk) is not None:
+                return None  # these lengths pack: a work array
             if chunk is not None:
                 split = self._direct_split(eff, chunk, params)
         if split is None or split[1] != self.split_slots:
@@ -283,7 +285,8 @@ class DecodePlan:
         p, cfg, ql = self.problem, self.config, self.q_len
         lens, lo, eff, splits, chunk = self._partition(device, params, lengths)
         batch = self.batch = len(lens)
-        unsplit = chunk is None and splits <= 1  # one work item per request, nothing to merge
+        packed = None if splits else self._packed(eff, chunk)
+        unsplit = chunk is None and splits <= 1 and packed is None  # one work item per request, nothing to merge
         if unsplit and self._unsplit_config is not None:
             self.config = cfg = self._unsplit_config
         if unsplit:
@@ -291,7 +294,6 @@ class DecodePlan:
             if cfg.direct_table and not p.use_cuda_graph:
                 self._place_direct(params, run_device)
                 return
-        packed = None if unsplit or splits else self._packed(eff, chunk)
         if not unsplit and not splits and packed is None:
             split = self._direct_split(eff, chunk, params)
             if split is not None:
@@ -313,6 +315,7 @@ class DecodePlan:
 
         if packed is not None:  # segments (request, first and end token from lo, work row) and the rows
             req, seg_lo, seg_hi, items, n_work = packed
+            self.items = cfg.pack_items
             nsplit = np.bincount(req, minlength=batch)
         else:
             nsplit = np.maximum(1, -(-eff // chunk)) if chunk is not None else np.ones_like(eff)
@@ -374,17 +377,15 @@ class DecodePlan:
         self.max_chunks = splits if splits else int(nsplit.max())
         self._place(meta, n_work, n_partial, params, run_device)
 
-    def _packed(self, eff: np.ndarray, chunk: np.ndarray) -> tuple | None:
-        """`decode_split.packed_segments` of a few-programs split whose chunks (``chunk`` tokens
-        per request) fill less than PACK_FILL of its target (`DecodeConfig.pack_items`), else None."""
+    def _packed(self, eff: np.ndarray, chunk: np.ndarray | None) -> tuple | None:
+        """`decode_split.packed_segments` of a few-programs plan whose requests (whole, or in
+        chunks of ``chunk`` tokens) fill less than `DecodeConfig.pack_fill` of its target, else None."""
         cfg = self.config
-        if not self._may_pack or np.maximum(1, -(-eff // chunk)).sum() * self.units >= PACK_FILL * self.split_target:
+        pieces = len(eff) if chunk is None else int(np.maximum(1, -(-eff // chunk)).sum())
+        if not self._may_pack or pieces * self.units >= cfg.pack_fill * self.split_target:
             return None
-        packed = packed_segments(eff, self.split_target // self.units, cfg.pack_items, cfg.min_chunk_tokens,
-                                 cfg.max_splits)
-        if packed is not None:
-            self.items = cfg.pack_items
-        return packed
+        return packed_segments(eff, self.split_target // self.units, cfg.pack_items, cfg.min_chunk_tokens,
+                               cfg.max_splits)
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
         """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""

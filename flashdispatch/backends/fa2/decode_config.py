@@ -140,15 +140,19 @@ class DecodeConfig:
     TB/s whole -> split: 80x4096 3.02 -> 3.49, 160x4096 3.66 -> 3.86, 75x8192 2.94 -> 3.81,
     92x16384 3.49 -> 4.13, 160x3072 3.58 -> 3.69; at 2048 tokens 70x2048 2.53 -> 2.69 but
     160x2048 3.46 -> 3.26 and 120x2048 3.48 -> 3.35, at 1024 80x1024 2.67 -> 2.55; session 18).
-    pack_items: > 1: a plan of the few-programs split whose requests' chunks would fill less than
-    `PACK_FILL` of its target (the chunks per request are whole numbers: 48 requests of 4096
-    tokens, 32/8 heads, split in 2 fill 0.73 of 132 SMs x 8) lays the requests' tokens end to end
-    and gives each of the target's programs an equal piece, up to this many segments of different
-    requests in one program, one after the other (`decode_split.packed_segments`; the kernel's
-    ITEMS); a work-array plan, never under CUDA graphs. 1: never. H200 fp8 e4m3 d128, session 22,
-    TB/s 1 -> 2: 32/8 heads 36x4096 3.14 -> 3.21, 48x4096 3.20 -> 3.39, 52x4096 3.25 -> 3.44,
-    60x4096 3.42 -> 3.52, 24x8192 3.30 -> 3.39 (shapes the split fills: equal); 32/32 9x4096 3.12
-    -> 3.20, 12x4096 3.14 -> 3.34.
+    pack_items: > 1: a plan of fewer than ctas_per_sm x SMs programs whose requests (whole, or in
+    the default policy's chunks) fill less than ``pack_fill`` of its split target (the chunks per
+    request are whole numbers: 48 requests of 4096 tokens, 32/8 heads, fp8 split in 2 fill 0.73 of
+    132 SMs x 8) lays the requests' tokens end to end and gives each of the target's programs an
+    equal piece, up to this many segments of different requests in one program, one after the
+    other (`decode_split.packed_segments`; the kernel's ITEMS); a work-array plan, never under CUDA
+    graphs. 1: never. H200 d128, session 22, TB/s 1 -> 2 (the plain plan's fill): fp8 e4m3 32/8
+    36x4096 3.14 -> 3.21 (0.82), 48x4096 3.20 -> 3.39 (0.73), 52x4096 3.25 -> 3.44 (0.79),
+    60x4096 3.42 -> 3.52 (0.91), 24x8192 3.30 -> 3.39 (0.73), 32/32 9x4096 3.12 -> 3.20 (0.82),
+    12x4096 3.14 -> 3.34 (0.73); bf16 32/8 36x4096 3.27 -> 3.83 (0.55), 40x4096 3.60 -> 3.90
+    (0.61), but 20x4096 3.53 -> 3.42 (0.91), 60x2048 3.85 -> 3.72 (0.91), 48x4096 3.95 -> 3.97
+    (0.73); 32/32 9x4096 3.36 -> 3.78 (0.55), 12x4096 4.03 -> 3.93 (0.73).
+    pack_fill: see pack_items (fp8 0.95, 16-bit 0.65 where they pack).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -184,6 +188,7 @@ class DecodeConfig:
     split_chunk_tokens: int = 48
     lone_wave_split_tokens: int = 0
     pack_items: int = 1
+    pack_fill: float = 0.95
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -210,6 +215,9 @@ class DecodeConfig:
             v = getattr(self, name)
             if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
+        if not isinstance(self.pack_fill, (int, float)) or isinstance(self.pack_fill, bool) or \
+                not 0 < self.pack_fill <= 1:
+            raise ValueError(f"fa2 decode config pack_fill must be a number in (0, 1], got {self.pack_fill!r}")
         object.__setattr__(self, "wave_tiles", _checked_wave_tiles(self.wave_tiles))
         v = self.fused_merge_values
         if not _int(v) or v < 256 or v & (v - 1):
@@ -314,9 +322,11 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128, direct_table=gqa, wave_slots=3 if gqa and d == 128 else 0,
                             wave_split_ctas=24)
+    # 16-bit d128 (page > 1) packs few programs filling under 0.65 of ctas_per_sm x SMs (DecodeConfig.pack_items)
+    pack = dict(pack_items=2, pack_fill=0.65) if d == 128 else {}
     if not gqa and d <= 128:
         return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24,
-                            split_chunk_tokens=24)
+                            split_chunk_tokens=24, **pack)
     if d <= 64:
         # 128 x 3 (H200 32/8, session 21, TB/s 64 x 2 -> 128 x 3: 1x32768 1.99 -> 2.11, 16x8192 3.12 ->
         # 3.27, 64x4096 3.43 -> 3.82, 256x1024 3.78 -> 3.74, 256x4096 4.15 -> 4.16)
@@ -331,7 +341,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
-                            wave_split_slots=4 if group == 4 else 0)
+                            wave_split_slots=4 if group == 4 else 0, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16)
 
@@ -378,9 +388,6 @@ def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` with block_n = split_block_n, uncapped (cached: plan() is host-time bound)."""
     return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
 
-
-# The fill of its target under which a few-programs split packs (`DecodeConfig.pack_items`).
-PACK_FILL = 0.95
 
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
 # proportion to its fill (fitted to the H200 fp8 sweeps of session 15, docs/perf-notes.md).
