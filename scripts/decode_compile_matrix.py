@@ -6,7 +6,8 @@ merge redefined with another type under sinks). This compiles each combination o
 (plain; sinks + window; sinks + window + soft cap; ALiBi; RoPE with two causal query rows) x
 work layout (work array with and without the fused merge, direct table, the kernel's own split
 with and without the fused merge; fp8 KV: the work array only, as its configs use), at the base
-tile and, for the variants that take them (`decode._plain_variant`), each other wave tile, for
+tile and, for the variants that take them (`decode._plain_variant`), each other wave tile, and
+where the defaults pack (`DecodeConfig.pack_items`) their packed work array, for
 GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
 one that fails. d128 by default (the CPU suite runs that); other head dims as arguments.
 
@@ -22,7 +23,7 @@ import decode_registers as regs  # noqa: E402  (sets up an offline Triton: no in
 import torch  # noqa: E402
 
 from flashdispatch.backends.fa2 import decode as fdec  # noqa: E402
-from flashdispatch.backends.fa2.decode_config import resolve_config, with_tile  # noqa: E402
+from flashdispatch.backends.fa2.decode_config import resolve_config, with_split_block, with_tile  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
 
 FEATURES = {
@@ -57,6 +58,13 @@ def main(head_dims: list[int]) -> None:
                     consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
                     regs.compile_variant(consts, torch.bfloat16, kv)
                     print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {name}{tile}", flush=True)
+            if base.pack_items > 1:  # a packed plan: the split block's work array, pack_items rows a program
+                cfg = with_split_block(base) if base.split_block_n else base
+                consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, True, False, False, False, base.pack_items)
+                consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
+                regs.compile_variant(consts, torch.bfloat16, kv)
+                print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} packed x{base.pack_items}, fused",
+                      flush=True)
 
 
 if __name__ == "__main__":

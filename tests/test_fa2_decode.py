@@ -481,7 +481,7 @@ def test_fused_merge_tile_sizes(no_merge_launch, values):
     ("block_n", (0, 8, 48, 64.0, True)), ("max_block_m", (0, 4, 24)), ("split_block_n", (0, 8, 96)),
     ("num_warps", (0, 3, 32, 4.0)), ("num_stages", (0, -1, 2.0)), ("ctas_per_sm", (0, -2, True)),
     ("min_chunk_tokens", (0,)), ("max_splits", (0, 1.5)), ("split_chunk_tokens", (-1, 0.5)),
-    ("split_ctas_per_sm", (-1, 2.0)),
+    ("split_ctas_per_sm", (-1, 2.0)), ("pack_items", (0, 5, 2.0)), ("pack_fill", (0, 1.5, True, "x")),
 ])
 def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):
     """Every size knob is checked where the config is built (a constructor call, the environment's
@@ -604,11 +604,12 @@ def test_sm90_register_cap_keeps_8_programs_per_sm():
         assert int(regs) <= 64 and int(spill) == 0 and int(per_sm) == 8, (name, rows)
 
 
-@pytest.mark.parametrize("head_dim, combinations", [(128, 63), (64, 35), (256, 35)])
+@pytest.mark.parametrize("head_dim, combinations", [(128, 73), (64, 35), (256, 35)])
 def test_sm90_compiles_every_feature_and_work_layout(head_dim, combinations):
     """Offline sm90 compile (scripts/decode_compile_matrix.py, no GPU) of features x work layouts
-    of each head dim's defaults (d128 has wave tiles, d64 and d256 their own tiles): the
-    interpreter runs the kernel without Triton's type checks, which a GPU compile applies."""
+    of each head dim's defaults (d128 has wave tiles and packed plans, d64 and d256 their own
+    tiles): the interpreter runs the kernel without Triton's type checks, which a GPU compile
+    applies."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "decode_compile_matrix.py"
     res = subprocess.run([sys.executable, str(script), str(head_dim)], capture_output=True, text=True, timeout=600,
                          check=False)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashdispatch.backends.common import TRITON_INTERPRETED
+from flashdispatch.backends.fa2.decode import plan_decode
 from flashdispatch.backends.fa2.decode_split import packed_segments
 
 from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
@@ -63,8 +64,9 @@ CPU_PACK = {"pack_items": 2, "min_chunk_tokens": 16, "block_n": 16}
                                       dict(page_size=1), dict(kv_dtype=torch.float8_e4m3fn)],
                          ids=["plain", "window,sinks", "qlen2", "page1", "e4m3"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
-def test_packed_plan_matches_the_oracle(features, fused):
-    case = _case([300, 251, 190], seed=61, **features)
+@pytest.mark.parametrize("lens", [[300, 251, 190], [300, 20, 190]], ids=["all-cut", "one-whole"])
+def test_packed_plan_matches_the_oracle(features, fused, lens):
+    case = _case(lens, seed=61, **features)
     config = {**CPU_PACK, "fused_merge_max_chunks": 64 if fused else 0}
     ref_out, ref_lse = case.oracle()
     plan = run_fa2_decode(case, config)
@@ -80,7 +82,7 @@ def test_packing_only_where_the_split_fills_its_target_poorly():
     fixed_split_size and CUDA graphs never pack."""
     case = _case([256, 256, 256, 256], seed=62)  # 4 x 2 programs x 4 chunks: the whole target of 32
     assert run_fa2_decode(case, CPU_PACK).items == 1
-    assert run_fa2_decode(_case([300, 0, 190], seed=63), CPU_PACK).items == 1
+    assert run_fa2_decode(_case([300, 0, 251, 190], seed=63), CPU_PACK).items == 1
     assert run_fa2_decode(_case([300, 251, 190], seed=64), CPU_PACK, fixed_split_size=2).items == 1
     graph = _case([300, 251, 190], seed=65, use_cuda_graph=True)
     graph.params.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8)
@@ -100,9 +102,16 @@ def test_16bit_d128_defaults_pack_only_a_poorly_filled_plan():
         assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
         case = _case([300] * 14, head_dim_qk=128, num_qo_heads=heads[0], num_kv_heads=heads[1], seed=67)
         assert run_fa2_decode(case, small).items == 1
-    direct = run_fa2_decode(_case([2000] * 3 + [100] * 6, head_dim_qk=128, seed=68), small)  # 18 chunks: 1.1
-    assert direct.direct and direct.items == 1
-    for lens, refreshed in (([2100] * 3 + [90] * 6, True), ([300] * 9, False)):
+    # packing is a speed-up: a workspace too small for its partials plans the whole requests
+    case = _case([300] * 9, head_dim_qk=128, seed=70)
+    case.params.workspace = torch.zeros(1024, dtype=torch.uint8)
+    plan = plan_decode(case.problem, case.device, case.params, small)
+    assert plan.items == 1 and plan.direct
+    # a direct split of 2 chunk slots filling 0.75; refreshed for 2-slot lengths filling 0.75 (kept)
+    # and 0.625 (they pack: afresh)
+    direct = run_fa2_decode(_case([300] * 3 + [150] * 6, head_dim_qk=128, seed=68), small)
+    assert direct.direct and direct.split_slots == 2 and direct.items == 1
+    for lens, refreshed in (([310] * 3 + [140] * 6, True), ([250] + [150] * 8, False)):
         case = _case(lens, head_dim_qk=128, seed=69)
         case.params.workspace = torch.zeros(1 << 22, dtype=torch.uint8)
         assert (direct.refreshed(case.device, case.params) is not None) == refreshed, lens

@@ -226,7 +226,7 @@ class DecodePlan:
         elif not never_split(self.batch, params, self.split_target):
             lengths = effective_lengths(params, self.problem, self.q_len)
             _, _, eff, _, chunk = self._partition(device, params, lengths)
-            if self._may_pack and self._packed(eff, chunk) is not None:
+            if self._may_pack and self._packed(eff, chunk, params) is not None:
                 return None  # these lengths pack: a work array
             if chunk is not None:
                 split = self._direct_split(eff, chunk, params)
@@ -285,7 +285,7 @@ class DecodePlan:
         p, cfg, ql = self.problem, self.config, self.q_len
         lens, lo, eff, splits, chunk = self._partition(device, params, lengths)
         batch = self.batch = len(lens)
-        packed = None if splits else self._packed(eff, chunk)
+        packed = None if splits else self._packed(eff, chunk, params)
         unsplit = chunk is None and splits <= 1 and packed is None  # one work item per request, nothing to merge
         if unsplit and self._unsplit_config is not None:
             self.config = cfg = self._unsplit_config
@@ -377,15 +377,21 @@ class DecodePlan:
         self.max_chunks = splits if splits else int(nsplit.max())
         self._place(meta, n_work, n_partial, params, run_device)
 
-    def _packed(self, eff: np.ndarray, chunk: np.ndarray | None) -> tuple | None:
+    def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> tuple | None:
         """`decode_split.packed_segments` of a few-programs plan whose requests (whole, or in
-        chunks of ``chunk`` tokens) fill less than `DecodeConfig.pack_fill` of its target, else None."""
+        chunks of ``chunk`` tokens) fill less than `DecodeConfig.pack_fill` of its target, else None
+        (also where the workspace cannot hold its partials: packing is a speed-up)."""
         cfg = self.config
         pieces = len(eff) if chunk is None else int(np.maximum(1, -(-eff // chunk)).sum())
         if not self._may_pack or pieces * self.units >= cfg.pack_fill * self.split_target:
             return None
-        return packed_segments(eff, self.split_target // self.units, cfg.pack_items, cfg.min_chunk_tokens,
-                               cfg.max_splits)
+        packed = packed_segments(eff, self.split_target // self.units, cfg.pack_items, cfg.min_chunk_tokens,
+                                 cfg.max_splits)
+        if packed is not None:
+            segments = np.bincount(packed[0])
+            if self._partial_bytes(int(segments[segments > 1].sum())) > _workspace_bytes(params):
+                return None
+        return packed
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
         """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""

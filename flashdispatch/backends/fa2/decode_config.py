@@ -15,6 +15,7 @@ import torch
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
+MAX_PACK_ITEMS = 4  # DecodeConfig.pack_items: the kernel's body is compiled that many times
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ class DecodeConfig:
                                  f"{' or null' if name == 'split_block_n' else ''}, got {getattr(self, name)!r}")
         if not _int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"fa2 decode config num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        for name in ("num_stages", "ctas_per_sm", "min_chunk_tokens", "max_splits", "pack_items"):
+        for name in ("num_stages", "ctas_per_sm", "min_chunk_tokens", "max_splits"):
             v = getattr(self, name)
             if not _int(v) or v < 1:
                 raise ValueError(f"fa2 decode config {name} must be an int >= 1, got {v!r}")
@@ -215,6 +216,9 @@ class DecodeConfig:
             v = getattr(self, name)
             if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
+        if not _int(self.pack_items) or not 1 <= self.pack_items <= MAX_PACK_ITEMS:
+            raise ValueError(f"fa2 decode config pack_items must be an int in [1, {MAX_PACK_ITEMS}] (the kernel "
+                             f"repeats its body that many times), got {self.pack_items!r}")
         if not isinstance(self.pack_fill, (int, float)) or isinstance(self.pack_fill, bool) or \
                 not 0 < self.pack_fill <= 1:
             raise ValueError(f"fa2 decode config pack_fill must be a number in (0, 1], got {self.pack_fill!r}")

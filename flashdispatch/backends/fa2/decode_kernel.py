@@ -44,7 +44,7 @@ No program waits for another, so there is no deadlock whatever the scheduling.
 
 FP16_DOTS (fp8 KV only, DecodeConfig.fp8_dot_dtype="fp16"): both dots run in fp16 whatever q's
 dtype, because Triton's fp8 -> fp16 is one packed instruction per two values
-(cvt.rn.f16x2.e4m3x2 / .e5m2x2) while fp8 e4m3 -> bf16 on sm90 adds two scalar cvt.bf16.f16 per
+(cvt.rn.f16x2.e4m3x2; e5m2 by byte permutes) while fp8 e4m3 -> bf16 on sm90 adds two scalar cvt.bf16.f16 per
 pair (the conversion, not the memory, bounded the bf16-q fp8 decode). Every step is exact or
 more precise than the bf16 dots, and nothing overflows for finite inputs:
 - K and V: fp8 -> fp16 is exact (e4m3 max 448, e5m2 max 57344 < 65504).
