@@ -50,21 +50,17 @@ def main(head_dims: list[int]) -> None:
             waves = base.wave_tiles if fdec._plain_variant(p, block_m) else ()
             tiles = [(base, "")] + [(with_tile(base, bn, st), f", {bn} x {st}") for bn, st, _, _ in waves
                                     if (bn, st) != (base.block_n, base.num_stages)]
-            for cfg, tile in tiles:
-                for name, fused, direct, split in LAYOUTS:
-                    if direct and kv != torch.bfloat16:
-                        continue
-                    consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False)
-                    consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
-                    regs.compile_variant(consts, torch.bfloat16, kv)
-                    print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {name}{tile}", flush=True)
+            # (label, config, fused merge, direct table, direct split, work rows per program)
+            variants = [(f"{name}{tile}", cfg, fused, direct, split, 1) for cfg, tile in tiles
+                        for name, fused, direct, split in LAYOUTS if not direct or kv == torch.bfloat16]
             if base.pack_items > 1:  # a packed plan: the split block's work array, pack_items rows a program
-                cfg = with_split_block(base) if base.split_block_n else base
-                consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, True, False, False, False, base.pack_items)
+                variants.append((f"packed x{base.pack_items}, fused", with_split_block(base) if base.split_block_n
+                                 else base, True, False, False, base.pack_items))
+            for label, cfg, fused, direct, split, items in variants:
+                consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items)
                 consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
                 regs.compile_variant(consts, torch.bfloat16, kv)
-                print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} packed x{base.pack_items}, fused",
-                      flush=True)
+                print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {label}", flush=True)
 
 
 if __name__ == "__main__":

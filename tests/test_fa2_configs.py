@@ -11,9 +11,10 @@ import sys
 import pytest
 import torch
 
+from flashdispatch.backends.common import shared_per_block
 from flashdispatch.backends.fa2 import FA2Backend
 from flashdispatch.backends.fa2.decode import plan_decode
-from flashdispatch.backends.fa2.decode_config import resolve_config, shared_per_block
+from flashdispatch.backends.fa2.decode_config import resolve_config
 from flashdispatch.backends.fa2.prefill import plan_prefill
 from flashdispatch.backends.fa2.prefill_config import PrefillConfig, default_config
 from flashdispatch.dispatch.problem import Device

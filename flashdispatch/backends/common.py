@@ -1,5 +1,5 @@
 """Small pieces every backend shares: ALiBi slopes, scale arguments, the Triton-interpreter switch,
-and what Triton kernels need of their arguments (window bound, fp8 support per GPU)."""
+and what Triton kernels need of their arguments and GPU (window bound, fp8 support, shared memory)."""
 from __future__ import annotations
 
 import functools
@@ -8,10 +8,22 @@ import os
 
 import torch
 
+from ..dispatch.problem import Device
 from ..dispatch.reasons import Reason
 
 # Triton kernels run on CPU tensors only when this is set before they are defined (tests).
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Opt-in shared memory per block of the GPUs with 99 KB (sm86/89/120), for a described GPU
+_SHARED_BY_CC = {(8, 6): 101376, (8, 9): 101376, (12, 0): 101376, (12, 1): 101376}
+
+
+def shared_per_block(device: Device) -> int:
+    """The device's opt-in shared memory per block in bytes, from its compute capability where it
+    does not say (sm80/87 163 KB, sm86/89/120 99 KB, sm90/100 227 KB); 0 on CPU."""
+    if device.shared_per_block or device.cc is None:
+        return device.shared_per_block
+    return _SHARED_BY_CC.get(device.cc, 166912 if device.cc < (9, 0) else 232448)
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,12 +45,13 @@ from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
-from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
-from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, shared_per_block, wave_choice,
-                            wave_split_ceiling, wave_split_config, with_split_block, with_tile, without_waves)
+from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, shared_per_block,
+                      triton_fp8_kv_reasons)
+from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, wave_choice, wave_split_ceiling,
+                            wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
-from .decode_split import (balanced_chunks, chunk_tokens, effective_lengths, few_programs_target, mean_tokens,
-                           never_split, packed_segments, policy_tokens, split_target)
+from .decode_split import (balanced_chunks, chunk_counts, chunk_tokens, effective_lengths, few_programs_target,
+                           mean_tokens, never_split, packed_segments, policy_tokens, split_target)
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
@@ -254,7 +255,7 @@ class DecodePlan:
         if not p.use_cuda_graph:
             splits, chunk = 0, chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
             if chunk is not None and self.wave_split:
-                nsplit = np.maximum(1, -(-eff // chunk))  # work items, or the kernel's own request x slots
+                nsplit = chunk_counts(eff, chunk)  # work items, or the kernel's own request x slots
                 n_partial = max(int(nsplit.sum()), batch * int(nsplit.max()))
                 if self._partial_bytes(n_partial) > _workspace_bytes(params):
                     chunk = None  # the wave split is a speed-up: not where the workspace cannot hold its partials
@@ -275,7 +276,7 @@ class DecodePlan:
         builds the work array). ``chunk``: `chunk_tokens`' result."""
         if not self.config.direct_table or self.problem.use_cuda_graph or params.fixed_split_size is not None:
             return None
-        nsplit = np.maximum(1, -(-eff // chunk))
+        nsplit = chunk_counts(eff, chunk)
         slots = int(nsplit.max())
         if len(eff) * slots > 2 * int(nsplit.sum()):
             return None
@@ -318,7 +319,7 @@ class DecodePlan:
             self.items = cfg.pack_items
             nsplit = np.bincount(req, minlength=batch)
         else:
-            nsplit = np.maximum(1, -(-eff // chunk)) if chunk is not None else np.ones_like(eff)
+            nsplit = chunk_counts(eff, chunk)
             req = np.arange(batch).repeat(nsplit)
         if splits:  # CUDA graph: request b owns work items and partial slots b*splits .. +splits-1
             if nsplit.max() > splits:
@@ -382,8 +383,7 @@ class DecodePlan:
         chunks of ``chunk`` tokens) fill less than `DecodeConfig.pack_fill` of its target, else None
         (also where the workspace cannot hold its partials: packing is a speed-up)."""
         cfg = self.config
-        pieces = len(eff) if chunk is None else int(np.maximum(1, -(-eff // chunk)).sum())
-        if not self._may_pack or pieces * self.units >= cfg.pack_fill * self.split_target:
+        if not self._may_pack or chunk_counts(eff, chunk).sum() * self.units >= cfg.pack_fill * self.split_target:
             return None
         packed = packed_segments(eff, self.split_target // self.units, cfg.pack_items, cfg.min_chunk_tokens,
                                  cfg.max_splits)

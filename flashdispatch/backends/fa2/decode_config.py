@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...dispatch.problem import FP8_DTYPES, Device, Problem
+from ...dispatch.problem import FP8_DTYPES, Problem
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
 MAX_PACK_ITEMS = 4  # DecodeConfig.pack_items: the kernel's body is compiled that many times
@@ -255,17 +255,8 @@ def _checked_wave_tiles(tiles) -> tuple:
 
 # Opt-in shared memory per block under which the sm90 fp8 tiles (50-52 KB at d128 and d256, offline
 # compiles) fit few programs per SM: sm80 (163 KB) 3, sm86/89/120 (99 KB) 1. Such GPUs take
-# `_small_shared_fp8_config`; a described GPU without the figure is judged by its compute capability.
+# `_small_shared_fp8_config` (`common.shared_per_block`: a described GPU by its compute capability).
 FP8_SMALL_SHARED = 200 * 1024
-_SHARED_BY_CC = {(8, 6): 101376, (8, 9): 101376, (12, 0): 101376, (12, 1): 101376}
-
-
-def shared_per_block(device: Device) -> int:
-    """The device's opt-in shared memory per block in bytes, from its compute capability where it
-    does not say (sm80/87 163 KB, sm86/89/120 99 KB, sm90/100 227 KB); 0 on CPU."""
-    if device.shared_per_block or device.cc is None:
-        return device.shared_per_block
-    return _SHARED_BY_CC.get(device.cc, 166912 if device.cc < (9, 0) else 232448)
 
 
 def _small_shared_fp8_config(problem: Problem, shared: int) -> DecodeConfig:

@@ -17,6 +17,11 @@ def balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
     return np.maximum(block_n, -(-per // block_n) * block_n)
 
 
+def chunk_counts(eff: np.ndarray, chunk: np.ndarray | None) -> np.ndarray:
+    """Chunks per request of ``chunk`` tokens (`chunk_tokens`; None: each request whole)."""
+    return np.ones_like(eff) if chunk is None else np.maximum(1, -(-eff // chunk))
+
+
 def split_target(batch: int, cfg: DecodeConfig, units: int, sm_count: int, tokens: float,
                   choice: tuple | None = None) -> int | None:
     """The programs the default split policy aims for (`chunk_tokens`), or None: none needed.

@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from ...dispatch.problem import Device, Problem
+from ..common import shared_per_block
 from .prefill_tma import tma_unused_reason
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_PREFILL_CONFIG"
@@ -68,16 +69,14 @@ _LIGHT_FEATURES = frozenset({"causal", "sliding_window", "lse", "cuda_graph", "f
 
 # The default tiles need up to 163840 B of shared memory per block on the sm80-class pipeliner
 # (d128 128x128x3, d256 RoPE 64x64x4x2; sm80/87 have 166912, sm90/100 232448). GPUs with less take
-# `_small_shared_config`; where the device does not say (a described GPU), these 99 KB ones do.
+# `_small_shared_config`; where the device does not say (a described GPU), its compute capability
+# does (`common.shared_per_block`: sm86/89/120 99 KB).
 _DEFAULT_TILES_SHARED = 163840
-_SMALL_SHARED_CC = frozenset({(8, 6), (8, 9), (12, 0), (12, 1)})
 
 
 def _small_shared(device: Device) -> bool:
     """Whether the default tiles would not fit in the device's shared memory per block."""
-    if device.shared_per_block:
-        return device.shared_per_block < _DEFAULT_TILES_SHARED
-    return device.cc in _SMALL_SHARED_CC
+    return 0 < shared_per_block(device) < _DEFAULT_TILES_SHARED
 
 
 def _small_shared_config(problem: Problem) -> PrefillConfig:
