@@ -41,7 +41,7 @@ def test_decode_shape_modifiers_and_labels():
     assert a.dtype == a.kv_dtype == torch.float16 and a.label == "64x4096"
     assert b.kv_dtype == torch.float8_e4m3fn and b.dtype == torch.float16 and b.label == "256x1024:fp8"
     assert c.kv_heads == 16 and c.kv_dtype == torch.float8_e5m2 and c.label == "16x8192:mha:e5m2"
-    assert a.pages_per_request == 128 and decode.parse_decode_shapes("3x33")[0].pages_per_request == 3
+    assert a.kv_lens().tolist() == [4096] * 64 and not a.var
 
 
 @pytest.mark.parametrize("text", ["", "64", "64x", "x4096", "0x16", "4x-1", "64x4096:int4", "axb"])
@@ -127,6 +127,25 @@ def test_decode_data_page_table_on_cpu():
     assert sorted(d.indices.tolist()) == list(range(9)) and d.block_tables.shape == (3, 3)
     k, v = d.hnd()
     assert k.shape == (9, 8, 16, 128) and torch.equal(k[4, 2, 5].float(), d.cache[4, 0, 5, 2].float())
+
+
+def test_decode_var_lengths_page_table_on_cpu():
+    """A ``:var`` row: lengths drawn in 1 .. 2 x kv_len - 1, the same in every call; the CSR table,
+    the padded block table and the byte count follow them."""
+    s = decode.parse_decode_shapes("12x40:var")[0]
+    lens = s.kv_lens()
+    assert s.var and s.label == "12x40:var" and np.array_equal(lens, s.kv_lens())
+    assert lens.min() >= 1 and lens.max() <= 79 and len(set(lens.tolist())) > 3
+    d = decode.make_decode_data(s, device="cpu")
+    pages = -(-lens // 16)
+    assert d.indptr.tolist() == [0, *pages.cumsum().tolist()]
+    assert d.last_page_len.tolist() == (lens - (pages - 1) * 16).tolist() and d.seq_lens.tolist() == lens.tolist()
+    assert d.block_tables.shape == (12, pages.max()) and d.max_kv_len == lens.max()
+    for b in range(12):
+        row = d.block_tables[b].tolist()
+        assert row[:pages[b]] == d.indices[d.indptr[b]:d.indptr[b + 1]].tolist() and set(row[pages[b]:]) <= {0}
+    assert decode.kv_bytes(s) == lens.sum() * 8 * 128 * 2 * 2
+    assert decode.kv_bytes(decode.parse_decode_shapes("12x40")[0]) == 12 * 40 * 8 * 128 * 2 * 2
 
 
 def test_prefill_data_on_cpu():

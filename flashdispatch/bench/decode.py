@@ -2,14 +2,15 @@
 
 Every builder takes the attention module (``flashdispatch`` or ``flashinfer``: the same
 API) and runs one call of it, so our backends and FlashInfer's run the same code path.
-TB/s counts the KV bytes read once: batch x kv_len x kv_heads x head_dim x 2 (K and V)
-x bytes per element.
+TB/s counts the KV bytes read once: the requests' tokens (batch x kv_len, or the drawn lengths
+of a ``:var`` row) x kv_heads x head_dim x 2 (K and V) x bytes per element.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from .matrix import Column
@@ -25,12 +26,15 @@ DEFAULT_SHAPES = (
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 KV_MODS = {"fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+VAR_SEED = 20261201  # the draw of a ``:var`` row's lengths
 DTYPE_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1, torch.float8_e5m2: 1}
 
 
 @dataclass(frozen=True)
 class DecodeShape:
-    """One decode row: ``batch`` requests of ``kv_len`` tokens each (one query token)."""
+    """One decode row: ``batch`` requests of ``kv_len`` tokens each (one query token); with
+    ``var``, lengths drawn uniformly from 1 .. 2 x kv_len - 1 (mean ~kv_len, the same draw in
+    every run and process: a serving batch's mix of short and long requests)."""
 
     batch: int
     kv_len: int
@@ -40,15 +44,18 @@ class DecodeShape:
     page_size: int = 16
     dtype: torch.dtype = torch.bfloat16  # q and output
     kv_dtype: torch.dtype = torch.bfloat16
+    var: bool = False
     mods: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def label(self) -> str:
         return ":".join([f"{self.batch}x{self.kv_len}", *self.mods])
 
-    @property
-    def pages_per_request(self) -> int:
-        return math.ceil(self.kv_len / self.page_size)
+    def kv_lens(self) -> np.ndarray:
+        """Each request's KV length (int64)."""
+        if not self.var:
+            return np.full(self.batch, self.kv_len, dtype=np.int64)
+        return np.random.default_rng(VAR_SEED).integers(1, 2 * self.kv_len, self.batch, dtype=np.int64)
 
 
 def parse_heads(text: str) -> tuple[int, int]:
@@ -64,15 +71,16 @@ def parse_heads(text: str) -> tuple[int, int]:
 
 def parse_decode_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: tuple[int, int] = (32, 8),
                         head_dim: int = 128, page_size: int = 16) -> list[DecodeShape]:
-    """``"64x4096,256x1024:fp8,16x8192:mha"`` -> shapes. Modifiers after ``:``: ``fp8``
-    (= ``e4m3``) or ``e5m2`` KV, ``mha`` (as many KV heads as query heads)."""
+    """``"64x4096,256x1024:fp8,16x8192:mha,36x4096:var"`` -> shapes. Modifiers after ``:``:
+    ``fp8`` (= ``e4m3``) or ``e5m2`` KV, ``mha`` (as many KV heads as query heads), ``var``
+    (lengths drawn around kv_len, see `DecodeShape`)."""
     shapes = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         head, *mods = item.split(":")
         try:
             batch, kv_len = (int(x) for x in head.lower().split("x"))
         except ValueError:
-            raise ValueError(f"decode shape {item!r}: expected BATCHxKV_LEN[:fp8|e5m2|mha], e.g. 64x4096") from None
+            raise ValueError(f"decode shape {item!r}: expected BATCHxKV_LEN[:fp8|e5m2|mha|var], e.g. 64x4096") from None
         if batch <= 0 or kv_len <= 0:
             raise ValueError(f"decode shape {item!r}: batch and kv_len must be positive")
         shape = DecodeShape(batch, kv_len, heads[0], heads[1], head_dim, page_size, dtype, dtype)
@@ -81,8 +89,10 @@ def parse_decode_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: t
                 shape = replace(shape, kv_dtype=KV_MODS[mod])
             elif mod == "mha":
                 shape = replace(shape, kv_heads=shape.qo_heads)
+            elif mod == "var":
+                shape = replace(shape, var=True)
             else:
-                raise ValueError(f"decode shape {item!r}: unknown modifier {mod!r} (fp8, e4m3, e5m2, mha)")
+                raise ValueError(f"decode shape {item!r}: unknown modifier {mod!r} (fp8, e4m3, e5m2, mha, var)")
         shapes.append(replace(shape, mods=tuple(mods)))
     if not shapes:
         raise ValueError(f"no decode shapes in {text!r}")
@@ -91,13 +101,15 @@ def parse_decode_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: t
 
 def kv_bytes(s: DecodeShape) -> int:
     """Bytes of K and V a decode call must read."""
-    return s.batch * s.kv_len * s.kv_heads * s.head_dim * 2 * DTYPE_BYTES[s.kv_dtype]
+    return int(s.kv_lens().sum()) * s.kv_heads * s.head_dim * 2 * DTYPE_BYTES[s.kv_dtype]
 
 
 @dataclass
 class DecodeData:
     """Inputs of one row on the GPU: NHD cache [pages, 2, page, kv_heads, dim] with pages in
-    random order, q [batch, qo_heads, dim], the page table in CSR and in block-table form."""
+    random order, q [batch, qo_heads, dim], the page table in CSR and as a block table
+    [batch, max_pages] (a shorter request's row padded with page 0, never read), and the
+    lengths ``seq_lens`` [batch]."""
 
     shape: DecodeShape
     q: torch.Tensor
@@ -105,6 +117,8 @@ class DecodeData:
     indptr: torch.Tensor
     indices: torch.Tensor
     last_page_len: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
     _hnd: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -112,8 +126,8 @@ class DecodeData:
         return 1.0 / math.sqrt(self.shape.head_dim)
 
     @property
-    def block_tables(self) -> torch.Tensor:
-        return self.indices.view(self.shape.batch, self.shape.pages_per_request)
+    def max_kv_len(self) -> int:
+        return int(self.shape.kv_lens().max())
 
     def hnd(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous HND copies of K and V ([pages, kv_heads, page, dim]), made once."""
@@ -124,15 +138,24 @@ class DecodeData:
 
 def make_decode_data(s: DecodeShape, device: str = "cuda", seed: int = 0) -> DecodeData:
     g = torch.Generator(device=device).manual_seed(seed)
-    num_pages = s.batch * s.pages_per_request
+    lens = s.kv_lens()
+    pages = -(-lens // s.page_size)
+    num_pages = int(pages.sum())
     indices = torch.randperm(num_pages, generator=g, device=device).to(torch.int32)
-    indptr = (torch.arange(s.batch + 1, device=device) * s.pages_per_request).to(torch.int32)
-    last = s.kv_len - (s.pages_per_request - 1) * s.page_size
-    last_page_len = torch.full((s.batch,), last, dtype=torch.int32, device=device)
+    indptr_h = np.concatenate([[0], pages.cumsum()])
+    i32 = dict(dtype=torch.int32, device=device)
+    indptr = torch.tensor(indptr_h, **i32)
+    last_page_len = torch.tensor(lens - (pages - 1) * s.page_size, **i32)
+    width = int(pages.max())
+    columns = np.arange(width)
+    at = np.where(columns < pages[:, None], indptr_h[:-1, None] + columns, -1)  # [batch, width] into indices
+    block_tables = torch.where(torch.tensor(at >= 0, device=device),
+                               indices[torch.tensor(np.maximum(at, 0), device=device)], 0).to(torch.int32)
     cache = torch.randn(num_pages, 2, s.page_size, s.kv_heads, s.head_dim, generator=g, device=device,
                         dtype=s.dtype).to(s.kv_dtype)
     q = torch.randn(s.batch, s.qo_heads, s.head_dim, generator=g, device=device, dtype=s.dtype)
-    return DecodeData(s, q, cache, indptr, indices, last_page_len)
+    return DecodeData(s, q, cache, indptr, indices, last_page_len, block_tables.contiguous(),
+                      torch.tensor(lens, **i32))
 
 
 def api_function(mod, submodule: str, name: str):
@@ -175,21 +198,17 @@ def cudnn_fn_job(mod, d: DecodeData) -> Job:
     s = d.shape
     k, v = d.hnd()
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
-    seq_lens = torch.full((s.batch, 1, 1, 1), s.kv_len, dtype=torch.int32, device=d.q.device)
-    tables = d.block_tables.contiguous()
-    return Job(run=lambda: fn(d.q, k, v, d.sm_scale, workspace, max_sequence_kv=s.kv_len,
-                              actual_seq_lens_kv=seq_lens, block_tables=tables))
+    seq_lens, max_len = d.seq_lens.view(s.batch, 1, 1, 1), d.max_kv_len
+    return Job(run=lambda: fn(d.q, k, v, d.sm_scale, workspace, max_sequence_kv=max_len,
+                              actual_seq_lens_kv=seq_lens, block_tables=d.block_tables))
 
 
 def xqa_fn_job(mod, d: DecodeData) -> Job:
     """``trtllm_batch_decode_with_kv_cache(..., kv_layout="NHD", backend="xqa")`` (no plan)."""
     fn = api_function(mod, "decode", "trtllm_batch_decode_with_kv_cache")
-    s = d.shape
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
-    seq_lens = torch.full((s.batch,), s.kv_len, dtype=torch.int32, device=d.q.device)
-    tables = d.block_tables.contiguous()
-    kv = (d.cache[:, 0], d.cache[:, 1])
-    return Job(run=lambda: fn(d.q, kv, workspace, tables, seq_lens, s.kv_len, bmm1_scale=d.sm_scale,
+    kv, max_len = (d.cache[:, 0], d.cache[:, 1]), d.max_kv_len
+    return Job(run=lambda: fn(d.q, kv, workspace, d.block_tables, d.seq_lens, max_len, bmm1_scale=d.sm_scale,
                               bmm2_scale=1.0, kv_layout="NHD", backend="xqa"))
 
 

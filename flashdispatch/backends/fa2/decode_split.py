@@ -113,13 +113,19 @@ def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int, ma
     piece = -(-total // max(groups, 1))
     if eff.size == 0 or eff.min() <= 0 or piece < min_chunk:
         return None
-    req_start = np.concatenate([[0], eff.cumsum()])
-    starts = np.union1d(req_start[:-1], np.arange(0, total, piece))  # segment starts on the line
-    ends = np.append(starts[1:], total)
-    req = np.searchsorted(req_start, starts, side="right") - 1
-    group = starts // piece
-    slot = np.arange(starts.size) - np.searchsorted(group, group)  # the segment's place in its group
-    if slot.max() >= items or np.bincount(req).max() > max_splits:
+    req_end = eff.cumsum()
+    req_start = req_end - eff
+    first = req_start // piece  # the pieces each request's tokens fall in: first .. last
+    count = (req_end - 1) // piece - first + 1  # its segments
+    if count.max() > max_splits:
         return None
+    n_seg = int(count.sum())
+    req = np.arange(eff.size).repeat(count)
+    group = first[req] + np.arange(n_seg) - (count.cumsum() - count)[req]  # segments in group order
+    slot = np.arange(n_seg) - np.searchsorted(group, group)  # the segment's place in its group
+    if slot.max() >= items:
+        return None
+    start = np.maximum(req_start[req], group * piece)
+    end = np.minimum(req_end[req], (group + 1) * piece)
     n_rows = (int(group[-1]) + 1) * items
-    return req, starts - req_start[req], ends - req_start[req], group * items + slot, n_rows
+    return req, start - req_start[req], end - req_start[req], group * items + slot, n_rows
