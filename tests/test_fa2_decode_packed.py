@@ -13,7 +13,7 @@ import torch
 
 from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2.decode import plan_decode
-from flashdispatch.backends.fa2.decode_split import packed_segments
+from flashdispatch.backends.fa2.decode_split import packed_segments, work_fill
 
 from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
 
@@ -23,8 +23,8 @@ interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_IN
 
 def test_packed_segments_give_every_program_an_equal_piece():
     eff = np.array([4096] * 48)
-    req, lo, hi, rows, n_rows = packed_segments(eff, 132, 2, 256, 64)
-    assert n_rows == 132 * 2 and (hi - lo).sum() == eff.sum() and np.all(hi > lo)
+    req, lo, hi, rows, n_rows, used = packed_segments(eff, 132, 4, 256, 64)
+    assert used == 2 and n_rows == 132 * 2 and (hi - lo).sum() == eff.sum() and np.all(hi > lo)
     per_program = np.bincount(rows // 2, weights=hi - lo)
     assert per_program.size == 132 and per_program.max() - per_program.min() <= per_program.max() // 16
     # segments cover each request once, in order, from its first token to its last
@@ -36,8 +36,32 @@ def test_packed_segments_give_every_program_an_equal_piece():
     assert np.all(np.diff(req[rows // 2 == 7]) > 0)
 
 
+def test_packed_segments_take_the_programs_they_need_and_empty_requests():
+    """``used``: the most segments a piece holds (one where pieces fall on request boundaries);
+    each empty request is a segment of no tokens, ``used`` of them to a program after the pieces'."""
+    req, lo, hi, rows, n_rows, used = packed_segments(np.array([100, 0, 300, 0]), 4, 4, 1, 64)
+    assert used == 1 and n_rows == 6
+    assert req.tolist() == [0, 1, 2, 2, 2, 3] and rows.tolist() == [0, 4, 1, 2, 3, 5]
+    assert lo.tolist() == [0, 0, 0, 100, 200, 0] and hi.tolist() == [100, 0, 100, 200, 300, 0]
+    req, lo, hi, rows, n_rows, used = packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 4, 1, 64)
+    assert used == 2 and n_rows == 8  # 2 pieces of 2 requests, then the 3 empty ones: 2 programs
+    assert req.tolist() == list(range(7)) and rows.tolist() == [0, 4, 1, 2, 5, 6, 3]
+    assert (hi - lo).tolist() == [60, 0, 60, 60, 0, 0, 60]
+    assert packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 1, 1, 64) is None  # 2 to a piece
+
+
+def test_work_fill_is_the_mean_item_over_the_longest():
+    """Equal requests: the count of work items over the target's (48 requests in 2 chunks of 132:
+    0.73); mixed ones: the longest item (whole, or a chunk) sets the plan's time."""
+    assert work_fill(np.array([4096] * 48), np.full(48, 2048), 132) == pytest.approx(48 / 66)
+    eff = np.array([1900, 1000, 100])
+    assert work_fill(eff, None, 3) == pytest.approx(3000 / (3 * 1900))
+    assert work_fill(eff, np.array([950, 1000, 100]), 4) == pytest.approx(3000 / (4 * 1000))
+    assert work_fill(np.array([0, 0]), None, 4) == 1.0
+
+
 @pytest.mark.parametrize("eff, groups, items, why", [
-    ([100, 0, 300], 4, 2, "an empty request"),
+    ([0, 0], 4, 2, "no tokens at all"),
     ([100, 100, 5000], 4, 2, "a piece over 3 requests"),
     ([4096] * 4, 128, 2, "pieces under min_chunk"),
     ([8192], 40, 2, "more segments than max_splits"),
@@ -77,12 +101,24 @@ def test_packed_plan_matches_the_oracle(features, fused, lens):
 
 
 @interpreted
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
+def test_packed_plan_with_empty_requests_and_three_to_a_program(fused):
+    """Empty requests ride in programs of their own (zero output, -inf lse); pieces over three
+    requests take ITEMS=3 where pack_items allows it."""
+    case = _case([300, 0, 20, 23, 251, 0, 190], seed=63)
+    ref_out, ref_lse = case.oracle()
+    plan = run_fa2_decode(case, {**CPU_PACK, "pack_items": 4, "fused_merge_max_chunks": 64 if fused else 0})
+    assert plan.items == 3 and not plan.direct
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+    assert run_fa2_decode(_case([300, 0, 20, 23, 251, 0, 190], seed=63), CPU_PACK).items == 1  # 2 allowed
+
+
+@interpreted
 def test_packing_only_where_the_split_fills_its_target_poorly():
-    """Requests whose chunks fill the few-programs target keep the plain split; empty requests,
-    fixed_split_size and CUDA graphs never pack."""
+    """Requests whose chunks fill the few-programs target keep the plain split; fixed_split_size
+    and CUDA graphs never pack."""
     case = _case([256, 256, 256, 256], seed=62)  # 4 x 2 programs x 4 chunks: the whole target of 32
     assert run_fa2_decode(case, CPU_PACK).items == 1
-    assert run_fa2_decode(_case([300, 0, 251, 190], seed=63), CPU_PACK).items == 1
     assert run_fa2_decode(_case([300, 251, 190], seed=64), CPU_PACK, fixed_split_size=2).items == 1
     graph = _case([300, 251, 190], seed=65, use_cuda_graph=True)
     graph.params.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8)
@@ -107,11 +143,11 @@ def test_16bit_d128_defaults_pack_only_a_poorly_filled_plan():
     case.params.workspace = torch.zeros(1024, dtype=torch.uint8)
     plan = plan_decode(case.problem, case.device, case.params, small)
     assert plan.items == 1 and plan.direct
-    # a direct split of 2 chunk slots filling 0.75; refreshed for 2-slot lengths filling 0.75 (kept)
-    # and 0.625 (they pack: afresh)
-    direct = run_fa2_decode(_case([300] * 3 + [150] * 6, head_dim_qk=128, seed=68), small)
+    # a direct split of 2 chunk slots keeping its programs 0.75 busy (`work_fill`: 16 items of its
+    # longest, 128 tokens); refreshed for 2-slot lengths at 0.73 (kept) and 0.60 (they pack: afresh)
+    direct = run_fa2_decode(_case([256] * 3 + [128] * 6, head_dim_qk=128, seed=68), small)
     assert direct.direct and direct.split_slots == 2 and direct.items == 1
-    for lens, refreshed in (([310] * 3 + [140] * 6, True), ([250] + [150] * 8, False)):
+    for lens, refreshed in (([256] * 3 + [120] * 6, True), ([250] + [150] * 8, False)):
         case = _case(lens, head_dim_qk=128, seed=69)
         case.params.workspace = torch.zeros(1 << 22, dtype=torch.uint8)
         assert (direct.refreshed(case.device, case.params) is not None) == refreshed, lens
@@ -135,3 +171,23 @@ def test_gpu_defaults_pack(lens, heads, kv):
     plan = run_fa2_decode(case)
     assert plan.items == 2
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
+def test_gpu_mixed_lengths_pack_up_to_four_to_a_program(kv):
+    """A serving batch's mix (lengths drawn as the bench's ``:var`` rows, two empty requests)
+    under pack_items 4: pieces over three and four requests, the empty requests in programs of
+    their own."""
+    fp8 = kv == "e4m3"
+    lens = np.random.default_rng(9).integers(1, 8192, 48)
+    lens[[7, 30]] = 0
+    case = _case(lens.tolist(), device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                 num_qo_heads=32, num_kv_heads=8, k_scale=0.8 if fp8 else None, v_scale=1.5 if fp8 else None, seed=71)
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case, {"pack_items": 4})
+    assert plan.items >= 3 and not plan.direct
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
+    for b in (7, 30):
+        assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))

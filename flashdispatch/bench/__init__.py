@@ -33,7 +33,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     summary.add_argument("paths", nargs="+", metavar="RESULT.json")
     for kind, defaults in KINDS.items():
         p = kinds.add_parser(kind, help=f"{kind} matrix (see docs/benchmarks.md)")
-        syntax = ("BATCHxKV_LEN[:fp8|:e5m2|:mha]" if kind == "decode"
+        syntax = ("BATCHxKV_LEN[:fp8|:e5m2|:mha|:var]" if kind == "decode"
                   else "N (single), Q/K (single), BxQ/K (paged), each [:nc|:w<N>|:mask]")
         p.add_argument("--shapes", default=defaults["shapes"],
                        help=f"comma list of {syntax} (default: {defaults['shapes']})")

@@ -51,7 +51,7 @@ from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, wave_c
                             wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (balanced_chunks, chunk_counts, chunk_tokens, effective_lengths, few_programs_target,
-                           mean_tokens, never_split, packed_segments, policy_tokens, split_target)
+                           mean_tokens, never_split, packed_segments, policy_tokens, split_target, work_fill)
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
@@ -314,9 +314,8 @@ class DecodePlan:
             self._place(meta.ravel(), batch, 0, params, run_device)
             return
 
-        if packed is not None:  # segments (request, first and end token from lo, work row) and the rows
-            req, seg_lo, seg_hi, items, n_work = packed
-            self.items = cfg.pack_items
+        if packed is not None:  # segments (request, first and end token from lo, work row), the rows, per program
+            req, seg_lo, seg_hi, items, n_work, self.items = packed
             nsplit = np.bincount(req, minlength=batch)
         else:
             nsplit = chunk_counts(eff, chunk)
@@ -380,13 +379,14 @@ class DecodePlan:
 
     def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> tuple | None:
         """`decode_split.packed_segments` of a few-programs plan whose requests (whole, or in
-        chunks of ``chunk`` tokens) fill less than `DecodeConfig.pack_fill` of its target, else None
-        (also where the workspace cannot hold its partials: packing is a speed-up)."""
+        chunks of ``chunk`` tokens) keep its target's programs less than `DecodeConfig.pack_fill`
+        busy (`work_fill`), else None (also where the workspace cannot hold its partials: packing
+        is a speed-up)."""
         cfg = self.config
-        if not self._may_pack or chunk_counts(eff, chunk).sum() * self.units >= cfg.pack_fill * self.split_target:
+        groups = self.split_target // self.units
+        if not self._may_pack or work_fill(eff, chunk, groups) >= cfg.pack_fill:
             return None
-        packed = packed_segments(eff, self.split_target // self.units, cfg.pack_items, cfg.min_chunk_tokens,
-                                 cfg.max_splits)
+        packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
         if packed is not None:
             segments = np.bincount(packed[0])
             if self._partial_bytes(int(segments[segments > 1].sum())) > _workspace_bytes(params):

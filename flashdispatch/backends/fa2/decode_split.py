@@ -100,32 +100,51 @@ def policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, target: int) -
     return max(cfg.min_chunk_tokens, int(eff.sum()) * units // target)
 
 
+def work_fill(eff: np.ndarray, chunk: np.ndarray | None, groups: int) -> float:
+    """How busy ``groups`` work items keep their programs on average in a plan whose longest item
+    (a request whole, or one of its chunks of ``chunk`` tokens, `chunk_tokens`) sets its time:
+    the requests' tokens over ``groups`` x that item's (1.0: none is longer than the mean)."""
+    longest = int((eff if chunk is None else np.minimum(eff, chunk)).max(initial=0))
+    return int(eff.sum()) / (max(groups, 1) * longest) if longest else 1.0
+
+
 def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int, max_splits: int) -> tuple | None:
     """A packed split (`DecodeConfig.pack_items`): the requests' tokens from their window starts
     laid end to end and cut into ``groups`` equal pieces, each one program's work of up to
     ``items`` segments (one per request it touches), so that every program reads the same number
-    of tokens however the requests' lengths divide. Returns (request, first token, end token (both
-    from the request's window start), work row) per segment in request order, and the work rows
-    (groups x items; a row without a segment is idle); None where a request is empty, a piece is
-    shorter than ``min_chunk`` tokens or touches more than ``items`` requests, or a request gets
-    more than ``max_splits`` segments."""
+    of tokens however the requests' lengths divide. An empty request is a segment of no tokens in
+    a program after the pieces' (it writes its zero output and -inf lse).
+
+    Returns (request, first token, end token (both from the request's window start), work row)
+    per segment in request order, the work rows, and the segments per program: the most any
+    program needs (``used`` <= ``items``; the rows are programs x ``used``, a row without a
+    segment idle). None where every request is empty, a piece is shorter than ``min_chunk``
+    tokens or touches more than ``items`` requests, or a request gets more than ``max_splits``
+    segments."""
     total = int(eff.sum())
     piece = -(-total // max(groups, 1))
-    if eff.size == 0 or eff.min() <= 0 or piece < min_chunk:
+    if total <= 0 or piece < min_chunk:
         return None
     req_end = eff.cumsum()
     req_start = req_end - eff
-    first = req_start // piece  # the pieces each request's tokens fall in: first .. last
-    count = (req_end - 1) // piece - first + 1  # its segments
+    first = req_start // piece  # the piece of each request's first token
+    empty = eff <= 0
+    count = np.where(empty, 1, (req_end - 1) // piece - first + 1)  # segments per request
     if count.max() > max_splits:
         return None
     n_seg = int(count.sum())
     req = np.arange(eff.size).repeat(count)
-    group = first[req] + np.arange(n_seg) - (count.cumsum() - count)[req]  # segments in group order
-    slot = np.arange(n_seg) - np.searchsorted(group, group)  # the segment's place in its group
-    if slot.max() >= items:
+    group = first[req] + np.arange(n_seg) - (count.cumsum() - count)[req]
+    cut = ~empty[req]  # the segments with tokens (their pieces in order)
+    slot = np.zeros(n_seg, dtype=np.int64)
+    slot[cut] = np.arange(n_seg - int(empty.sum())) - np.searchsorted(group[cut], group[cut])
+    used = int(slot.max()) + 1  # the most segments a piece holds
+    if used > items:
         return None
-    start = np.maximum(req_start[req], group * piece)
-    end = np.minimum(req_end[req], (group + 1) * piece)
-    n_rows = (int(group[-1]) + 1) * items
-    return req, start - req_start[req], end - req_start[req], group * items + slot, n_rows
+    rank = np.arange(int(empty.sum()))  # the empty requests', ``used`` to a program after the pieces'
+    group[~cut] = int(group[cut][-1]) + 1 + rank // used
+    slot[~cut] = rank % used
+    base = req_start[req]
+    lo = np.where(cut, np.maximum(base, group * piece) - base, 0)
+    hi = np.where(cut, np.minimum(req_end[req], (group + 1) * piece) - base, 0)
+    return req, lo, hi, group * used + slot, (int(group.max()) + 1) * used, used
