@@ -176,18 +176,18 @@ def test_gpu_defaults_pack(lens, heads, kv):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
-def test_gpu_mixed_lengths_pack_up_to_four_to_a_program(kv):
+def test_gpu_mixed_lengths_pack_four_to_a_program(kv):
     """A serving batch's mix (lengths drawn as the bench's ``:var`` rows, two empty requests)
-    under pack_items 4: pieces over three and four requests, the empty requests in programs of
-    their own."""
+    under the d128 defaults (pack_items 4): pieces touching four requests, the empty requests in a
+    program of their own."""
     fp8 = kv == "e4m3"
     lens = np.random.default_rng(9).integers(1, 8192, 48)
     lens[[7, 30]] = 0
     case = _case(lens.tolist(), device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
                  num_qo_heads=32, num_kv_heads=8, k_scale=0.8 if fp8 else None, v_scale=1.5 if fp8 else None, seed=71)
     ref_out, ref_lse = reference_backend_result(case)
-    plan = run_fa2_decode(case, {"pack_items": 4})
-    assert plan.items >= 3 and not plan.direct
+    plan = run_fa2_decode(case)
+    assert plan.items == 4 and not plan.direct
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
     for b in (7, 30):
         assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))

@@ -382,9 +382,10 @@ class DecodePlan:
         chunks of ``chunk`` tokens) keep its target's programs less than `DecodeConfig.pack_fill`
         busy (`work_fill`), else None (also where the workspace cannot hold its partials: packing
         is a speed-up)."""
-        cfg = self.config
-        groups = self.split_target // self.units
-        if not self._may_pack or work_fill(eff, chunk, groups) >= cfg.pack_fill:
+        if not self._may_pack:
+            return None
+        cfg, groups = self.config, self.split_target // self.units
+        if work_fill(eff, chunk, groups) >= cfg.pack_fill:
             return None
         packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
         if packed is not None:

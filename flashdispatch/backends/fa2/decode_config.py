@@ -142,17 +142,23 @@ class DecodeConfig:
     92x16384 3.49 -> 4.13, 160x3072 3.58 -> 3.69; at 2048 tokens 70x2048 2.53 -> 2.69 but
     160x2048 3.46 -> 3.26 and 120x2048 3.48 -> 3.35, at 1024 80x1024 2.67 -> 2.55; session 18).
     pack_items: > 1: a plan of fewer than ctas_per_sm x SMs programs whose requests (whole, or in
-    the default policy's chunks) fill less than ``pack_fill`` of its split target (the chunks per
-    request are whole numbers: 48 requests of 4096 tokens, 32/8 heads, fp8 split in 2 fill 0.73 of
-    132 SMs x 8) lays the requests' tokens end to end and gives each of the target's programs an
-    equal piece, up to this many segments of different requests in one program, one after the
-    other (`decode_split.packed_segments`; the kernel's ITEMS); a work-array plan, never under CUDA
-    graphs. 1: never. H200 d128, session 22, TB/s 1 -> 2 (the plain plan's fill): fp8 e4m3 32/8
-    36x4096 3.14 -> 3.21 (0.82), 48x4096 3.20 -> 3.39 (0.73), 52x4096 3.25 -> 3.44 (0.79),
-    60x4096 3.42 -> 3.52 (0.91), 24x8192 3.30 -> 3.39 (0.73), 32/32 9x4096 3.12 -> 3.20 (0.82),
-    12x4096 3.14 -> 3.34 (0.73); bf16 32/8 36x4096 3.27 -> 3.83 (0.55), 40x4096 3.60 -> 3.90
-    (0.61), but 20x4096 3.53 -> 3.42 (0.91), 60x2048 3.85 -> 3.72 (0.91), 48x4096 3.95 -> 3.97
-    (0.73); 32/32 9x4096 3.36 -> 3.78 (0.55), 12x4096 4.03 -> 3.93 (0.73).
+    the default policy's chunks) keep its split target's programs less than ``pack_fill`` busy
+    (`decode_split.work_fill`: the tokens over the target's work items x the longest item's; the
+    chunks per request are whole numbers: 48 requests of 4096 tokens, 32/8 heads, fp8 split in 2
+    fill 0.73 of 132 SMs x 8, and a mix of lengths leaves a request of 1.9 chunks' tokens whole)
+    lays the requests' tokens end to end and gives each of the target's programs an equal piece,
+    up to this many segments of different requests in one program, one after the other, as many
+    as its pieces need (`decode_split.packed_segments`; the kernel's ITEMS); a work-array plan,
+    never under CUDA graphs. 1: never. H200 d128, session 22, TB/s 1 -> 2 (the plain plan's fill):
+    fp8 e4m3 32/8 36x4096 3.14 -> 3.21 (0.82), 48x4096 3.20 -> 3.39 (0.73), 52x4096 3.25 -> 3.44
+    (0.79), 60x4096 3.42 -> 3.52 (0.91), 24x8192 3.30 -> 3.39 (0.73), 32/32 9x4096 3.12 -> 3.20
+    (0.82), 12x4096 3.14 -> 3.34 (0.73); bf16 32/8 36x4096 3.27 -> 3.83 (0.55), 40x4096 3.60 ->
+    3.90 (0.61), but 20x4096 3.53 -> 3.42 (0.91), 60x2048 3.85 -> 3.72 (0.91), 48x4096 3.95 ->
+    3.97 (0.73); 32/32 9x4096 3.36 -> 3.78 (0.55), 12x4096 4.03 -> 3.93 (0.73). Mixed lengths
+    (the bench's ``:var`` rows) need 3-4 to a piece: session 23, 32/8, TB/s 1 -> 4: bf16 36x4096
+    3.32 -> 3.77, 48x4096 3.21 -> 3.97, 64x4096 3.39 -> 4.10, 48x2048 2.97 -> 3.52, 20x4096 3.03
+    -> 3.34; fp8 36x4096 2.58 -> 3.06, 48x4096 2.69 -> 3.28, 64x4096 2.86 -> 3.54, 24x8192 3.13 ->
+    3.24, 16x8192 1.99 -> 2.98. At most `MAX_PACK_ITEMS`.
     pack_fill: see pack_items (fp8 0.95, 16-bit 0.65 where they pack).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
@@ -299,8 +305,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # few programs: split into a wave of the 32 x 3 tile (8 per SM; DecodeConfig.split_ctas_per_sm,
             # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
             # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
-            # where its chunks fill that wave poorly (DecodeConfig.pack_items)
-            few = dict(split_block_n=32, split_ctas_per_sm=8, pack_items=2) if d == 128 else {}
+            # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items)
+            few = dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4) if d == 128 else {}
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
@@ -317,8 +323,9 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     if problem.page_size == 1 and d <= 128:
         return DecodeConfig(block_n=128, direct_table=gqa, wave_slots=3 if gqa and d == 128 else 0,
                             wave_split_ctas=24)
-    # 16-bit d128 (page > 1) packs few programs filling under 0.65 of ctas_per_sm x SMs (DecodeConfig.pack_items)
-    pack = dict(pack_items=2, pack_fill=0.65) if d == 128 else {}
+    # 16-bit d128 (page > 1) packs few programs, up to 4 to a program, under a work fill of 0.65
+    # (DecodeConfig.pack_items)
+    pack = dict(pack_items=4, pack_fill=0.65) if d == 128 else {}
     if not gqa and d <= 128:
         return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24,
                             split_chunk_tokens=24, **pack)
