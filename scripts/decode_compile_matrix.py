@@ -55,9 +55,9 @@ def main(head_dims: list[int]) -> None:
                         for name, fused, direct, split in LAYOUTS if not direct or kv == torch.bfloat16]
             packed = with_split_block(base) if base.split_block_n else base
             # a packed plan: the split block's work array, 2 up to pack_items rows a program (as it
-            # needs; the fewest and the most compiled here, the kernel's body repeated that often)
-            variants += [(f"packed x{n}, fused", packed, True, False, False, n)
-                         for n in sorted({2, base.pack_items}) if base.pack_items > 1]
+            # needs; the most compiled here, the kernel's body repeated that often)
+            if base.pack_items > 1:
+                variants.append((f"packed x{base.pack_items}, fused", packed, True, False, False, base.pack_items))
             for label, cfg, fused, direct, split, items in variants:
                 consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items)
                 consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)

@@ -175,16 +175,18 @@ def test_gpu_defaults_pack(lens, heads, kv):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
-def test_gpu_mixed_lengths_pack_four_to_a_program(kv):
+def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
     """A serving batch's mix (lengths drawn as the bench's ``:var`` rows, two empty requests)
-    under the d128 defaults (pack_items 4): pieces touching four requests, the empty requests in a
-    program of their own."""
+    under the GQA defaults that pack (pack_items 4): pieces touching four requests, the empty
+    requests in a program of their own."""
     fp8 = kv == "e4m3"
     lens = np.random.default_rng(9).integers(1, 8192, 48)
     lens[[7, 30]] = 0
     case = _case(lens.tolist(), device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                 num_qo_heads=32, num_kv_heads=8, k_scale=0.8 if fp8 else None, v_scale=1.5 if fp8 else None, seed=71)
+                 num_qo_heads=32, num_kv_heads=8, head_dim_qk=head_dim, k_scale=0.8 if fp8 else None,
+                 v_scale=1.5 if fp8 else None, seed=71)
     ref_out, ref_lse = reference_backend_result(case)
     plan = run_fa2_decode(case)
     assert plan.items == 4 and not plan.direct

@@ -292,6 +292,12 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     # 19: -1.5 % to +2 %, see DecodeConfig.direct_table) and d256 (session 21, groups 2 and 4: -1 %
     # to +3 %); MHA and 16-bit d256 GQA read less with it
     gqa = problem.num_qo_heads != problem.num_kv_heads
+    # GQA d64 and d256 (page > 1) pack few programs, up to 4 to a program, under a work fill of
+    # 0.65 (DecodeConfig.pack_items): measured on mixed lengths only (H200 32/8, session 23, TB/s
+    # default -> packed: d256 bf16 36x4096:var 3.41 -> 4.09, 48x4096:var 3.22 -> 4.21, 64x4096:var
+    # 3.16 -> 4.30, fp8 36x4096:var 2.60 -> 3.35, 48x4096:var 2.10 -> 3.50, 16x8192:var 2.69 -> 3.29;
+    # d64 bf16 2.89 -> 3.20, 2.85 -> 3.47, 2.79 -> 3.68, fp8 2.01 -> 2.36, 1.97 -> 2.36, 2.19 -> 2.25)
+    mixed = dict(pack_items=4, pack_fill=0.65) if gqa and d in (64, 256) and problem.page_size > 1 else {}
     if problem.kv_dtype in FP8_DTYPES and 0 < shared < FP8_SMALL_SHARED:
         return _small_shared_fp8_config(problem, shared)
     if problem.kv_dtype in FP8_DTYPES:
@@ -306,7 +312,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
             # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
             # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items)
-            few = dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4) if d == 128 else {}
+            few = dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4) if d == 128 else mixed
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
@@ -316,7 +322,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
         # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
         return DecodeConfig(block_n=32, num_warps=2, num_stages=3, k_rows=True, fp8_dot_dtype="fp16",
-                            page_prefetch=True, fp8_v_convert="staged", swap_ab=True, direct_table=gqa)
+                            page_prefetch=True, fp8_v_convert="staged", swap_ab=True, direct_table=gqa, **mixed)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows
@@ -332,7 +338,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     if d <= 64:
         # 128 x 3 (H200 32/8, session 21, TB/s 64 x 2 -> 128 x 3: 1x32768 1.99 -> 2.11, 16x8192 3.12 ->
         # 3.27, 64x4096 3.43 -> 3.82, 256x1024 3.78 -> 3.74, 256x4096 4.15 -> 4.16)
-        return DecodeConfig(block_n=128, num_stages=3, direct_table=True)
+        return DecodeConfig(block_n=128, num_stages=3, direct_table=True, **mixed)
     if d <= 128:
         # the fused merge's 8K tile only where it was measured: group 4 (offline sm90, the direct
         # split with it: groups 2 and 16 152-156 registers, 3 programs per SM; group 4 122, 4)
@@ -345,7 +351,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
                             wave_split_slots=4 if group == 4 else 0, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
-                        split_chunk_tokens=16)
+                        split_chunk_tokens=16, **mixed)
 
 
 def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
