@@ -80,7 +80,7 @@ def _case(kv_lens, device="cpu", **kw):
 
 
 # small enough pieces for the interpreter: 8 SMs x 4 programs, chunks from 16 tokens
-CPU_PACK = {"pack_items": 2, "min_chunk_tokens": 16, "block_n": 16}
+CPU_PACK = {"pack_items": 2, "pack_fill": 0.95, "min_chunk_tokens": 16, "block_n": 16}
 
 
 @interpreted
