@@ -13,7 +13,7 @@ import torch
 
 from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2.decode import plan_decode
-from flashdispatch.backends.fa2.decode_split import packed_segments, work_fill
+from flashdispatch.backends.fa2.decode_split import _packed_line, interleaved, packed_segments, work_fill
 
 from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
 
@@ -48,6 +48,47 @@ def test_packed_segments_take_the_programs_they_need_and_empty_requests():
     assert req.tolist() == list(range(7)) and rows.tolist() == [0, 4, 1, 2, 5, 6, 3]
     assert (hi - lo).tolist() == [60, 0, 60, 60, 0, 0, 60]
     assert packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 1, 1, 64) is None  # 2 to a piece
+
+
+def _check_segments(eff: np.ndarray, groups: int, packed: tuple) -> None:
+    """What `_build` relies on: segments in request order, each request's covering it once from its
+    first token (an empty one: one segment of no tokens), unique rows, at most ``used`` different
+    requests to a program and at most a piece of tokens."""
+    req, lo, hi, rows, n_rows, used = packed
+    piece = -(-int(eff.sum()) // groups)
+    assert np.all(np.diff(req) >= 0) and np.unique(rows).size == rows.size and rows.max() < n_rows
+    for r, n in enumerate(eff):
+        mine = req == r
+        if n == 0:
+            assert mine.sum() == 1 and lo[mine][0] == 0 == hi[mine][0]
+        else:
+            assert lo[mine][0] == 0 and hi[mine][-1] == n and np.array_equal(lo[mine][1:], hi[mine][:-1])
+    program = rows // used
+    assert np.bincount(program, weights=hi - lo).max() <= piece
+    for p in np.unique(program):
+        assert np.unique(req[program == p]).size == (program == p).sum() <= used
+
+
+def test_packed_segments_lay_short_requests_apart_where_their_order_crowds_a_piece():
+    """Requests in their own order put 6 on one piece (300, then 5, 6, 7, 8 tokens side by side):
+    laid longest, shortest, second longest, ... they need 3. Skewed lengths (log-uniform, some
+    empty) pack in either order, each result as `_build` needs it."""
+    eff = np.array([300, 5, 6, 7, 8, 250, 190])
+    assert interleaved(eff).tolist() == [0, 1, 5, 2, 6, 3, 4]
+    assert _packed_line(eff, 16, 4, 16, 64) is None
+    packed = packed_segments(eff, 16, 4, 16, 64)
+    assert packed[5] == 3 and packed[4] == 48
+    _check_segments(eff, 16, packed)
+    rng = np.random.default_rng(72)
+    orders = set()
+    for _ in range(60):
+        eff = np.exp(rng.uniform(np.log(2), np.log(9000), int(rng.integers(3, 80)))).astype(np.int64)
+        eff[rng.integers(0, eff.size, 2)] = 0
+        packed = packed_segments(eff, 132, 4, 16, 64)
+        if packed is not None:
+            orders.add(_packed_line(eff, 132, 4, 16, 64) is None)
+            _check_segments(eff, 132, packed)
+    assert orders == {True, False}  # both orders were taken
 
 
 def test_work_fill_is_the_mean_item_over_the_longest():
@@ -111,6 +152,16 @@ def test_packed_plan_with_empty_requests_and_three_to_a_program(fused):
     assert plan.items == 3 and not plan.direct
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
     assert run_fa2_decode(_case([300, 0, 20, 23, 251, 0, 190], seed=63), CPU_PACK).items == 1  # 2 allowed
+
+
+@interpreted
+def test_packed_plan_of_interleaved_requests_matches_the_oracle():
+    """Short requests side by side: the plan packs them laid apart (3 to a program)."""
+    case = _case([300, 5, 6, 7, 8, 250, 190], seed=73)
+    ref_out, ref_lse = case.oracle()
+    plan = run_fa2_decode(case, {**CPU_PACK, "pack_items": 4})
+    assert plan.items == 3 and not plan.direct
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
 
 
 @interpreted

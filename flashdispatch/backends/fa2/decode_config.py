@@ -148,7 +148,8 @@ class DecodeConfig:
     fill 0.73 of 132 SMs x 8, and a mix of lengths leaves a request of 1.9 chunks' tokens whole)
     lays the requests' tokens end to end and gives each of the target's programs an equal piece,
     up to this many segments of different requests in one program, one after the other, as many
-    as its pieces need (`decode_split.packed_segments`; the kernel's ITEMS); a work-array plan,
+    as its pieces need (`decode_split.packed_segments`: short requests side by side that crowd a
+    piece are laid apart, longest, shortest, ...; the kernel's ITEMS); a work-array plan,
     never under CUDA graphs. 1: never. H200 d128, session 22, TB/s 1 -> 2 (the plain plan's fill):
     fp8 e4m3 32/8 36x4096 3.14 -> 3.21 (0.82), 48x4096 3.20 -> 3.39 (0.73), 52x4096 3.25 -> 3.44
     (0.79), 60x4096 3.42 -> 3.52 (0.91), 24x8192 3.30 -> 3.39 (0.73), 32/32 9x4096 3.12 -> 3.20

@@ -113,14 +113,41 @@ def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int, ma
     laid end to end and cut into ``groups`` equal pieces, each one program's work of up to
     ``items`` segments (one per request it touches), so that every program reads the same number
     of tokens however the requests' lengths divide. An empty request is a segment of no tokens in
-    a program after the pieces' (it writes its zero output and -inf lse).
+    a program after the pieces' (it writes its zero output and -inf lse). Where the requests in
+    their own order put more than ``items`` on some piece (short requests side by side), they are
+    laid longest, shortest, second longest, ... instead (`interleaved`).
 
     Returns (request, first token, end token (both from the request's window start), work row)
     per segment in request order, the work rows, and the segments per program: the most any
     program needs (``used`` <= ``items``; the rows are programs x ``used``, a row without a
     segment idle). None where every request is empty, a piece is shorter than ``min_chunk``
-    tokens or touches more than ``items`` requests, or a request gets more than ``max_splits``
-    segments."""
+    tokens, or in both orders a piece touches more than ``items`` requests or a request gets
+    more than ``max_splits`` segments."""
+    packed = _packed_line(eff, groups, items, min_chunk, max_splits)
+    if packed is not None or eff.size < 3:
+        return packed
+    order = interleaved(eff)
+    packed = _packed_line(eff[order], groups, items, min_chunk, max_splits)
+    if packed is None:
+        return None
+    req, lo, hi, rows, n_rows, used = packed
+    req = order[req]
+    back = np.lexsort((lo, req))  # request order, each request's segments from its first token
+    return req[back], lo[back], hi[back], rows[back], n_rows, used
+
+
+def interleaved(eff: np.ndarray) -> np.ndarray:
+    """The requests longest, shortest, second longest, second shortest, ... (indices): on a line
+    in this order no two short requests are neighbours."""
+    by_length = np.argsort(-eff, kind="stable")
+    half = (eff.size + 1) // 2
+    order = np.empty_like(by_length)
+    order[0::2], order[1::2] = by_length[:half], by_length[half:][::-1]
+    return order
+
+
+def _packed_line(eff: np.ndarray, groups: int, items: int, min_chunk: int, max_splits: int) -> tuple | None:
+    """`packed_segments` of the requests in the order of ``eff``."""
     total = int(eff.sum())
     piece = -(-total // max(groups, 1))
     if total <= 0 or piece < min_chunk:
