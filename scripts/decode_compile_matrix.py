@@ -53,10 +53,10 @@ def main(head_dims: list[int]) -> None:
             # (label, config, fused merge, direct table, direct split, work rows per program)
             variants = [(f"{name}{tile}", cfg, fused, direct, split, 1) for cfg, tile in tiles
                         for name, fused, direct, split in LAYOUTS if not direct or kv == torch.bfloat16]
-            packed = with_split_block(base) if base.split_block_n else base
             # a packed plan: the split block's work array, 2 up to pack_items rows a program (as it
             # needs; the most compiled here, the kernel's body repeated that often)
             if base.pack_items > 1:
+                packed = with_split_block(base) if base.split_block_n else base
                 variants.append((f"packed x{base.pack_items}, fused", packed, True, False, False, base.pack_items))
             for label, cfg, fused, direct, split, items in variants:
                 consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items)

@@ -23,7 +23,7 @@ interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_IN
 
 def test_packed_segments_give_every_program_an_equal_piece():
     eff = np.array([4096] * 48)
-    req, lo, hi, rows, n_rows, used = packed_segments(eff, 132, 4, 256, 64)
+    req, lo, hi, rows, n_rows, used, _ = packed_segments(eff, 132, 4, 256, 64)
     assert used == 2 and n_rows == 132 * 2 and (hi - lo).sum() == eff.sum() and np.all(hi > lo)
     per_program = np.bincount(rows // 2, weights=hi - lo)
     assert per_program.size == 132 and per_program.max() - per_program.min() <= per_program.max() // 16
@@ -39,23 +39,24 @@ def test_packed_segments_give_every_program_an_equal_piece():
 def test_packed_segments_take_the_programs_they_need_and_empty_requests():
     """``used``: the most segments a piece holds (one where pieces fall on request boundaries);
     each empty request is a segment of no tokens, ``used`` of them to a program after the pieces'."""
-    req, lo, hi, rows, n_rows, used = packed_segments(np.array([100, 0, 300, 0]), 4, 4, 1, 64)
+    req, lo, hi, rows, n_rows, used, _ = packed_segments(np.array([100, 0, 300, 0]), 4, 4, 1, 64)
     assert used == 1 and n_rows == 6
     assert req.tolist() == [0, 1, 2, 2, 2, 3] and rows.tolist() == [0, 4, 1, 2, 3, 5]
     assert lo.tolist() == [0, 0, 0, 100, 200, 0] and hi.tolist() == [100, 0, 100, 200, 300, 0]
-    req, lo, hi, rows, n_rows, used = packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 4, 1, 64)
+    req, lo, hi, rows, n_rows, used, _ = packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 4, 1, 64)
     assert used == 2 and n_rows == 8  # 2 pieces of 2 requests, then the 3 empty ones: 2 programs
     assert req.tolist() == list(range(7)) and rows.tolist() == [0, 4, 1, 2, 5, 6, 3]
     assert (hi - lo).tolist() == [60, 0, 60, 60, 0, 0, 60]
     assert packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 1, 1, 64) is None  # 2 to a piece
 
 
-def _check_segments(eff: np.ndarray, groups: int, packed: tuple) -> None:
-    """What `_build` relies on: segments in request order, each request's covering it once from its
-    first token (an empty one: one segment of no tokens), unique rows, at most ``used`` different
-    requests to a program and at most a piece of tokens."""
-    req, lo, hi, rows, n_rows, used = packed
+def _check_segments(eff: np.ndarray, groups: int, packed) -> None:
+    """What `_build` relies on: segments in request order (and their count per request), each
+    request's covering it once from its first token (an empty one: one segment of no tokens),
+    unique rows, at most ``used`` different requests to a program and at most a piece of tokens."""
+    req, lo, hi, rows, n_rows, used, segments = packed
     piece = -(-int(eff.sum()) // groups)
+    assert np.array_equal(segments, np.bincount(req, minlength=eff.size))
     assert np.all(np.diff(req) >= 0) and np.unique(rows).size == rows.size and rows.max() < n_rows
     for r, n in enumerate(eff):
         mine = req == r
@@ -77,7 +78,7 @@ def test_packed_segments_lay_short_requests_apart_where_their_order_crowds_a_pie
     assert interleaved(eff).tolist() == [0, 1, 5, 2, 6, 3, 4]
     assert _packed_line(eff, 16, 4, 16, 64) is None
     packed = packed_segments(eff, 16, 4, 16, 64)
-    assert packed[5] == 3 and packed[4] == 48
+    assert packed.used == 3 and packed.n_rows == 48
     _check_segments(eff, 16, packed)
     rng = np.random.default_rng(72)
     orders = set()

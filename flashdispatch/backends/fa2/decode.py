@@ -50,8 +50,9 @@ from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_win
 from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, wave_choice, wave_split_ceiling,
                             wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
-from .decode_split import (balanced_chunks, chunk_counts, chunk_tokens, effective_lengths, few_programs_target,
-                           mean_tokens, never_split, packed_segments, policy_tokens, split_target, work_fill)
+from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
+                           few_programs_target, mean_tokens, never_split, packed_segments, policy_tokens,
+                           split_target, work_fill)
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
@@ -315,8 +316,7 @@ class DecodePlan:
             return
 
         if packed is not None:  # segments (request, first and end token from lo, work row), the rows, per program
-            req, seg_lo, seg_hi, items, n_work, self.items = packed
-            nsplit = np.bincount(req, minlength=batch)
+            req, seg_lo, seg_hi, items, n_work, self.items, nsplit = packed
         else:
             nsplit = chunk_counts(eff, chunk)
             req = np.arange(batch).repeat(nsplit)
@@ -377,7 +377,7 @@ class DecodePlan:
         self.max_chunks = splits if splits else int(nsplit.max())
         self._place(meta, n_work, n_partial, params, run_device)
 
-    def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> tuple | None:
+    def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> PackedSplit | None:
         """`decode_split.packed_segments` of a few-programs plan whose requests (whole, or in
         chunks of ``chunk`` tokens) keep its target's programs less than `DecodeConfig.pack_fill`
         busy (`work_fill`), else None (also where the workspace cannot hold its partials: packing
@@ -389,7 +389,7 @@ class DecodePlan:
             return None
         packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
         if packed is not None:
-            segments = np.bincount(packed[0])
+            segments = packed.segments
             if self._partial_bytes(int(segments[segments > 1].sum())) > _workspace_bytes(params):
                 return None
         return packed

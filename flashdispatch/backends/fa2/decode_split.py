@@ -4,6 +4,8 @@ model). decode.py partitions with these; the kernel's own split (`DecodeConfig.d
 repeats `chunk_tokens`' arithmetic on the device."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ...dispatch.problem import Problem
@@ -108,7 +110,23 @@ def work_fill(eff: np.ndarray, chunk: np.ndarray | None, groups: int) -> float:
     return int(eff.sum()) / (max(groups, 1) * longest) if longest else 1.0
 
 
-def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int, max_splits: int) -> tuple | None:
+class PackedSplit(NamedTuple):
+    """`packed_segments`' result: per segment, in request order, its request, first and end token
+    (both from the request's window start) and work row; the work rows (programs x ``used``, a
+    row without a segment idle), ``used`` (the most segments a program holds) and each request's
+    segment count."""
+
+    req: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    rows: np.ndarray
+    n_rows: int
+    used: int
+    segments: np.ndarray
+
+
+def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int,
+                    max_splits: int) -> PackedSplit | None:
     """A packed split (`DecodeConfig.pack_items`): the requests' tokens from their window starts
     laid end to end and cut into ``groups`` equal pieces, each one program's work of up to
     ``items`` segments (one per request it touches), so that every program reads the same number
@@ -117,12 +135,9 @@ def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int, ma
     their own order put more than ``items`` on some piece (short requests side by side), they are
     laid longest, shortest, second longest, ... instead (`interleaved`).
 
-    Returns (request, first token, end token (both from the request's window start), work row)
-    per segment in request order, the work rows, and the segments per program: the most any
-    program needs (``used`` <= ``items``; the rows are programs x ``used``, a row without a
-    segment idle). None where every request is empty, a piece is shorter than ``min_chunk``
-    tokens, or in both orders a piece touches more than ``items`` requests or a request gets
-    more than ``max_splits`` segments."""
+    Returns a `PackedSplit` (``used`` <= ``items``), or None where every request is empty, a
+    piece is shorter than ``min_chunk`` tokens, or in both orders a piece touches more than
+    ``items`` requests or a request gets more than ``max_splits`` segments."""
     packed = _packed_line(eff, groups, items, min_chunk, max_splits)
     if packed is not None or eff.size < 3:
         return packed
@@ -130,10 +145,12 @@ def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int, ma
     packed = _packed_line(eff[order], groups, items, min_chunk, max_splits)
     if packed is None:
         return None
-    req, lo, hi, rows, n_rows, used = packed
-    req = order[req]
-    back = np.lexsort((lo, req))  # request order, each request's segments from its first token
-    return req[back], lo[back], hi[back], rows[back], n_rows, used
+    req = order[packed.req]
+    back = np.lexsort((packed.lo, req))  # request order, each request's segments from its first token
+    segments = np.empty_like(packed.segments)
+    segments[order] = packed.segments
+    return PackedSplit(req[back], packed.lo[back], packed.hi[back], packed.rows[back], packed.n_rows, packed.used,
+                       segments)
 
 
 def interleaved(eff: np.ndarray) -> np.ndarray:
@@ -146,7 +163,7 @@ def interleaved(eff: np.ndarray) -> np.ndarray:
     return order
 
 
-def _packed_line(eff: np.ndarray, groups: int, items: int, min_chunk: int, max_splits: int) -> tuple | None:
+def _packed_line(eff: np.ndarray, groups: int, items: int, min_chunk: int, max_splits: int) -> PackedSplit | None:
     """`packed_segments` of the requests in the order of ``eff``."""
     total = int(eff.sum())
     piece = -(-total // max(groups, 1))
@@ -174,4 +191,4 @@ def _packed_line(eff: np.ndarray, groups: int, items: int, min_chunk: int, max_s
     base = req_start[req]
     lo = np.where(cut, np.maximum(base, group * piece) - base, 0)
     hi = np.where(cut, np.minimum(req_end[req], (group + 1) * piece) - base, 0)
-    return req, lo, hi, group * used + slot, (int(group.max()) + 1) * used, used
+    return PackedSplit(req, lo, hi, group * used + slot, (int(group.max()) + 1) * used, used, count)
