@@ -166,6 +166,24 @@ def test_packed_plan_of_interleaved_requests_matches_the_oracle():
 
 
 @interpreted
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
+def test_wave_packed_plan_matches_the_oracle(fused):
+    """Past one wave (17 requests x 2 KV heads on the interpreter's 8 SMs x 4), lengths spread
+    wide pack into the few-programs target's 16 pieces (`DecodeConfig.wave_pack_spread`), the
+    empty requests in a program of their own (zero output, -inf lse)."""
+    lens = np.random.default_rng(74).integers(1, 300, 17)
+    lens[[3, 11]] = 0
+    case = _case(lens.tolist(), seed=74)
+    ref_out, ref_lse = case.oracle()
+    plan = run_fa2_decode(case, {**CPU_PACK, "pack_items": 4, "fused_merge_max_chunks": 64 if fused else 0})
+    assert plan.items > 1 and not plan.direct and plan.split_target // plan.units == 16
+    assert (plan._merge is None) == fused
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+    for b in (3, 11):
+        assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
+
+
+@interpreted
 def test_packing_only_where_the_split_fills_its_target_poorly():
     """Requests whose chunks fill the few-programs target keep the plain split; fixed_split_size
     and CUDA graphs never pack."""
@@ -244,4 +262,25 @@ def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
     assert plan.items == 4 and not plan.direct
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
     for b in (7, 30):
+        assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
+@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
+def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim):
+    """160 requests of a serving batch's mix (1 .. 8191 tokens, two empty) past one wave: the
+    GQA defaults pack them (`DecodeConfig.wave_pack_spread`) into whole waves of pieces."""
+    fp8 = kv == "e4m3"
+    lens = np.random.default_rng(10).integers(1, 8192, 160)
+    lens[[5, 100]] = 0
+    case = _case(lens.tolist(), device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                 num_qo_heads=32, num_kv_heads=8, head_dim_qk=head_dim, k_scale=0.8 if fp8 else None,
+                 v_scale=1.5 if fp8 else None, seed=75)
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case)
+    assert plan.items > 1 and not plan.direct
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
+    for b in (5, 100):
         assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))

@@ -146,8 +146,9 @@ def test_refresh_plans_afresh_where_the_split_changes():
     assert long.refreshed(_H200, _h200_plan([4000] * 133)[1]) is not None
 
 
+# the wave split alone: mixed lengths past one wave would pack (`DecodeConfig.wave_pack_spread`)
 SPLIT_AT_ONE_SLOT = {"wave_slots": 1, "wave_split_ctas": 8, "ctas_per_sm": 1, "min_chunk_tokens": 16, "block_n": 16,
-                     "split_chunk_tokens": 0}
+                     "split_chunk_tokens": 0, "wave_pack_spread": 0}
 
 
 @pytest.mark.parametrize("batch, split", [(4, False), (5, True)])  # x 2 KV heads: 8 or 10 programs
@@ -282,3 +283,44 @@ def test_wave_split_defaults_by_config():
     for no in (waves((32, 8), 64), waves((32, 32), 64), waves((32, 32), 128, page=1), waves((32, 32), 256),
                waves((32, 8), 256, page=1), waves((32, 8), 64, kv=torch.float8_e4m3fn)):
         assert no[:2] == (0, False), no
+
+
+def test_mixed_lengths_past_a_wave_pack_on_the_h200():
+    """Past one wave, lengths drawn as the bench's ``:var`` rows (1 .. 8191: the longest about
+    twice the mean) pack (`DecodeConfig.wave_pack_spread`) into whole waves of the few-programs
+    target's pieces, on the split block: 128 requests bf16 in 66 pieces (4 to a program), fp8 in
+    132 (3), 256 bf16 in 132. Equal lengths, and mixed ones too short for min_chunk_tokens pieces,
+    keep the direct table; a direct plan re-planned for mixed lengths plans afresh, for equal ones
+    it refreshes."""
+    lens = np.random.default_rng(20261201).integers(1, 8192, 256).tolist()
+    for kv, batch, (block_n, groups, items) in ((F16, 128, (64, 66, 4)), (torch.float8_e4m3fn, 128, (32, 132, 3)),
+                                                (F16, 256, (64, 132, 4))):
+        plan, _ = _h200_plan(lens[:batch], kv)
+        got = (plan.config.block_n, plan.split_target // plan.units, plan.items, plan.direct)
+        assert got == (block_n, groups, items, False), (kv, batch)
+        equal, _ = _h200_plan([4096] * batch, kv)
+        assert equal.direct and equal.items == 1
+        assert equal.refreshed(_H200, _h200_plan(lens[:batch], kv)[1]) is None
+        assert equal.refreshed(_H200, _h200_plan([4000] * batch, kv)[1]) is not None
+    short, _ = _h200_plan(np.random.default_rng(1).integers(1, 128, 256).tolist())
+    assert short.direct and short.items == 1
+
+
+def test_may_wave_pack_and_its_pieces():
+    """`wave_pack_groups`: whole waves of the few-programs target's pieces (bf16 d128 on 132 SMs:
+    66, fp8: 132), about two requests to a piece, then one wave more; `may_wave_pack`: the
+    longest over the mean (from the window start) at least wave_pack_spread, pieces of at least
+    min_chunk_tokens."""
+    from types import SimpleNamespace
+
+    from flashdispatch.backends.fa2.decode_config import default_config
+    from flashdispatch.backends.fa2.decode_split import may_wave_pack, wave_pack_groups
+    from flashdispatch.dispatch.problem import Problem
+    bf16, fp8 = (default_config(Problem("decode", F16, kv, F16, 32, 8, 128, 128, page_size=16))
+                 for kv in (F16, torch.float8_e4m3fn))
+    assert [wave_pack_groups(b, bf16, 132, 8) for b in (100, 132, 133, 256)] == [(66, 132)] * 2 + [(132, 198)] * 2
+    assert wave_pack_groups(128, fp8, 132, 8) == (132, 264)
+    for lens, window_left, ok in (([3000, 1000] * 64, -1, True), ([2000, 1000] * 64, -1, False),
+                                  ([3000, 1000] * 64, 999, False), ([150, 50] * 64, -1, False)):
+        params, problem = SimpleNamespace(kv_lens_host=lens), SimpleNamespace(window_left=window_left)
+        assert may_wave_pack(params, problem, 1, bf16, 132, 8) == ok, (lens[:2], window_left)

@@ -51,8 +51,9 @@ from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, wave_c
                             wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
-                           few_programs_target, mean_tokens, never_split, packed_segments, policy_tokens,
-                           split_target, work_fill)
+                           few_programs_target, may_wave_pack, mean_tokens, never_split, packed_segments,
+                           policy_tokens, split_target, wave_pack_groups, work_fill)
+from .decode_workspace import carve_partials, counters_offset, int_workspace_ints, partial_bytes, workspace_bytes
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
@@ -73,20 +74,6 @@ DECODE_CAPS = Caps(
     max_q_len_per_req=64,
 )
 
-_ALIGN = 256  # byte alignment of the workspace regions
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _counters_offset(n_ints: int) -> int:
-    """Where the fused merge's counters start after ``n_ints`` int32 of plan arrays (work rows,
-    then merge rows), in int32: the next `_ALIGN`-byte boundary (under CUDA graphs the same place
-    for the work array and the kernel's own split)."""
-    return _align(n_ints * 4) // 4
-
-
 def _merge_tile(rows: int, head_dim: int, values: int) -> tuple[int, int]:
     """(rows, partials) per load round of the fused merge for ``rows`` query rows per program: a
     [rows, partials, head_dim] float32 tile of ``values`` (DecodeConfig.fused_merge_values), all
@@ -104,11 +91,6 @@ def row_block(rows: int, cfg: DecodeConfig) -> tuple[int, int]:
     most ``cfg.max_block_m``."""
     block_m = max(8 if cfg.swap_ab else 16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
     return block_m, -(-rows // block_m)
-
-
-def _workspace_bytes(params: AttentionParams) -> int:
-    ws = params.workspace
-    return 0 if ws is None else ws.numel() * ws.element_size()
 
 
 def _plain_variant(p: Problem, block_m: int) -> bool:
@@ -162,12 +144,17 @@ class DecodePlan:
             cfg = without_waves(cfg)  # other variants use other registers: their programs per SM are not known
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         sm_count = device.sm_count or 8
-        units = p.num_kv_heads * self.row_blocks
-        programs = params.batch_size * units
+        self.problem, self.units = problem, self.row_blocks * p.num_kv_heads  # units: programs per work item
+        programs = params.batch_size * self.units
         few = programs < sm_count * cfg.ctas_per_sm
+        # past one wave of programs, lengths spread wide pack too (`DecodeConfig.wave_pack_spread`)
+        self._wave_pack = (cfg, sm_count) if (not few and policy_splits and not p.use_cuda_graph
+                                              and cfg.pack_items > 1 and cfg.wave_pack_spread > 0) else None
+        lengths = effective_lengths(params, p, self.q_len) if self._wave_pack else None
+        wave_packed = self._wave_packed(params, lengths[2]) if self._wave_pack else None
         # past ctas_per_sm x SMs programs under the default policy, the wave model's tile (a
         # function of the batch size: fixed_split_size / disable_split_kv stay batch-invariant)
-        choice = None if few or not policy_splits else wave_choice(cfg, programs, sm_count)
+        choice = None if few or wave_packed is not None or not policy_splits else wave_choice(cfg, programs, sm_count)
         tiled = cfg if choice is None else with_tile(cfg, *choice[0])
         # the default policy's split target (few programs: a function of the batch size; the wave
         # split's, where one may beat the best tile: of the mean length too, which a refresh
@@ -175,21 +162,22 @@ class DecodePlan:
         waves = choice is not None and not p.use_cuda_graph and wave_split_ceiling(cfg, programs, sm_count) > choice[1]
         self._wave_policy = (cfg, sm_count, choice) if waves else None
         tokens = mean_tokens(params, p, self.q_len) if waves else 0.0  # 0.0: no wave split
-        self.split_target = split_target(params.batch_size, cfg, units, sm_count, tokens, choice)
+        self.split_target = (split_target(params.batch_size, cfg, self.units, sm_count, tokens, choice)
+                             if wave_packed is None else wave_packed[0])
         self.wave_split = waves and self.split_target is not None
         # a wave-split plan runs the split block, or (fp8: none) the tile of the best full-wave
         # rate, and the wave tile where its partition splits nothing after all (short requests,
         # or the workspace fallback; `_build`); few programs keep the split block whatever the
-        # lengths (as the ANCHORS rows under one wave were measured)
+        # lengths (as the ANCHORS rows under one wave were measured), as do packed plans
         self._unsplit_config = None
         if self.wave_split:
             self._unsplit_config = tiled
             cfg = wave_split_config(cfg)
-        elif few and cfg.split_block_n and policy_splits:
+        elif (few or wave_packed is not None) and cfg.split_block_n and policy_splits:
             cfg = with_split_block(cfg)
         else:
             cfg = tiled
-        self.problem, self.config = problem, cfg
+        self.config = cfg
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)
         self.sm_scale = params.sm_scale
@@ -197,7 +185,6 @@ class DecodePlan:
         self.kv_indices = params.kv_indices
         run_device = params.kv_indices.device
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
-        self.units = units  # programs per work item
         self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
         # work rows per program (`DecodeConfig.pack_items`): a few-programs split may pack
         self.items, self._may_pack = 1, few and policy_splits and not p.use_cuda_graph and cfg.pack_items > 1
@@ -205,7 +192,8 @@ class DecodePlan:
         if p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
             self._place_graph_direct(device, params, run_device)
         else:
-            self._build(device, params, run_device, effective_lengths(params, p, self.q_len))
+            self._build(device, params, run_device, lengths or effective_lengths(params, p, self.q_len),
+                        wave_packed and wave_packed[1])
 
     def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
@@ -217,6 +205,8 @@ class DecodePlan:
         plan afresh."""
         if not self.direct or params.batch_size != self.batch:
             return None
+        if self._wave_pack and may_wave_pack(params, self.problem, self.q_len, *self._wave_pack, self.units):
+            return None  # these lengths may pack (`_wave_packed`)
         if self._wave_policy is not None:
             cfg, sm_count, choice = self._wave_policy
             tokens = mean_tokens(params, self.problem, self.q_len)
@@ -258,7 +248,7 @@ class DecodePlan:
             if chunk is not None and self.wave_split:
                 nsplit = chunk_counts(eff, chunk)  # work items, or the kernel's own request x slots
                 n_partial = max(int(nsplit.sum()), batch * int(nsplit.max()))
-                if self._partial_bytes(n_partial) > _workspace_bytes(params):
+                if self._partial_bytes(n_partial) > workspace_bytes(params):
                     chunk = None  # the wave split is a speed-up: not where the workspace cannot hold its partials
         else:  # the grid's chunks per request are fixed by the batch size: the policy's split does not apply
             splits = self._graph_splits(batch, self.units, device.sm_count or 8, params)
@@ -283,11 +273,15 @@ class DecodePlan:
             return None
         return policy_tokens(eff, self.config, self.units, self.split_target), slots
 
-    def _build(self, device: Device, params: AttentionParams, run_device: torch.device, lengths: tuple) -> None:
+    def _build(self, device: Device, params: AttentionParams, run_device: torch.device, lengths: tuple,
+               packed: PackedSplit | None = None) -> None:
+        """Partition (or, given ``packed``, lay out those segments), then place the direct table or
+        the work array."""
         p, cfg, ql = self.problem, self.config, self.q_len
         lens, lo, eff, splits, chunk = self._partition(device, params, lengths)
         batch = self.batch = len(lens)
-        packed = None if splits else self._packed(eff, chunk, params)
+        if packed is None and not splits:
+            packed = self._packed(eff, chunk, params)
         unsplit = chunk is None and splits <= 1 and packed is None  # one work item per request, nothing to merge
         if unsplit and self._unsplit_config is not None:
             self.config = cfg = self._unsplit_config
@@ -388,11 +382,25 @@ class DecodePlan:
         if work_fill(eff, chunk, groups) >= cfg.pack_fill:
             return None
         packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
-        if packed is not None:
-            segments = packed.segments
-            if self._partial_bytes(int(segments[segments > 1].sum())) > _workspace_bytes(params):
-                return None
-        return packed
+        return packed if packed is not None and self._holds(packed, params) else None
+
+    def _wave_packed(self, params: AttentionParams, eff: np.ndarray) -> tuple[int, PackedSplit] | None:
+        """(split target, `packed_segments`) of a plan past one wave whose requests may pack
+        (`may_wave_pack`: lengths spread wide): the first of `wave_pack_groups`' piece counts that
+        packs, or None (also where the workspace cannot hold its partials)."""
+        cfg, sm_count = self._wave_pack
+        if not may_wave_pack(params, self.problem, self.q_len, cfg, sm_count, self.units):
+            return None
+        for groups in wave_pack_groups(params.batch_size, cfg, sm_count, self.units):
+            packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
+            if packed is not None:
+                return (groups * self.units, packed) if self._holds(packed, params) else None
+        return None
+
+    def _holds(self, packed: PackedSplit, params: AttentionParams) -> bool:
+        """Whether the workspace holds the partials of ``packed``'s split requests."""
+        segments = packed.segments
+        return self._partial_bytes(int(segments[segments > 1].sum())) <= workspace_bytes(params)
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
         """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""
@@ -433,8 +441,8 @@ class DecodePlan:
                 # the int workspace, where a work-array graph plan of this batch size has its merge
                 # rows and counters: the addresses a captured graph replays
                 info_at = self.n_work * WORK_COLS
-                counters_at = _counters_offset(info_at + n_info)
-                table = self._int_workspace_ints(params, counters_at + n_counters)
+                counters_at = counters_offset(info_at + n_info)
+                table = int_workspace_ints(params, counters_at + n_counters)
                 self.info = table[info_at:info_at + n_info]
                 self.counters = table[counters_at:counters_at + n_counters]
                 if self.fused_merge:
@@ -443,7 +451,7 @@ class DecodePlan:
                 self.counters = torch.zeros(n_counters, dtype=torch.int32, device=run_device)
             else:
                 self.info = torch.empty(n_info, dtype=torch.int32, device=run_device)
-            self.plse, self.po, self.workspace_bytes = self._partials(self.n_work, params)
+            self.plse, self.po, self.workspace_bytes = self._carve(self.n_work, params)
         else:
             self.fused_merge = False
             self.plse = self.po = self.work  # never written: no request is split
@@ -451,26 +459,13 @@ class DecodePlan:
         self._launch_constants()
 
     def _partial_bytes(self, n_partial: int) -> int:
-        """Workspace bytes of ``n_partial`` split-KV partials: their lse, then their outputs."""
-        rows = n_partial * self.q_len * self.problem.num_qo_heads
-        return _align(rows * 4) + rows * self.problem.head_dim_vo * 4
+        """Workspace bytes of ``n_partial`` of this plan's partials (`partial_bytes`)."""
+        return partial_bytes(n_partial, self.q_len * self.problem.num_qo_heads, self.problem.head_dim_vo)
 
-    def _partials(self, n_partial: int, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(lse, out, bytes): the split-KV partials' float32 views at fixed offsets of the (possibly
-        shared) float workspace, scratch of run(); (None, None, 0) for none."""
-        p, ql = self.problem, self.q_len
-        heads, d = p.num_qo_heads, p.head_dim_vo
-        if not n_partial:
-            return None, None, 0
-        lse_bytes = _align(n_partial * ql * heads * 4)
-        need = self._partial_bytes(n_partial)
-        ws = params.workspace
-        have = _workspace_bytes(params)
-        if need > have:
-            raise ValueError(f"float_workspace_buffer too small: {have} bytes, this decode plan needs {need} "
-                             f"bytes ({n_partial} split-KV partials of {ql}x{heads}x{d} float32)")
-        return (ws[:n_partial * ql * heads * 4].view(torch.float32),
-                ws[lse_bytes:lse_bytes + n_partial * ql * heads * d * 4].view(torch.float32), need)
+    def _carve(self, n_partial: int, params: AttentionParams) -> tuple:
+        """`carve_partials`: ``n_partial`` of this plan's partials in the float workspace."""
+        p = self.problem
+        return carve_partials(params, n_partial, self.q_len, p.num_qo_heads, p.head_dim_vo)
 
     def _place(self, meta: np.ndarray, n_work: int, n_partial: int, params: AttentionParams,
                run_device: torch.device) -> None:
@@ -481,13 +476,13 @@ class DecodePlan:
         self.fused_merge = self.n_merge > 0 and self.max_chunks <= self.config.fused_merge_max_chunks
         n_meta = meta.size
         if self.fused_merge:
-            counters_at = _counters_offset(n_meta)
+            counters_at = counters_offset(n_meta)
             meta = np.concatenate([meta, np.zeros(counters_at - n_meta + self.n_merge * self.units, np.int32)])
-        plse, po, need = self._partials(n_partial, params)
+        plse, po, need = self._carve(n_partial, params)
         host = torch.from_numpy(meta)  # pageable: a copy returns once the driver has staged it
         if graph:
             # the wrapper's own int workspace: same addresses at every re-plan, never shared
-            dst = self._int_workspace_ints(params, meta.size)
+            dst = int_workspace_ints(params, meta.size)
             dst.copy_(host, non_blocking=True)
         else:
             dst = host.to(run_device, non_blocking=True)
@@ -498,15 +493,6 @@ class DecodePlan:
         self.plse, self.po = (plse, po) if need else (self.work, self.work)
         self.workspace_bytes = need
         self._launch_constants()
-
-    @staticmethod
-    def _int_workspace_ints(params: AttentionParams, count: int) -> torch.Tensor:
-        """The first ``count`` int32 of the wrapper's own int workspace (CUDA graphs)."""
-        iws = params.int_workspace
-        have = 0 if iws is None else iws.numel() * iws.element_size()
-        if have < count * 4:
-            raise ValueError(f"fa2 decode with use_cuda_graph needs {count * 4} bytes of int workspace, got {have}")
-        return iws.view(torch.uint8).reshape(-1)[:count * 4].view(torch.int32)
 
     # --- running ----------------------------------------------------------------------------
     def _launch_constants(self) -> None:

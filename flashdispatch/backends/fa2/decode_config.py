@@ -161,6 +161,15 @@ class DecodeConfig:
     -> 3.34; fp8 36x4096 2.58 -> 3.06, 48x4096 2.69 -> 3.28, 64x4096 2.86 -> 3.54, 24x8192 3.13 ->
     3.24, 16x8192 1.99 -> 2.98. At most `MAX_PACK_ITEMS`.
     pack_fill: see pack_items (fp8 0.95, 16-bit 0.65 where they pack).
+    wave_pack_spread: a plan of at least ctas_per_sm x SMs programs under the default policy,
+    eager, with pack_items > 1, whose longest request holds at least this many times the mean
+    tokens (`decode_split.length_spread`) is packed too (`decode_split.wave_pack_groups`: whole
+    waves of the few-programs target's pieces, on the split block): in request order a long
+    request that starts late runs on after the others, and with one wave of requests the longest
+    sets the time (H200 32/8 d128, session 23, fd / FlashInfer's best: bf16 128x4096:var 0.80,
+    fp8 0.68). 0: never.
+    wave_pack_load: the requests' mean tokens to a piece that `wave_pack_groups` aims for (about
+    pack_items - 2 requests cut at both ends, whole ones between).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -197,6 +206,8 @@ class DecodeConfig:
     lone_wave_split_tokens: int = 0
     pack_items: int = 1
     pack_fill: float = 0.95
+    wave_pack_spread: float = 1.5
+    wave_pack_load: float = 2.0
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -226,9 +237,12 @@ class DecodeConfig:
         if not _int(self.pack_items) or not 1 <= self.pack_items <= MAX_PACK_ITEMS:
             raise ValueError(f"fa2 decode config pack_items must be an int in [1, {MAX_PACK_ITEMS}] (the kernel "
                              f"repeats its body that many times), got {self.pack_items!r}")
-        if not isinstance(self.pack_fill, (int, float)) or isinstance(self.pack_fill, bool) or \
-                not 0 < self.pack_fill <= 1:
+        if not _number(self.pack_fill) or not 0 < self.pack_fill <= 1:
             raise ValueError(f"fa2 decode config pack_fill must be a number in (0, 1], got {self.pack_fill!r}")
+        for name, low in (("wave_pack_spread", 0.0), ("wave_pack_load", 0.25)):
+            v = getattr(self, name)
+            if not _number(v) or v < low:
+                raise ValueError(f"fa2 decode config {name} must be a number >= {low}, got {v!r}")
         object.__setattr__(self, "wave_tiles", _checked_wave_tiles(self.wave_tiles))
         v = self.fused_merge_values
         if not _int(v) or v < 256 or v & (v - 1):
@@ -243,6 +257,11 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _number(v) -> bool:
+    """Whether ``v`` is an int or a float and not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _checked_wave_tiles(tiles) -> tuple:
     """``tiles`` as a tuple of (block_n, num_stages, programs per SM, rate) tuples (JSON gives
     lists), each value checked."""
@@ -253,7 +272,7 @@ def _checked_wave_tiles(tiles) -> tuple:
     ok = checked is not None and all(
         len(t) == 4 and all(_int(x) and x >= 1 for x in t[:3])
         and t[0] >= 16 and not t[0] & (t[0] - 1)
-        and isinstance(t[3], (int, float)) and not isinstance(t[3], bool) and t[3] > 0 for t in checked)
+        and _number(t[3]) and t[3] > 0 for t in checked)
     if not ok:
         raise ValueError("fa2 decode config wave_tiles must be a list of [block_n, num_stages, programs per SM, "
                          f"rate] (ints >= 1, block_n a power of two >= 16, rate > 0), got {tiles!r}")

@@ -4,6 +4,7 @@ model). decode.py partitions with these; the kernel's own split (`DecodeConfig.d
 repeats `chunk_tokens`' arithmetic on the device."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -69,6 +70,32 @@ def mean_tokens(params: AttentionParams, problem: Problem, q_len: int) -> float:
         return sum(lens) / len(lens)
     cap = q_len + problem.window_left
     return sum(min(n, cap) for n in lens) / len(lens)
+
+
+def may_wave_pack(params: AttentionParams, problem: Problem, q_len: int, cfg: DecodeConfig, sm_count: int,
+                  units: int) -> bool:
+    """Whether a plan past one wave may pack these requests (`DecodeConfig.wave_pack_spread`): its
+    longest request holds at least wave_pack_spread x the mean tokens from the window start, and
+    the first pieces `wave_pack_groups` tries hold min_chunk_tokens. Python (plan() and its
+    refresh are host-time bound)."""
+    lens = params.kv_lens_host
+    if problem.window_left >= 0:
+        cap = q_len + problem.window_left
+        lens = [min(n, cap) for n in lens]
+    total = sum(lens)
+    if not total or max(lens) * len(lens) < cfg.wave_pack_spread * total:
+        return False
+    return total >= wave_pack_groups(len(lens), cfg, sm_count, units)[0] * cfg.min_chunk_tokens
+
+
+def wave_pack_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int) -> tuple[int, int]:
+    """The work items (pieces) that a packed plan past one wave tries, in order
+    (`DecodeConfig.wave_pack_spread`): whole waves of the few-programs target's items
+    (`few_programs_target` / ``units``), as many as give each piece about ``wave_pack_load``
+    requests' tokens, then one wave more (fewer requests to a piece, where the first crowds one)."""
+    wave = max(few_programs_target(cfg, sm_count) // max(units, 1), 1)
+    waves = max(1, math.ceil(batch / (cfg.wave_pack_load * wave)))
+    return waves * wave, (waves + 1) * wave
 
 
 def never_split(batch: int, params: AttentionParams, target: int | None) -> bool:
