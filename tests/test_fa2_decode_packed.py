@@ -23,7 +23,7 @@ interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_IN
 
 def test_packed_segments_give_every_program_an_equal_piece():
     eff = np.array([4096] * 48)
-    req, lo, hi, rows, n_rows, used, _ = packed_segments(eff, 132, 4, 256, 64)
+    _, req, lo, hi, rows, n_rows, used, _ = packed_segments(eff, 132, 4, 256, 64)
     assert used == 2 and n_rows == 132 * 2 and (hi - lo).sum() == eff.sum() and np.all(hi > lo)
     per_program = np.bincount(rows // 2, weights=hi - lo)
     assert per_program.size == 132 and per_program.max() - per_program.min() <= per_program.max() // 16
@@ -38,26 +38,31 @@ def test_packed_segments_give_every_program_an_equal_piece():
 
 def test_packed_segments_take_the_programs_they_need_and_empty_requests():
     """``used``: the most segments a piece holds (one where pieces fall on request boundaries);
-    each empty request is a segment of no tokens, ``used`` of them to a program after the pieces'."""
-    req, lo, hi, rows, n_rows, used, _ = packed_segments(np.array([100, 0, 300, 0]), 4, 4, 1, 64)
-    assert used == 1 and n_rows == 6
-    assert req.tolist() == [0, 1, 2, 2, 2, 3] and rows.tolist() == [0, 4, 1, 2, 3, 5]
-    assert lo.tolist() == [0, 0, 0, 100, 200, 0] and hi.tolist() == [100, 0, 100, 200, 300, 0]
-    req, lo, hi, rows, n_rows, used, _ = packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 4, 1, 64)
+    the empty requests go to the end of the line, a segment of no tokens each, ``used`` of them to
+    a program after the pieces'."""
+    line, pos, lo, hi, rows, n_rows, used, segments = packed_segments(np.array([100, 0, 300, 0]), 4, 4, 1, 64)
+    assert used == 1 and n_rows == 6 and line.tolist() == [0, 2, 1, 3] and segments.tolist() == [1, 3, 1, 1]
+    assert line[pos].tolist() == [0, 2, 2, 2, 1, 3] and rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert lo.tolist() == [0, 0, 100, 200, 0, 0] and hi.tolist() == [100, 100, 200, 300, 0, 0]
+    line, pos, lo, hi, rows, n_rows, used, _ = packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 4, 1, 64)
     assert used == 2 and n_rows == 8  # 2 pieces of 2 requests, then the 3 empty ones: 2 programs
-    assert req.tolist() == list(range(7)) and rows.tolist() == [0, 4, 1, 2, 5, 6, 3]
-    assert (hi - lo).tolist() == [60, 0, 60, 60, 0, 0, 60]
+    assert line.tolist() == [0, 2, 3, 6, 1, 4, 5] and pos.tolist() == list(range(7))
+    assert rows.tolist() == list(range(7)) and (hi - lo).tolist() == [60] * 4 + [0] * 3
     assert packed_segments(np.array([60, 0, 60, 60, 0, 0, 60]), 2, 1, 1, 64) is None  # 2 to a piece
+    assert packed_segments(np.array([0, 0]), 2, 4, 1, 64) is None
 
 
 def _check_segments(eff: np.ndarray, groups: int, packed) -> None:
-    """What `_build` relies on: segments in request order (and their count per request), each
-    request's covering it once from its first token (an empty one: one segment of no tokens),
-    unique rows, at most ``used`` different requests to a program and at most a piece of tokens."""
-    req, lo, hi, rows, n_rows, used, segments = packed
+    """What `_build` relies on: segments in the line's order (and their count per request in
+    line), each request's side by side covering it once from its first token (an empty one: one
+    segment of no tokens), unique rows, at most ``used`` different requests to a program and at
+    most a piece of tokens."""
+    line, pos, lo, hi, rows, n_rows, used, segments = packed
+    req = pos if line is None else line[pos]
     piece = -(-int(eff.sum()) // groups)
-    assert np.array_equal(segments, np.bincount(req, minlength=eff.size))
-    assert np.all(np.diff(req) >= 0) and np.unique(rows).size == rows.size and rows.max() < n_rows
+    assert line is None or np.array_equal(np.sort(line), np.arange(eff.size))
+    assert np.array_equal(segments, np.bincount(pos, minlength=eff.size))
+    assert np.all(np.diff(pos) >= 0) and np.unique(rows).size == rows.size and rows.max() < n_rows
     for r, n in enumerate(eff):
         mine = req == r
         if n == 0:
@@ -87,7 +92,7 @@ def test_packed_segments_lay_short_requests_apart_where_their_order_crowds_a_pie
         eff[rng.integers(0, eff.size, 2)] = 0
         packed = packed_segments(eff, 132, 4, 16, 64)
         if packed is not None:
-            orders.add(_packed_line(eff, 132, 4, 16, 64) is None)
+            orders.add(_packed_line(eff[eff > 0], 132, 4, 16, 64) is None)
             _check_segments(eff, 132, packed)
     assert orders == {True, False}  # both orders were taken
 
@@ -156,12 +161,14 @@ def test_packed_plan_with_empty_requests_and_three_to_a_program(fused):
 
 
 @interpreted
-def test_packed_plan_of_interleaved_requests_matches_the_oracle():
-    """Short requests side by side: the plan packs them laid apart (3 to a program)."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
+def test_packed_plan_of_interleaved_requests_matches_the_oracle(fused):
+    """Short requests side by side: the plan packs them laid apart (3 to a program), its work and
+    merge rows in that order."""
     case = _case([300, 5, 6, 7, 8, 250, 190], seed=73)
     ref_out, ref_lse = case.oracle()
-    plan = run_fa2_decode(case, {**CPU_PACK, "pack_items": 4})
-    assert plan.items == 3 and not plan.direct
+    plan = run_fa2_decode(case, {**CPU_PACK, "pack_items": 4, "fused_merge_max_chunks": 64 if fused else 0})
+    assert plan.items == 3 and not plan.direct and (plan._merge is None) == fused
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
 
 

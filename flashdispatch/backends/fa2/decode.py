@@ -309,11 +309,13 @@ class DecodePlan:
             self._place(meta.ravel(), batch, 0, params, run_device)
             return
 
-        if packed is not None:  # segments (request, first and end token from lo, work row), the rows, per program
-            req, seg_lo, seg_hi, items, n_work, self.items, nsplit = packed
+        line = None  # the requests in the order of their segments (None: their own; `PackedSplit`)
+        if packed is not None:  # segments (position in line, first and end token from lo, work row), the rows
+            line, pos, seg_lo, seg_hi, items, n_work, self.items, nsplit = packed
         else:
             nsplit = chunk_counts(eff, chunk)
-            req = np.arange(batch).repeat(nsplit)
+            pos = np.arange(batch).repeat(nsplit)
+        req = pos if line is None else line[pos]  # nsplit is by position in line, the tables by request
         if splits:  # CUDA graph: request b owns work items and partial slots b*splits .. +splits-1
             if nsplit.max() > splits:
                 raise ValueError(f"use_cuda_graph: a request needs {int(nsplit.max())} chunks of "
@@ -330,14 +332,14 @@ class DecodePlan:
             if packed is None:
                 n_work, items = len(req), slice(None)
             first_item = nsplit.cumsum() - nsplit
-            sidx = np.arange(len(req)) - first_item[req]
+            sidx = np.arange(len(pos)) - first_item[pos]
             merge_rows = np.flatnonzero(nsplit > 1)
             if merge_rows.size == batch:  # every request split (the usual case): every item a partial
-                slot_of, merge_row_of, n_partial, merge_first = np.arange(len(req)), req, len(req), first_item
+                slot_of, merge_row_of, n_partial, merge_first = np.arange(len(pos)), pos, len(pos), first_item
             else:
-                split_item = nsplit[req] > 1
+                split_item = nsplit[pos] > 1
                 slot_of = np.where(split_item, split_item.cumsum() - 1, -1)
-                merge_row_of = np.where(split_item, ((nsplit > 1).cumsum() - 1)[req], -1)
+                merge_row_of = np.where(split_item, ((nsplit > 1).cumsum() - 1)[pos], -1)
                 n_partial = int(split_item.sum())
                 merge_first = nsplit[merge_rows].cumsum() - nsplit[merge_rows]
         n_merge = len(merge_rows)
@@ -362,7 +364,7 @@ class DecodePlan:
         work[items, 5] = slot_of
         work[items, 6] = sidx == 0
         work[items, 7] = merge_row_of
-        info[:, 0] = merge_rows * ql
+        info[:, 0] = (merge_rows if line is None else line[merge_rows]) * ql
         info[:, 1] = merge_first
         info[:, 2] = nsplit[merge_rows]
         self.n_work, self.n_merge = n_work, n_merge

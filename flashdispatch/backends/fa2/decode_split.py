@@ -138,12 +138,14 @@ def work_fill(eff: np.ndarray, chunk: np.ndarray | None, groups: int) -> float:
 
 
 class PackedSplit(NamedTuple):
-    """`packed_segments`' result: per segment, in request order, its request, first and end token
-    (both from the request's window start) and work row; the work rows (programs x ``used``, a
-    row without a segment idle), ``used`` (the most segments a program holds) and each request's
-    segment count."""
+    """`packed_segments`' result: the requests in the order they are laid out (``line``; None:
+    their own), and per segment, in that order: its request's position in ``line``, its first and
+    end token (both from the request's window start) and work row; the work rows (programs x
+    ``used``, a row without a segment idle), ``used`` (the most segments a program holds) and the
+    segment count of each request in ``line``."""
 
-    req: np.ndarray
+    line: np.ndarray | None
+    pos: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
     rows: np.ndarray
@@ -157,27 +159,45 @@ def packed_segments(eff: np.ndarray, groups: int, items: int, min_chunk: int,
     """A packed split (`DecodeConfig.pack_items`): the requests' tokens from their window starts
     laid end to end and cut into ``groups`` equal pieces, each one program's work of up to
     ``items`` segments (one per request it touches), so that every program reads the same number
-    of tokens however the requests' lengths divide. An empty request is a segment of no tokens in
-    a program after the pieces' (it writes its zero output and -inf lse). Where the requests in
-    their own order put more than ``items`` on some piece (short requests side by side), they are
-    laid longest, shortest, second longest, ... instead (`interleaved`).
+    of tokens however the requests' lengths divide. The empty requests go to the end of the line,
+    each a segment of no tokens, ``used`` to a program after the pieces' (it writes its zero
+    output and -inf lse). Where the requests in their own order put more than ``items`` on some
+    piece (short requests side by side), they are laid longest, shortest, second longest, ...
+    instead (`interleaved`).
 
-    Returns a `PackedSplit` (``used`` <= ``items``), or None where every request is empty, a
-    piece is shorter than ``min_chunk`` tokens, or in both orders a piece touches more than
-    ``items`` requests or a request gets more than ``max_splits`` segments."""
-    packed = _packed_line(eff, groups, items, min_chunk, max_splits)
-    if packed is not None or eff.size < 3:
-        return packed
-    order = interleaved(eff)
-    packed = _packed_line(eff[order], groups, items, min_chunk, max_splits)
+    Returns a `PackedSplit` (``used`` <= ``items``; the segments of a request side by side), or
+    None where every request is empty, a piece is shorter than ``min_chunk`` tokens, or in both
+    orders a piece touches more than ``items`` requests or a request gets more than
+    ``max_splits`` segments."""
+    empty = eff <= 0
+    full = np.flatnonzero(~empty) if empty.any() else None  # the requests with tokens, where some have none
+    line = eff if full is None else eff[full]
+    if line.size == 0:
+        return None
+    order = None
+    packed = _packed_line(line, groups, items, min_chunk, max_splits)
+    if packed is None and line.size >= 3:
+        order = interleaved(line)
+        packed = _packed_line(line[order], groups, items, min_chunk, max_splits)
     if packed is None:
         return None
-    req = order[packed.req]
-    back = np.lexsort((packed.lo, req))  # request order, each request's segments from its first token
-    segments = np.empty_like(packed.segments)
-    segments[order] = packed.segments
-    return PackedSplit(req[back], packed.lo[back], packed.hi[back], packed.rows[back], packed.n_rows, packed.used,
-                       segments)
+    if full is not None:
+        order = full if order is None else full[order]
+    if order is not None:
+        packed = packed._replace(line=order)
+    return packed if full is None else _with_empty(packed, np.flatnonzero(empty))
+
+
+def _with_empty(packed: PackedSplit, empty: np.ndarray) -> PackedSplit:
+    """``packed`` (of the requests with tokens) with the ``empty`` requests at the end of its
+    line, a segment of no tokens each, ``used`` to a program after the pieces'."""
+    rank, zeros = np.arange(empty.size), np.zeros(empty.size, dtype=packed.lo.dtype)
+    used = packed.used
+    return PackedSplit(np.concatenate([packed.line, empty]), np.concatenate([packed.pos, packed.segments.size + rank]),
+                       np.concatenate([packed.lo, zeros]), np.concatenate([packed.hi, zeros]),
+                       np.concatenate([packed.rows, packed.n_rows + rank]),
+                       packed.n_rows + -(-empty.size // used) * used, used,
+                       np.concatenate([packed.segments, np.ones_like(empty)]))
 
 
 def interleaved(eff: np.ndarray) -> np.ndarray:
@@ -191,31 +211,36 @@ def interleaved(eff: np.ndarray) -> np.ndarray:
 
 
 def _packed_line(eff: np.ndarray, groups: int, items: int, min_chunk: int, max_splits: int) -> PackedSplit | None:
-    """`packed_segments` of the requests in the order of ``eff``."""
+    """`packed_segments` of requests with tokens, in the order of ``eff``."""
     total = int(eff.sum())
     piece = -(-total // max(groups, 1))
-    if total <= 0 or piece < min_chunk:
+    if piece < min_chunk:
         return None
     req_end = eff.cumsum()
     req_start = req_end - eff
     first = req_start // piece  # the piece of each request's first token
-    empty = eff <= 0
-    count = np.where(empty, 1, (req_end - 1) // piece - first + 1)  # segments per request
-    if count.max() > max_splits:
+    count = (req_end - 1) // piece - first + 1  # segments per request
+    used = _most_to_a_piece(req_start, first, piece, total)
+    if count.max() > max_splits or used > items:
         return None
     n_seg = int(count.sum())
     req = np.arange(eff.size).repeat(count)
-    group = first[req] + np.arange(n_seg) - (count.cumsum() - count)[req]
-    cut = ~empty[req]  # the segments with tokens (their pieces in order)
-    slot = np.zeros(n_seg, dtype=np.int64)
-    slot[cut] = np.arange(n_seg - int(empty.sum())) - np.searchsorted(group[cut], group[cut])
-    used = int(slot.max()) + 1  # the most segments a piece holds
-    if used > items:
-        return None
-    rank = np.arange(int(empty.sum()))  # the empty requests', ``used`` to a program after the pieces'
-    group[~cut] = int(group[cut][-1]) + 1 + rank // used
-    slot[~cut] = rank % used
+    seg = np.arange(n_seg)
+    group = first[req] + seg - (count.cumsum() - count)[req]  # nondecreasing: the pieces in order
+    slot = seg - np.searchsorted(group, group)
     base = req_start[req]
-    lo = np.where(cut, np.maximum(base, group * piece) - base, 0)
-    hi = np.where(cut, np.minimum(req_end[req], (group + 1) * piece) - base, 0)
-    return PackedSplit(req, lo, hi, group * used + slot, (int(group.max()) + 1) * used, used, count)
+    start = group * piece
+    lo = np.maximum(base, start) - base
+    hi = np.minimum(req_end[req], start + piece) - base
+    return PackedSplit(None, req, lo, hi, group * used + slot, (int(group[-1]) + 1) * used, used, count)
+
+
+def _most_to_a_piece(start: np.ndarray, first: np.ndarray, piece: int, total: int) -> int:
+    """The most requests a piece of ``piece`` tokens touches on a line of ``total`` tokens, from
+    the requests' first tokens (``start``, all with tokens) and their pieces (``first``): the
+    requests starting in it, and one begun before it unless one starts on its first token
+    (cheap: a crowded line is refused before its segments are laid out)."""
+    pieces = (total - 1) // piece + 1
+    segments = np.bincount(first, minlength=pieces) + 1
+    segments[first[start % piece == 0]] -= 1
+    return int(segments.max())
