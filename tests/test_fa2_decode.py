@@ -482,6 +482,7 @@ def test_fused_merge_tile_sizes(no_merge_launch, values):
     ("num_warps", (0, 3, 32, 4.0)), ("num_stages", (0, -1, 2.0)), ("ctas_per_sm", (0, -2, True)),
     ("min_chunk_tokens", (0,)), ("max_splits", (0, 1.5)), ("split_chunk_tokens", (-1, 0.5)),
     ("split_ctas_per_sm", (-1, 2.0)), ("pack_items", (0, 5, 2.0)), ("pack_fill", (0, 1.5, True, "x")),
+    ("wave_pack_spread", (-1, True, "x")), ("wave_pack_load", (0, 0.1, None)),
 ])
 def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):
     """Every size knob is checked where the config is built (a constructor call, the environment's

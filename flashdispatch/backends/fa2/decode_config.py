@@ -159,17 +159,21 @@ class DecodeConfig:
     (the bench's ``:var`` rows) need 3-4 to a piece: session 23, 32/8, TB/s 1 -> 4: bf16 36x4096
     3.32 -> 3.77, 48x4096 3.21 -> 3.97, 64x4096 3.39 -> 4.10, 48x2048 2.97 -> 3.52, 20x4096 3.03
     -> 3.34; fp8 36x4096 2.58 -> 3.06, 48x4096 2.69 -> 3.28, 64x4096 2.86 -> 3.54, 24x8192 3.13 ->
-    3.24, 16x8192 1.99 -> 2.98. At most `MAX_PACK_ITEMS`.
+    3.24, 16x8192 1.99 -> 2.98. Past ctas_per_sm x SMs programs, mixed lengths pack too
+    (``wave_pack_spread``). At most `MAX_PACK_ITEMS`.
     pack_fill: see pack_items (fp8 0.95, 16-bit 0.65 where they pack).
     wave_pack_spread: a plan of at least ctas_per_sm x SMs programs under the default policy,
     eager, with pack_items > 1, whose longest request holds at least this many times the mean
-    tokens (`decode_split.length_spread`) is packed too (`decode_split.wave_pack_groups`: whole
-    waves of the few-programs target's pieces, on the split block): in request order a long
-    request that starts late runs on after the others, and with one wave of requests the longest
-    sets the time (H200 32/8 d128, session 23, fd / FlashInfer's best: bf16 128x4096:var 0.80,
-    fp8 0.68). 0: never.
-    wave_pack_load: the requests' mean tokens to a piece that `wave_pack_groups` aims for (about
-    pack_items - 2 requests cut at both ends, whole ones between).
+    tokens (and whose pieces would hold min_chunk_tokens: `decode_split.may_wave_pack`) is packed
+    too, into whole waves of the few-programs target's pieces, on the split block
+    (`decode_split.wave_pack_groups`): unpacked, a long request that starts late runs on after
+    the others, and with one wave of requests the longest sets the time. H200 32/8, session 24,
+    TB/s unpacked -> packed (the bench's ``:var`` rows, lengths 1 .. 2 x mean - 1): d128 bf16
+    128x4096 3.17 -> 4.36, 256x2048 3.69 -> 4.31, 512x1024 3.98 -> 4.18; fp8 128x4096 2.43 ->
+    3.88, 256x1024 2.84 -> 3.39; d256 bf16 128x4096 3.47 -> 4.29; d64 fp8 128x4096 1.99 -> 2.96;
+    MHA 32x4096 3.35 -> 4.19 (docs/perf-notes.md). 0: never.
+    wave_pack_load: the mean requests' tokens to a piece that `wave_pack_groups` aims for (1.0,
+    twice the pieces, read the same or less: d128 fp8 256x1024:var 3.27 against 3.39).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
