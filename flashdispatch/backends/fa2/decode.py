@@ -278,10 +278,12 @@ class DecodePlan:
         """Partition (or, given ``packed``, lay out those segments), then place the direct table or
         the work array."""
         p, cfg, ql = self.problem, self.config, self.q_len
-        lens, lo, eff, splits, chunk = self._partition(device, params, lengths)
+        if packed is None:
+            lens, lo, eff, splits, chunk = self._partition(device, params, lengths)
+            packed = None if splits else self._packed(eff, chunk, params)
+        else:  # (the policy's chunks do not apply)
+            (lens, lo, eff), splits, chunk = lengths, 0, None
         batch = self.batch = len(lens)
-        if packed is None and not splits:
-            packed = self._packed(eff, chunk, params)
         unsplit = chunk is None and splits <= 1 and packed is None  # one work item per request, nothing to merge
         if unsplit and self._unsplit_config is not None:
             self.config = cfg = self._unsplit_config
