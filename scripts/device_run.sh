@@ -8,7 +8,7 @@
 # starts with too little time left is skipped and says so. Results go to $OUT, flat, at most
 # 8 files: env.txt tests.log bench_{decode,prefill}.{log,json,png}. The summary is printed last.
 # Per-step caps: TESTS_S (default 420; the test files run in parallel, each 20 s less),
-# DECODE_S (240), PREFILL_S (330).
+# DECODE_S (300), PREFILL_S (330).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/out}
@@ -103,7 +103,7 @@ for step in "${steps[@]}"; do
         rc[tests]=skipped
       fi ;;
     bench-decode)
-      run_step bench-decode "${DECODE_S:-240}" "$OUT/bench_decode.log" "$PY" -m flashdispatch.bench decode \
+      run_step bench-decode "${DECODE_S:-300}" "$OUT/bench_decode.log" "$PY" -m flashdispatch.bench decode \
         --plain --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png" "${extra[@]}" ;;
     bench-prefill)
       run_step bench-prefill "${PREFILL_S:-330}" "$OUT/bench_prefill.log" "$PY" -m flashdispatch.bench prefill \

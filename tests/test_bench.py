@@ -25,7 +25,7 @@ def parse(argv):
 
 # --- shapes -------------------------------------------------------------------------------
 
-def test_default_decode_shapes_are_the_anchor_matrix_plus_fp8_and_mha():
+def test_default_decode_shapes_are_the_anchor_matrix_plus_fp8_mha_and_mixed():
     shapes = decode.parse_decode_shapes(decode.DEFAULT_SHAPES)
     anchors = [(1, 32768), (16, 8192), (64, 4096), (128, 2048), (256, 1024), (64, 16384), (256, 4096)]
     plain = [(s.batch, s.kv_len) for s in shapes if not s.mods]
@@ -33,6 +33,7 @@ def test_default_decode_shapes_are_the_anchor_matrix_plus_fp8_and_mha():
     assert all((s.qo_heads, s.kv_heads, s.head_dim, s.page_size) == (32, 8, 128, 16) for s in shapes if not s.mods)
     assert any(s.kv_dtype == torch.float8_e4m3fn for s in shapes)
     assert any(s.kv_heads == s.qo_heads == 32 for s in shapes)
+    assert [s.label for s in shapes if s.var] == ["48x4096:var", "128x4096:var", "128x4096:var:fp8"]
 
 
 def test_decode_shape_modifiers_and_labels():

@@ -18,10 +18,11 @@ from .timing import Job, graphed
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
-# ANCHORS.md's matrix (bf16, 32/8 heads, d128, page 16), then fp8 e4m3 KV and MHA (32/32).
+# ANCHORS.md's matrix (bf16, 32/8 heads, d128, page 16), then fp8 e4m3 KV, MHA (32/32) and mixed
+# lengths (a serving batch: one wave of requests, then past it)
 DEFAULT_SHAPES = (
     "1x32768,16x8192,64x4096,128x2048,256x1024,64x16384,256x4096,"
-    "64x4096:fp8,256x4096:fp8,16x8192:mha,64x4096:mha"
+    "64x4096:fp8,256x4096:fp8,16x8192:mha,64x4096:mha,48x4096:var,128x4096:var,128x4096:var:fp8"
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
