@@ -173,21 +173,27 @@ def test_packed_plan_of_interleaved_requests_matches_the_oracle(fused):
 
 
 @interpreted
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
-def test_wave_packed_plan_matches_the_oracle(fused):
+@pytest.mark.parametrize("fused, features", [(True, {}), (False, {}), (True, dict(window_left=250, sinks=True)),
+                                             (True, dict(q_len_per_req=2, mask_mode="causal")),
+                                             (False, dict(kv_dtype=torch.float8_e4m3fn))],
+                         ids=["fused", "merge-kernel", "window,sinks", "qlen2", "e4m3"])
+def test_wave_packed_plan_matches_the_oracle(fused, features):
     """Past one wave (17 requests x 2 KV heads on the interpreter's 8 SMs x 4), lengths spread
-    wide pack into the few-programs target's 16 pieces (`DecodeConfig.wave_pack_spread`), the
-    empty requests in a program of their own (zero output, -inf lse)."""
+    wide pack into the few-programs target's 16 pieces (`DecodeConfig.wave_pack_spread`; a window
+    of 250 keeps them spread), the empty requests in a program of their own (zero output, -inf
+    lse); with a window and sinks, 2 causal query rows, fp8 KV."""
     lens = np.random.default_rng(74).integers(1, 300, 17)
     lens[[3, 11]] = 0
-    case = _case(lens.tolist(), seed=74)
+    case = _case(lens.tolist(), seed=74, **features)
     ref_out, ref_lse = case.oracle()
     plan = run_fa2_decode(case, {**CPU_PACK, "pack_items": 4, "fused_merge_max_chunks": 64 if fused else 0})
     assert plan.items > 1 and not plan.direct and plan.split_target // plan.units == 16
     assert (plan._merge is None) == fused
-    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
-    for b in (3, 11):
-        assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
+    tol = 8e-2 if case.problem.kv_dtype == torch.float8_e4m3fn else 4e-3
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
+    if not case.problem.sinks and case.problem.q_len_per_req == 1:  # (a sink's logit is an empty row's lse)
+        for b in (3, 11):
+            assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
 
 
 @interpreted
