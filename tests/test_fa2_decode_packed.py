@@ -192,8 +192,7 @@ def test_wave_packed_plan_matches_the_oracle(fused, features):
     tol = 8e-2 if case.problem.kv_dtype == torch.float8_e4m3fn else 4e-3
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
     if not case.problem.sinks and case.problem.q_len_per_req == 1:  # (a sink's logit is an empty row's lse)
-        for b in (3, 11):
-            assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
+        _assert_empty_rows(case, (3, 11))
 
 
 @interpreted
@@ -256,26 +255,38 @@ def test_gpu_defaults_pack(lens, heads, kv):
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
 
 
+def _assert_empty_rows(case, rows) -> None:
+    """The empty requests' output rows are exactly 0 and their lse -inf."""
+    for b in rows:
+        assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
+
+
+def _gpu_mixed_plan(batch: int, empty: list, kv: str, head_dim: int, draw: int, seed: int):
+    """A plan of the defaults (32/8 heads) run on ``batch`` lengths drawn from 1 .. 8191 (as the
+    bench's ``:var`` rows; generator seed ``draw``; the ``empty`` requests without tokens), the
+    case's data from ``seed``, checked against the reference backend."""
+    fp8 = kv == "e4m3"
+    lens = np.random.default_rng(draw).integers(1, 8192, batch)
+    lens[empty] = 0
+    case = _case(lens.tolist(), device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                 num_qo_heads=32, num_kv_heads=8, head_dim_qk=head_dim, k_scale=0.8 if fp8 else None,
+                 v_scale=1.5 if fp8 else None, seed=seed)
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case)
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
+    _assert_empty_rows(case, empty)
+    return plan
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("head_dim", [128, 64, 256])
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
 def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
-    """A serving batch's mix (lengths drawn as the bench's ``:var`` rows, two empty requests)
-    under the GQA defaults that pack (pack_items 4): pieces touching four requests, the empty
-    requests in a program of their own."""
-    fp8 = kv == "e4m3"
-    lens = np.random.default_rng(9).integers(1, 8192, 48)
-    lens[[7, 30]] = 0
-    case = _case(lens.tolist(), device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                 num_qo_heads=32, num_kv_heads=8, head_dim_qk=head_dim, k_scale=0.8 if fp8 else None,
-                 v_scale=1.5 if fp8 else None, seed=71)
-    ref_out, ref_lse = reference_backend_result(case)
-    plan = run_fa2_decode(case)
+    """A serving batch's mix (48 requests, two empty) under the GQA defaults that pack (pack_items
+    4): pieces touching four requests, the empty requests in a program of their own."""
+    plan = _gpu_mixed_plan(48, [7, 30], kv, head_dim, draw=9, seed=71)
     assert plan.items == 4 and not plan.direct
-    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
-    for b in (7, 30):
-        assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
 
 
 @pytest.mark.gpu
@@ -283,17 +294,7 @@ def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
 @pytest.mark.parametrize("head_dim", [128, 64, 256])
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
 def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim):
-    """160 requests of a serving batch's mix (1 .. 8191 tokens, two empty) past one wave: the
-    GQA defaults pack them (`DecodeConfig.wave_pack_spread`) into whole waves of pieces."""
-    fp8 = kv == "e4m3"
-    lens = np.random.default_rng(10).integers(1, 8192, 160)
-    lens[[5, 100]] = 0
-    case = _case(lens.tolist(), device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                 num_qo_heads=32, num_kv_heads=8, head_dim_qk=head_dim, k_scale=0.8 if fp8 else None,
-                 v_scale=1.5 if fp8 else None, seed=75)
-    ref_out, ref_lse = reference_backend_result(case)
-    plan = run_fa2_decode(case)
+    """160 requests of a serving batch's mix (two empty) past one wave: the GQA defaults pack them
+    (`DecodeConfig.wave_pack_spread`) into whole waves of pieces."""
+    plan = _gpu_mixed_plan(160, [5, 100], kv, head_dim, draw=10, seed=75)
     assert plan.items > 1 and not plan.direct
-    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
-    for b in (5, 100):
-        assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
