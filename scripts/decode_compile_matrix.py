@@ -6,7 +6,7 @@ merge redefined with another type under sinks). This compiles each combination o
 (plain; sinks + window; sinks + window + soft cap; ALiBi; RoPE with two causal query rows) x
 work layout (work array with and without the fused merge, direct table, the kernel's own split
 with and without the fused merge; fp8 KV: the work array only, as its configs use), at the base
-tile and, for the variants that take them (`decode._plain_variant`), each other wave tile, and
+tile and, for the variants that take them (`decode_variant.plain_variant`), each other wave tile, and
 where the defaults pack (`DecodeConfig.pack_items`) their packed work array, for
 GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
 one that fails. d128 by default (the CPU suite runs that); other head dims as arguments.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_registers as regs  # noqa: E402  (sets up an offline Triton: no interpreter, own cache)
 import torch  # noqa: E402
 
-from flashdispatch.backends.fa2 import decode as fdec  # noqa: E402
+from flashdispatch.backends.fa2 import decode_variant as fvar  # noqa: E402
 from flashdispatch.backends.fa2.decode_config import resolve_config, with_split_block, with_tile  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
 
@@ -44,10 +44,10 @@ def main(head_dims: list[int]) -> None:
         for feature, changes in FEATURES.items():
             p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, d, d, page_size=16, **changes)
             base = resolve_config(p, None)
-            block_m, row_blocks = fdec.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, base)
+            block_m, row_blocks = fvar.row_block(p.q_len_per_req * p.num_qo_heads // p.num_kv_heads, base)
             # the wave tiles run for the plain variant only (decode.py), unsplit or (fp8's wave
             # split) split; bf16's 64 x 2 is also its split block
-            waves = base.wave_tiles if fdec._plain_variant(p, block_m) else ()
+            waves = base.wave_tiles if fvar.plain_variant(p, block_m) else ()
             tiles = [(base, "")] + [(with_tile(base, bn, st), f", {bn} x {st}") for bn, st, _, _ in waves
                                     if (bn, st) != (base.block_n, base.num_stages)]
             # (label, config, fused merge, direct table, direct split, work rows per program)
@@ -59,7 +59,7 @@ def main(head_dims: list[int]) -> None:
                 packed = with_split_block(base) if base.split_block_n else base
                 variants.append((f"packed x{base.pack_items}, fused", packed, True, False, False, base.pack_items))
             for label, cfg, fused, direct, split, items in variants:
-                consts = fdec._kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items)
+                consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items)
                 consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
                 regs.compile_variant(consts, torch.bfloat16, kv)
                 print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {label}", flush=True)

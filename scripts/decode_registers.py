@@ -1,7 +1,7 @@
 """Offline compile of the fa2 decode kernel (sm90 unless --cc says another): registers, spills,
 shared memory and programs per SM of the variants a plan would launch (no GPU needed).
 
-Compiles ``decode_kernel`` for GPUTarget("cuda", 90, 32) (or --cc) with the constexprs ``_kernel_constants``
+Compiles ``decode_kernel`` for GPUTarget("cuda", 90, 32) (or --cc) with the constexprs ``decode_variant.kernel_constants``
 gives the problem's default config plus run()'s (float scales; lse with --lse), pointers and
 strides divisible by 16 as a launch of contiguous tensors specializes them, once per (work
 array | direct table) x (register cap as configured | none), and runs ptxas -v on the PTX.
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from flashdispatch.backends.fa2 import decode as fdec  # noqa: E402
+from flashdispatch.backends.fa2 import decode_variant as fvar  # noqa: E402
 from flashdispatch.backends.fa2 import decode_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
@@ -82,7 +82,7 @@ def main() -> None:
                 page_size=args.page_size, q_len_per_req=args.q_len)
     # the defaults of a GPU with this shared memory per block (per SM less the 1 KB a block reserves)
     cfg = decode_config.resolve_config(p, json.loads(args.config), SM_LIMITS[args.cc][0] - 1024)
-    block_m, row_blocks = fdec.row_block(args.q_len * (hq // hk), cfg)
+    block_m, row_blocks = fvar.row_block(args.q_len * (hq // hk), cfg)
     print(f"triton {triton.__version__}, sm{args.cc}; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")
@@ -95,11 +95,11 @@ def main() -> None:
             variant_cfg = decode_config.with_split_block(cfg)
         else:
             variant_cfg = cfg if capped else decode_config.apply_overrides(cfg, {"max_registers": 0})
-        consts = fdec._kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False)
+        consts = fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False)
         consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
         # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
         consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
-        if capped and "maxnreg" not in consts:  # _register_cap: not this variant
+        if capped and "maxnreg" not in consts:  # register_cap: not this variant
             continue
         k = compile_variant(consts, q_dtype, KV[args.kv], args.cc)
         regs, spill = ptxas_usage(k.asm["ptx"], PTXAS_GPU[args.cc])

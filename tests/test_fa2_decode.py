@@ -349,7 +349,7 @@ def test_unsplit_plan_direct_table_or_work_array(feature, direct):
         assert plan.work is case.params.kv_indptr and plan.last is case.params.kv_last_page_len
 
 
-def test_default_direct_table_and_register_cap():
+def test_default_direct_table_andregister_cap():
     """The measured defaults: the direct table for 16-bit GQA KV up to d128 and fp8 GQA d128 and
     d256 (not MHA, 16-bit d256 or fp8 d64), and the 64-register cap on the d128 GQA config only,
     dropped where a split plan takes split_block_n or a config overrides block_n."""
@@ -384,7 +384,7 @@ def test_default_direct_table_and_register_cap():
 def test_register_cap_only_on_the_measured_variant(variant, capped):
     """max_registers reaches ptxas only for one query row in a 16-row block without RoPE, ALiBi,
     soft cap or fused merge (the others spill under 64 registers or do not compile)."""
-    from flashdispatch.backends.fa2.decode import _register_cap
+    from flashdispatch.backends.fa2.decode_variant import register_cap
     from flashdispatch.backends.fa2.decode_config import DecodeConfig
     from flashdispatch.dispatch.problem import Problem
     variant = dict(variant)
@@ -392,7 +392,7 @@ def test_register_cap_only_on_the_measured_variant(variant, capped):
     heads = (variant.pop("num_qo_heads", 32), variant.pop("num_kv_heads", 8))
     p = Problem("decode", F16, F16, F16, heads[0], heads[1], 128, 128, page_size=16, **variant)
     block_m = max(16, 1 << (p.q_len_per_req * heads[0] // heads[1] - 1).bit_length())
-    assert _register_cap(p, DecodeConfig(max_registers=64), block_m, fused) == (64 if capped else 0)
+    assert register_cap(p, DecodeConfig(max_registers=64), block_m, fused) == (64 if capped else 0)
 
 
 def test_direct_table_only_where_nothing_is_split():
@@ -432,7 +432,8 @@ def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):
     sm90+, only when a merge kernel runs (split, not fused), and never under the interpreter. Plans
     only: the interpreter cannot run griddepcontrol (the GPU suite runs them)."""
     from flashdispatch.backends.fa2 import decode as fdec
-    fdec._kernel_constants.cache_clear()  # its key does not hold TRITON_INTERPRETED
+    from flashdispatch.backends.fa2.decode_config import DecodeConfig
+    fdec.kernel_constants.cache_clear()  # its key does not hold TRITON_INTERPRETED
     monkeypatch.setattr(fdec, "TRITON_INTERPRETED", False)
     case = _case(seed=47)
     case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
@@ -454,8 +455,8 @@ def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):
     monkeypatch.setattr(fdec, "TRITON_INTERPRETED", True)
     assert not pdl((9, 0), unfused, fixed_split_size=2)
     with pytest.raises(ValueError, match="pdl"):
-        fdec.DecodeConfig(pdl=1)
-    fdec._kernel_constants.cache_clear()
+        DecodeConfig(pdl=1)
+    fdec.kernel_constants.cache_clear()
 
 
 def test_pdl_reaches_the_merge_launch(monkeypatch):
@@ -468,11 +469,11 @@ def test_pdl_reaches_the_merge_launch(monkeypatch):
     case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     case.params.fixed_split_size = 2
     unfused = {"fused_merge_max_chunks": 0}
-    fdec._kernel_constants.cache_clear()  # its key does not hold TRITON_INTERPRETED
+    fdec.kernel_constants.cache_clear()  # its key does not hold TRITON_INTERPRETED
     with monkeypatch.context() as m:
         m.setattr(fdec, "TRITON_INTERPRETED", False)
         sm90 = plan_decode(case.problem, dataclasses.replace(case.device, cc=(9, 0)), case.params, unfused)
-    fdec._kernel_constants.cache_clear()
+    fdec.kernel_constants.cache_clear()
     assert sm90.pdl and sm90._merge.pdl
     for launcher in sm90._merge._launchers.values():
         assert launcher._kwargs["launch_pdl"] is True and launcher._kwargs["PDL"] is True

@@ -186,10 +186,10 @@ def test_fused_merge_without_splits_and_config_check():
 def test_fused_merge_tile_sizes(no_merge_launch, values):
     """fused_merge_values sets the [rows, partials, head_dim] tile of one merge round: fewer
     partials per round than chunks (256) and more (8192) merge alike; a bad size is refused."""
-    from flashdispatch.backends.fa2.decode import _merge_tile
+    from flashdispatch.backends.fa2.decode_variant import merge_tile
     from flashdispatch.backends.fa2.decode_config import DecodeConfig
-    assert _merge_tile(4, 128, 4096) == (4, 8) and _merge_tile(4, 128, 8192) == (4, 16)
-    assert _merge_tile(1, 128, 8192) == (1, 64) and _merge_tile(16, 128, 256) == (2, 2)
+    assert merge_tile(4, 128, 4096) == (4, 8) and merge_tile(4, 128, 8192) == (4, 16)
+    assert merge_tile(1, 128, 8192) == (1, 64) and merge_tile(16, 128, 256) == (2, 2)
     _check_fused(_case((3, 70, 300), seed=26), fixed_split_size=1, config={"fused_merge_values": values})
     for bad in (0, 100, 128, 8192.0, True):
         with pytest.raises(ValueError, match="fused_merge_values"):

@@ -181,12 +181,14 @@ def test_wave_packed_plan_matches_the_oracle(fused, features):
     """Past one wave (17 requests x 2 KV heads on the interpreter's 8 SMs x 4), lengths spread
     wide pack into the few-programs target's 16 pieces (`DecodeConfig.wave_pack_spread`; a window
     of 250 keeps them spread), the empty requests in a program of their own (zero output, -inf
-    lse); with a window and sinks, 2 causal query rows, fp8 KV."""
+    lse); with a window and sinks, 2 causal query rows, fp8 KV. Laid out by the host
+    (wave_pack_line false; test_fa2_decode_line.py: by the kernel)."""
     lens = np.random.default_rng(74).integers(1, 300, 17)
     lens[[3, 11]] = 0
     case = _case(lens.tolist(), seed=74, **features)
     ref_out, ref_lse = case.oracle()
-    plan = run_fa2_decode(case, {**CPU_PACK, "pack_items": 4, "fused_merge_max_chunks": 64 if fused else 0})
+    plan = run_fa2_decode(case, {**CPU_PACK, "pack_items": 4, "fused_merge_max_chunks": 64 if fused else 0,
+                                 "wave_pack_line": False})
     assert plan.items > 1 and not plan.direct and plan.split_target // plan.units == 16
     assert (plan._merge is None) == fused
     tol = 8e-2 if case.problem.kv_dtype == torch.float8_e4m3fn else 4e-3
@@ -261,10 +263,10 @@ def _assert_empty_rows(case, rows) -> None:
         assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
 
 
-def _gpu_mixed_plan(batch: int, empty: list, kv: str, head_dim: int, draw: int, seed: int):
-    """A plan of the defaults (32/8 heads) run on ``batch`` lengths drawn from 1 .. 8191 (as the
-    bench's ``:var`` rows; generator seed ``draw``; the ``empty`` requests without tokens), the
-    case's data from ``seed``, checked against the reference backend."""
+def _gpu_mixed_plan(batch: int, empty: list, kv: str, head_dim: int, draw: int, seed: int, config=None):
+    """A plan of the defaults (32/8 heads; ``config``: overrides) run on ``batch`` lengths drawn
+    from 1 .. 8191 (as the bench's ``:var`` rows; generator seed ``draw``; the ``empty`` requests
+    without tokens), the case's data from ``seed``, checked against the reference backend."""
     fp8 = kv == "e4m3"
     lens = np.random.default_rng(draw).integers(1, 8192, batch)
     lens[empty] = 0
@@ -272,7 +274,7 @@ def _gpu_mixed_plan(batch: int, empty: list, kv: str, head_dim: int, draw: int, 
                  num_qo_heads=32, num_kv_heads=8, head_dim_qk=head_dim, k_scale=0.8 if fp8 else None,
                  v_scale=1.5 if fp8 else None, seed=seed)
     ref_out, ref_lse = reference_backend_result(case)
-    plan = run_fa2_decode(case)
+    plan = run_fa2_decode(case, config)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
     _assert_empty_rows(case, empty)
     return plan
@@ -287,14 +289,3 @@ def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
     4): pieces touching four requests, the empty requests in a program of their own."""
     plan = _gpu_mixed_plan(48, [7, 30], kv, head_dim, draw=9, seed=71)
     assert plan.items == 4 and not plan.direct
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("head_dim", [128, 64, 256])
-@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
-def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim):
-    """160 requests of a serving batch's mix (two empty) past one wave: the GQA defaults pack them
-    (`DecodeConfig.wave_pack_spread`) into whole waves of pieces."""
-    plan = _gpu_mixed_plan(160, [5, 100], kv, head_dim, draw=10, seed=75)
-    assert plan.items > 1 and not plan.direct

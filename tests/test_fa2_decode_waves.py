@@ -80,9 +80,9 @@ def test_wave_tile_choice_and_config():
 _H200 = Device("cpu", 0, (9, 0), "NVIDIA H200", 132)  # plans only: their tables stay on the CPU
 
 
-def _h200_plan(lens, kv_dtype=F16):
+def _h200_plan(lens, kv_dtype=F16, config=None):
     """A plan (no launch) of bf16 / fp8 32/8 heads d128 page 16 for these KV lengths on a
-    described 132-SM sm90 device; page tables on the CPU."""
+    described 132-SM sm90 device (``config``: `DecodeConfig` overrides); page tables on the CPU."""
     from flashdispatch.backends.base import AttentionParams
     from flashdispatch.backends.fa2.decode import DecodePlan
     from flashdispatch.dispatch.problem import Problem
@@ -96,7 +96,7 @@ def _h200_plan(lens, kv_dtype=F16):
         kv_last_page_len=i32([n - 16 * (p - 1) if n else 0 for n, p in zip(lens, pages)]),
         workspace=torch.empty(128 << 20, dtype=torch.uint8))
     problem = Problem("decode", F16, kv_dtype, F16, 32, 8, 128, 128, page_size=16)
-    return DecodePlan(problem, _H200, params), params
+    return DecodePlan(problem, _H200, params, config), params
 
 
 def test_wave_plans_on_the_h200():
@@ -106,7 +106,7 @@ def test_wave_plans_on_the_h200():
     3.49 in 3 against 3.02, 160x4096 3.86 in 4 against 3.66, 128x4096 3.90 whole against 3.91 in
     2); a bf16 re-plan with other lengths through `DecodePlan.refreshed` equals a fresh plan of
     them."""
-    from flashdispatch.backends.fa2.decode import _register_cap
+    from flashdispatch.backends.fa2.decode_variant import register_cap
     gen = np.random.default_rng(7)
     expect = {70: ((64, 2), 1, 0), 96: ((32, 2), 1, 64), 133: ((64, 2), 5, 0), 160: ((64, 2), 1, 0),
               176: ((64, 2), 3, 0), 256: ((32, 2), 1, 64)}
@@ -116,7 +116,7 @@ def test_wave_plans_on_the_h200():
         plan, _ = _h200_plan(lens)
         cfg = plan.config
         assert ((cfg.block_n, cfg.num_stages), plan.wave_split, plan.max_chunks) == (tile, chunks > 1, chunks), batch
-        assert _register_cap(plan.problem, cfg, plan.block_m, plan.fused_merge) == cap, batch
+        assert register_cap(plan.problem, cfg, plan.block_m, plan.fused_merge) == cap, batch
         new_lens = gen.integers(3500, 4700, batch).tolist()
         fresh, params = _h200_plan(new_lens)
         again = plan.refreshed(_H200, params)
@@ -291,11 +291,13 @@ def test_mixed_lengths_past_a_wave_pack_on_the_h200():
     target's pieces, on the split block: 128 requests bf16 in 66 pieces (4 to a program), fp8 in
     132 (3), 256 bf16 in 132. Equal lengths, and mixed ones too short for min_chunk_tokens pieces,
     keep the direct table; a direct plan re-planned for mixed lengths plans afresh, for equal ones
-    it refreshes."""
+    it refreshes. Laid out by the host (wave_pack_line false; test_fa2_decode_line.py: by the
+    kernel)."""
     lens = np.random.default_rng(20261201).integers(1, 8192, 256).tolist()
+    host = {"wave_pack_line": False}
     for kv, batch, (block_n, groups, items) in ((F16, 128, (64, 66, 4)), (torch.float8_e4m3fn, 128, (32, 132, 3)),
                                                 (F16, 256, (64, 132, 4))):
-        plan, _ = _h200_plan(lens[:batch], kv)
+        plan, _ = _h200_plan(lens[:batch], kv, host)
         got = (plan.config.block_n, plan.split_target // plan.units, plan.items, plan.direct)
         assert got == (block_n, groups, items, False), (kv, batch)
         equal, _ = _h200_plan([4096] * batch, kv)
@@ -303,7 +305,7 @@ def test_mixed_lengths_past_a_wave_pack_on_the_h200():
         assert equal.refreshed(_H200, _h200_plan(lens[:batch], kv)[1]) is None
         assert equal.refreshed(_H200, _h200_plan([4000] * batch, kv)[1]) is not None
     short, _ = _h200_plan(np.random.default_rng(1).integers(1, 128, 256).tolist())
-    assert short.direct and short.items == 1
+    assert short.direct and short.items == 1 and not short.line
 
 
 def test_may_wave_pack_and_its_pieces():

@@ -29,13 +29,18 @@ so a graph captured once replays correctly after a later plan() of the same batc
 indptr / last_page_len buffers and splits each request into the slots itself; its merge rows and
 counters take the work array layout's places in the int workspace.
 
+Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): the host lays the requests'
+tokens end to end and uploads the work rows of equal pieces (`decode_split.packed_segments`), or,
+with `DecodeConfig.wave_pack_line`, the kernel cuts the pages as kv_indptr numbers them into the
+plan's number of pieces and finds its own (decode_kernel.py's LINE): such a plan builds nothing,
+and a re-plan of the same batch size only swaps the tables.
+
 Tuning: `DecodeConfig` (decode_config.py) fields can be overridden per plan
 (``plan_decode(..., config={...})``) or through
 FLASHDISPATCH_FA2_DECODE_CONFIG='{"block_n": 64, "num_stages": 3, ...}'.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -47,12 +52,13 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, shared_per_block,
                       triton_fp8_kv_reasons)
-from .decode_config import (DecodeConfig, for_cuda_graph, resolve_config, wave_choice, wave_split_ceiling,
+from .decode_config import (for_cuda_graph, resolve_config, wave_choice, wave_split_ceiling,
                             wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
                            few_programs_target, may_wave_pack, mean_tokens, never_split, packed_segments,
                            policy_tokens, split_target, wave_pack_groups, work_fill)
+from .decode_variant import kernel_constants, plain_variant, row_block
 from .decode_workspace import carve_partials, counters_offset, int_workspace_ints, partial_bytes, workspace_bytes
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -74,62 +80,6 @@ DECODE_CAPS = Caps(
     max_q_len_per_req=64,
 )
 
-def _merge_tile(rows: int, head_dim: int, values: int) -> tuple[int, int]:
-    """(rows, partials) per load round of the fused merge for ``rows`` query rows per program: a
-    [rows, partials, head_dim] float32 tile of ``values`` (DecodeConfig.fused_merge_values), all
-    rows at once where that leaves >= 2 partials per round (sm90, d128, 4K values: 4 warps keep
-    72 registers, 1 warp does not spill: the merge runs after the token loop, whose registers
-    are free by then)."""
-    pairs = max(4, values // head_dim)
-    block_r = min(1 << (rows - 1).bit_length(), pairs // 2)
-    return block_r, pairs // block_r
-
-
-def row_block(rows: int, cfg: DecodeConfig) -> tuple[int, int]:
-    """(block_m, row blocks) for a program's ``rows`` query rows (q_len_per_req x group): the next
-    power of two, at least the mma's side the rows are on (M 16, or N 8 with ``cfg.swap_ab``), at
-    most ``cfg.max_block_m``."""
-    block_m = max(8 if cfg.swap_ab else 16, min(1 << (rows - 1).bit_length(), cfg.max_block_m))
-    return block_m, -(-rows // block_m)
-
-
-def _plain_variant(p: Problem, block_m: int) -> bool:
-    """Whether the kernel is the variant the configs' register cap and programs-per-SM figures
-    were measured on: one query row per request in one 16-row block, no RoPE/ALiBi/soft cap."""
-    return p.q_len_per_req == 1 and block_m <= 16 and p.pos_encoding_mode == "NONE" and p.logits_soft_cap <= 0
-
-
-def _register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool) -> int:
-    """``cfg.max_registers`` for the variant it was measured on (`_plain_variant`, no fused
-    merge), else 0: the offline sm90 compiles of the others spill under a cap of 64 (RoPE 76-112
-    bytes, the fused merge of group 8/16 up to 256) or, at 64 rows, do not compile."""
-    return cfg.max_registers if _plain_variant(p, block_m) and not fused_merge else 0
-
-
-@functools.lru_cache(maxsize=256)
-def _kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool,
-                      direct: bool, direct_split: bool, pdl: bool, items: int = 1) -> dict:
-    """The decode kernel's constexprs and launch options of a plan (cached: plan() is host-time
-    bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
-    q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
-    fp16_dots = p.kv_dtype in FP8_DTYPES and (cfg.fp8_dot_dtype == "fp16" or p.q_dtype == torch.float16)
-    merge_r, merge_s = _merge_tile(min(block_m, q_len * group), p.head_dim_vo, cfg.fused_merge_values)
-    cap = _register_cap(p, cfg, block_m, fused_merge)
-    return dict(
-        NUM_QO_HEADS=p.num_qo_heads, GROUP=group, QLEN=q_len, ROW_BLOCKS=row_blocks,
-        PAGE=p.page_size, HEAD_DIM=p.head_dim_qk, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=p.mask_mode == "causal" and q_len > 1, WINDOW=p.window_left >= 0,
-        SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
-        ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, K_ROWS=cfg.k_rows,
-        FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
-        HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
-        V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
-        FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
-        DIRECT_SPLIT=direct_split, PDL_TRIGGER=pdl, SWAP_AB=cfg.swap_ab, ITEMS=items,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cap} if cap and not TRITON_INTERPRETED else {}))
-
-
 class DecodePlan:
     """A planned decode: the work array on the device, the grid, and the launch options."""
 
@@ -140,7 +90,7 @@ class DecodePlan:
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
         self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
-        if not _plain_variant(p, self.block_m):
+        if not plain_variant(p, self.block_m):
             cfg = without_waves(cfg)  # other variants use other registers: their programs per SM are not known
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         sm_count = device.sm_count or 8
@@ -150,8 +100,10 @@ class DecodePlan:
         # past one wave of programs, lengths spread wide pack too (`DecodeConfig.wave_pack_spread`)
         self._wave_pack = (cfg, sm_count) if (not few and policy_splits and not p.use_cuda_graph
                                               and cfg.pack_items > 1 and cfg.wave_pack_spread > 0) else None
-        lengths = effective_lengths(params, p, self.q_len) if self._wave_pack else None
-        wave_packed = self._wave_packed(params, lengths[2]) if self._wave_pack else None
+        self.batch = params.batch_size
+        line = self._line_groups(params) if self._wave_pack else 0  # the kernel's own packing
+        lengths = effective_lengths(params, p, self.q_len) if self._wave_pack and not line else None
+        wave_packed = (line * self.units, None) if line else self._wave_packed(params, lengths[2]) if lengths is not None else None
         # past ctas_per_sm x SMs programs under the default policy, the wave model's tile (a
         # function of the batch size: fixed_split_size / disable_split_kv stay batch-invariant)
         choice = None if few or wave_packed is not None or not policy_splits else wave_choice(cfg, programs, sm_count)
@@ -189,7 +141,10 @@ class DecodePlan:
         # work rows per program (`DecodeConfig.pack_items`): a few-programs split may pack
         self.items, self._may_pack = 1, few and policy_splits and not p.use_cuda_graph and cfg.pack_items > 1
         self.kernel_max_splits = cfg.max_splits  # the kernel's cap on its own split's chunks
-        if p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
+        self.line = False
+        if line:
+            self._place_direct(params, run_device, line_groups=line)
+        elif p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
             self._place_graph_direct(device, params, run_device)
         else:
             self._build(device, params, run_device, lengths or effective_lengths(params, p, self.q_len),
@@ -198,13 +153,20 @@ class DecodePlan:
     def refreshed(self, device: Device, params: AttentionParams) -> DecodePlan | None:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
         batch size and scalars): when the kernel reads the page table directly and the new lengths
-        keep its layout (no request split, or the kernel's own split with as many chunk slots)
-        and the wave split's target (`split_target` of the new mean length), only the tables and
+        keep its layout (no request split, the kernel's own split with as many chunk slots, or
+        its line of as many pieces and the same merge, `wave_pack_line`) and the wave split's
+        target (`split_target` of the new mean length), only the tables and
         the split length change (a copy of the plan with the new ones, its config too:
         FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
         plan afresh."""
         if not self.direct or params.batch_size != self.batch:
             return None
+        if self.line:  # the same pieces and merge: only the tables change
+            if self._line_groups(params) != self.n_work:
+                return None
+            if (self._line_chunks(params, self.n_work) <= self.config.fused_merge_max_chunks) != self.fused_merge:
+                return None
+            return self._with_tables(params, 0)
         if self._wave_pack and may_wave_pack(params, self.problem, self.q_len, *self._wave_pack, self.units):
             return None  # these lengths may pack (`_wave_packed`)
         if self._wave_policy is not None:
@@ -224,13 +186,18 @@ class DecodePlan:
                 split = self._direct_split(eff, chunk, params)
         if split is None or split[1] != self.split_slots:
             return None
-        plan = object.__new__(DecodePlan)  # a shallow copy (copy.copy takes the slower __reduce_ex__ path)
+        return self._with_tables(params, split[0])
+
+    def _with_tables(self, params: AttentionParams, split_tokens: int) -> DecodePlan:
+        """A shallow copy of this direct plan with the index tensors of ``params`` and the kernel's
+        own split length ``split_tokens`` (`refreshed`)."""
+        plan = object.__new__(DecodePlan)  # (copy.copy takes the slower __reduce_ex__ path)
         plan.__dict__.update(self.__dict__)
         plan.kv_indices = params.kv_indices
         plan.work, plan.last = params.kv_indptr, params.kv_last_page_len
-        if plan.split_slots == 1:
+        if plan.n_merge == 0:
             plan.plse = plan.po = plan.work
-        plan.split_tokens = split[0]
+        plan.split_tokens = split_tokens
         plan._set_tables()
         return plan
 
@@ -401,6 +368,27 @@ class DecodePlan:
                 return (groups * self.units, packed) if self._holds(packed, params) else None
         return None
 
+    def _line_groups(self, params: AttentionParams) -> int:
+        """The item groups of a plan past one wave that leaves the packing to the kernel
+        (`DecodeConfig.wave_pack_line`; the first of `wave_pack_groups`): where these requests may
+        pack (`may_wave_pack`), without a sliding window (the line counts whole requests' pages)
+        and with room in the workspace for a partial per group and request; else 0."""
+        cfg, sm_count = self._wave_pack
+        if not cfg.wave_pack_line or self.problem.window_left >= 0:
+            return 0
+        if not may_wave_pack(params, self.problem, self.q_len, cfg, sm_count, self.units):
+            return 0
+        groups = wave_pack_groups(self.batch, cfg, sm_count, self.units)[0]
+        return groups if self._partial_bytes(groups + self.batch) <= workspace_bytes(params) else 0
+
+    def _line_chunks(self, params: AttentionParams, groups: int) -> int:
+        """The most pieces a request can touch in a line plan of ``groups`` pieces (a bound from
+        the longest request and the fewest pages the lengths can fill)."""
+        lens, page = params.kv_lens_host, self.problem.page_size
+        fewest_pages, longest = -(-sum(lens) // page), -(-max(lens) // page)
+        piece = max(-(-fewest_pages // groups), 1)
+        return -(-longest // piece) + 1
+
     def _holds(self, packed: PackedSplit, params: AttentionParams) -> bool:
         """Whether the workspace holds the partials of ``packed``'s split requests."""
         segments = packed.segments
@@ -426,20 +414,28 @@ class DecodePlan:
         self._place_direct(params, run_device, self.config.min_chunk_tokens if slots > 1 else 0, slots)
 
     def _place_direct(self, params: AttentionParams, run_device: torch.device, split_tokens: int = 0,
-                      split_slots: int = 1) -> None:
+                      split_slots: int = 1, line_groups: int = 0) -> None:
         """`DecodeConfig.direct_table`: the kernel reads kv_indptr / last_page_len (on the run
         device: a host one is uploaded here, with the API's other host arrays) for its request.
         ``split_slots`` > 1: each request has that many work items (chunk slots) and the kernel
         splits it as `chunk_tokens` would (see `_direct_split`); its partials take slots
-        request x split_slots + chunk, the fused merge's counters are zeroed here once (the merging
-        program resets its own), else the kernel writes the merge kernel's info row per request."""
-        self.direct = True
+        request x split_slots + chunk. ``line_groups``: that many work items, each a piece of the
+        requests' pages end to end (`DecodeConfig.wave_pack_line`), partial slots piece + request.
+        Split, the fused merge's counters are zeroed here once (the merging program resets its
+        own), else the kernel writes the merge kernel's info row per request."""
+        self.direct, self.line = True, line_groups > 0
         self.work, self.last = params.kv_indptr, params.kv_last_page_len
         self.split_tokens, self.split_slots = split_tokens, split_slots
         self.info = self.counters = None
-        if split_slots > 1:
-            self.n_work, self.n_merge, self.max_chunks = self.batch * split_slots, self.batch, split_slots
-            self.fused_merge = split_slots <= self.config.fused_merge_max_chunks
+        if split_slots > 1 or self.line:
+            if self.line:
+                self.n_work, n_partial = line_groups, line_groups + self.batch
+                self.max_chunks = self._line_chunks(params, line_groups)
+            else:
+                self.n_work = n_partial = self.batch * split_slots
+                self.max_chunks = split_slots
+            self.fused_merge = self.max_chunks <= self.config.fused_merge_max_chunks
+            self.n_merge = self.batch
             n_info, n_counters = self.batch * MERGE_INFO_COLS, self.batch * self.units
             if self.problem.use_cuda_graph:
                 # the int workspace, where a work-array graph plan of this batch size has its merge
@@ -455,7 +451,7 @@ class DecodePlan:
                 self.counters = torch.zeros(n_counters, dtype=torch.int32, device=run_device)
             else:
                 self.info = torch.empty(n_info, dtype=torch.int32, device=run_device)
-            self.plse, self.po, self.workspace_bytes = self._carve(self.n_work, params)
+            self.plse, self.po, self.workspace_bytes = self._carve(n_partial, params)
         else:
             self.fused_merge = False
             self.plse = self.po = self.work  # never written: no request is split
@@ -507,8 +503,8 @@ class DecodePlan:
         self.pdl = self.pdl_capable and merge_kernel
         self._merge = (DecodeMerge(self.po, self.plse, self.info, self.n_merge, self.q_len, p.num_qo_heads,
                                    p.head_dim_vo, self.pdl) if merge_kernel else None)
-        self._consts = _kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
-                                         self.direct, self.split_slots > 1, self.pdl, self.items)
+        self._consts = kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
+                                        self.direct, self.split_slots > 1, self.pdl, self.items, self.line)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
         self._set_tables()
 
@@ -521,7 +517,7 @@ class DecodePlan:
                         self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope,
-                              self.split_tokens, self.split_slots, self.kernel_max_splits)
+                              self.split_tokens, self.split_slots, self.kernel_max_splits, self.batch)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:

@@ -27,7 +27,7 @@ class DecodeConfig:
     chooses. It sets how many programs fit on an SM, which bounds the KV reads in flight (sm90
     d128, 4 warps, block_n 32: ptxas gave group 4's direct-table variant and group 16's 79-80
     registers, 6 programs per SM, where 64 fits 8; see docs/perf-notes.md). Only the variant it
-    was measured on takes it (`_register_cap`: one query row per request, one 16-row block, no
+    was measured on takes it (`decode_variant.register_cap`: one query row per request, one 16-row block, no
     RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to ``split_block_n``
     or the wave tiles or override block_n, run uncapped (under 64 they spill, or do not compile
     at 64 rows).
@@ -93,7 +93,7 @@ class DecodeConfig:
     already at the read ceiling) flat or lower (64x4096 4.26 -> 4.24, MHA 4.50 -> 4.24): fp8 only.
     wave_tiles: ((block_n, num_stages, programs per SM, rate), ...): a plan of at least
     ctas_per_sm x SMs programs (request x KV head x row block) under the default split policy,
-    of the variant the figures were measured on (`decode._plain_variant`) and not split for
+    of the variant the figures were measured on (`decode_variant.plain_variant`) and not split for
     waves (wave_split_ctas; a split plan runs split_block_n, else `fastest_wave_tile`), runs
     the tile with the least predicted time for its program count (`wave_choice`): programs
     of equal work run in waves of (programs per SM x SMs), and a last, partly filled wave costs
@@ -174,6 +174,17 @@ class DecodeConfig:
     MHA 32x4096 3.35 -> 4.19 (docs/perf-notes.md). 0: never.
     wave_pack_load: the mean requests' tokens to a piece that `wave_pack_groups` aims for (1.0,
     twice the pieces, read the same or less: d128 fp8 256x1024:var 3.27 against 3.39).
+    wave_pack_line: a wave-packed plan without a sliding window leaves the pieces to the kernel
+    (decode_kernel.py's LINE): the requests' pages end to end as kv_indptr numbers them, one equal
+    piece of whole pages per item group, so plan() lays out and uploads nothing (a direct plan's
+    host time) and a re-plan of the same batch size only swaps the tables. False: the host lays
+    out the segments (`decode_split.packed_segments`, up to pack_items to a program) and uploads
+    their work rows. On by default where the H200 measured it at or above the host's packing
+    (32/8, session 25, TB/s host -> line): fp8 d128 128x4096:var 3.80 -> 3.78, 256x1024:var 3.35
+    -> 3.36; bf16 d64 128x4096:var 3.96 -> 4.00, 256x2048:var 3.61 -> 3.80; bf16 d256 4.30 ->
+    4.35, 4.01 -> 4.31; fp8 d256 256x1024:var 3.39 -> 3.39. Off elsewhere: bf16 d128 read 4-5 %
+    less (128x4096:var 4.29 -> 4.08, 512x1024:var 4.12 -> 3.99), fp8 d64 256x1024:var 2.28 -> 2.18;
+    MHA not measured.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -212,6 +223,7 @@ class DecodeConfig:
     pack_fill: float = 0.95
     wave_pack_spread: float = 1.5
     wave_pack_load: float = 2.0
+    wave_pack_line: bool = False
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -229,7 +241,7 @@ class DecodeConfig:
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
         if self.fp8_v_convert not in ("operand", "staged"):
             raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
-        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab"):
+        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab", "wave_pack_line"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
@@ -322,6 +334,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     # 3.16 -> 4.30, fp8 36x4096:var 2.60 -> 3.35, 48x4096:var 2.10 -> 3.50, 16x8192:var 2.69 -> 3.29;
     # d64 bf16 2.89 -> 3.20, 2.85 -> 3.47, 2.79 -> 3.68, fp8 2.01 -> 2.36, 1.97 -> 2.36, 2.19 -> 2.25)
     mixed = dict(pack_items=4, pack_fill=0.65) if gqa and d in (64, 256) and problem.page_size > 1 else {}
+    # past one wave the kernel packs (DecodeConfig.wave_pack_line) where it read as the host's packing or more
+    line = dict(wave_pack_line=True) if mixed and not (d == 64 and problem.kv_dtype in FP8_DTYPES) else {}
     if problem.kv_dtype in FP8_DTYPES and 0 < shared < FP8_SMALL_SHARED:
         return _small_shared_fp8_config(problem, shared)
     if problem.kv_dtype in FP8_DTYPES:
@@ -336,7 +350,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
             # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
             # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items)
-            few = dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4) if d == 128 else mixed
+            few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=gqa) if d == 128
+                   else mixed)
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
@@ -346,7 +361,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
         # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
         return DecodeConfig(block_n=32, num_warps=2, num_stages=3, k_rows=True, fp8_dot_dtype="fp16",
-                            page_prefetch=True, fp8_v_convert="staged", swap_ab=True, direct_table=gqa, **mixed)
+                            page_prefetch=True, fp8_v_convert="staged", swap_ab=True, direct_table=gqa, **mixed,
+                            **line)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows
@@ -362,7 +378,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     if d <= 64:
         # 128 x 3 (H200 32/8, session 21, TB/s 64 x 2 -> 128 x 3: 1x32768 1.99 -> 2.11, 16x8192 3.12 ->
         # 3.27, 64x4096 3.43 -> 3.82, 256x1024 3.78 -> 3.74, 256x4096 4.15 -> 4.16)
-        return DecodeConfig(block_n=128, num_stages=3, direct_table=True, **mixed)
+        return DecodeConfig(block_n=128, num_stages=3, direct_table=True, **mixed, **line)
     if d <= 128:
         # the fused merge's 8K tile only where it was measured: group 4 (offline sm90, the direct
         # split with it: groups 2 and 16 152-156 registers, 3 programs per SM; group 4 122, 4)
@@ -375,7 +391,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
                             wave_split_slots=4 if group == 4 else 0, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
-                        split_chunk_tokens=16, **mixed)
+                        split_chunk_tokens=16, **mixed, **line)
 
 
 def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:

@@ -28,6 +28,19 @@ ITEMS (DecodeConfig.pack_items; work array only): each program runs ITEMS consec
 one after the other, all for its (KV head, row block): a packed plan's equal piece of the requests'
 tokens laid end to end, one row per request it touches (idle rows return at once).
 
+LINE (DecodeConfig.wave_pack_line; with DIRECT): a packed plan whose pieces the kernel finds itself.
+The requests' pages lie end to end as kv_indptr numbers them, cut into one equal piece of whole
+pages per item group (piece = ceil(pages / groups)); a program runs, one after the other, every
+request its piece touches: the one begun before it (if any) and those whose first page lies in it
+(an empty request, in the piece where it stands; the last group takes any at the end), found by
+counting kv_indptr entries below the piece's bounds (`_line_requests`). A request on s pieces from
+piece f is split into s segments whose partials take slots f + request .. f + request + s - 1 (two
+segments never share a slot: a request's segments come after its predecessors' on the line), and
+its first segment's program writes the merge info row (out row, f + request, s) as DIRECT_SPLIT
+does, or merges in place with the fused merge. plan() builds nothing, and the grid (groups x
+units) depends on the batch size alone. Each request is a call of the item body, not inlined
+(`_decode_item_call`).
+
 FUSED_MERGE (DecodeConfig.fused_merge_max_chunks): no second kernel merges the partials. Each
 program of a split work item, once its partial rows are stored, passes a CTA barrier (every
 thread's stores issued before) and adds 1 to the int32 counter of its (merge row, KV head, row
@@ -83,6 +96,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from ..common import TRITON_INTERPRETED
 from .merge import _merge_row_block
 from .paging import page_of, slot_in_page
 from .trig import sincos
@@ -175,9 +189,12 @@ def _decode_item(
     FP16_DOTS: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
+    LINE: tl.constexpr, piece_start, piece_end, piece, line_base, group,
 ):
     """Row ``item`` of the work array (or the direct table's request / chunk slot) for one
-    (KV head, row block) ``unit``: the program of the module docstring; an idle row returns."""
+    (KV head, row block) ``unit``: the program of the module docstring; an idle row returns. LINE:
+    ``item`` is a request, read on item group ``group``'s piece of the line (pages
+    [piece_start, piece_end) from ``line_base``, ``piece`` pages a piece)."""
     UNITS: tl.constexpr = NUM_QO_HEADS // GROUP * ROW_BLOCKS
     wrow = work_ptr + item * 8  # WORK_COLS
     if DIRECT:  # work_ptr is kv_indptr: the request's pages and length from the API's tables
@@ -223,6 +240,21 @@ def _decode_item(
             if n_chunks > 1:
                 slot = req * split_slots + chunk_idx
             is_first = (chunk_idx == 0).to(tl.int32)
+        if LINE:  # the request's segment on this piece (pages: kv_indptr positions)
+            seg_first = (page_base - line_base) // piece
+            n_chunks = (page_base + tl.maximum(pages - 1, 0) - line_base) // piece - seg_first + 1  # empty: 1
+            lo_page = tl.maximum(page_base, piece_start) - page_base
+            tok_start = lo_page * PAGE
+            tok_end = tl.minimum((tl.minimum(pages, piece_end - page_base)) * PAGE, kv_len)
+            is_first = (lo_page == 0).to(tl.int32)
+            if n_chunks > 1:
+                slot = group + req
+            if not FUSED_MERGE:
+                if lo_page == 0 and unit == 0:
+                    info = merge_info_ptr + req * 4
+                    tl.store(info, req * QLEN)
+                    tl.store(info + 1, seg_first + req)
+                    tl.store(info + 2, n_chunks)
     else:
         req = tl.load(wrow)
         if req < 0:
@@ -396,6 +428,10 @@ def _decode_item(
                 merge_row = req
                 merge_first = req * split_slots
                 merge_chunks = n_chunks
+            elif LINE:
+                merge_row = req
+                merge_first = seg_first + req
+                merge_chunks = n_chunks
             else:
                 merge_row = tl.load(wrow + 7)
                 merge_first = tl.load(merge_info_ptr + merge_row * 4 + 1)  # MERGE_INFO_COLS
@@ -405,11 +441,38 @@ def _decode_item(
                            NUM_QO_HEADS, GROUP, QLEN, BLOCK_M, HEAD_DIM, MERGE_BLOCK_R, MERGE_BLOCK_S, WRITE_LSE)
 
 
-@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits"])  # they change per plan
+# A line program's requests, one call each (not inlined): inlined in the dynamic loop over them,
+# LLVM hoists the body's loop-invariant offset tensors (the epilogue's and the fused merge's too)
+# out of that loop, where they stay live through the token loop (bf16 d128: 168 registers, 3
+# programs per SM, 2.85 TB/s at 128x4096:var); called, 128 registers and 4 per SM. (The interpreter
+# calls Python either way, and two of its kernel functions over one Python function clash.)
+_decode_item_call = _decode_item if TRITON_INTERPRETED else triton.jit(noinline=True)(_decode_item.fn)
+
+
+@triton.jit
+def _line_requests(indptr_ptr, n_requests, piece_start, piece_end, BLOCK: tl.constexpr):
+    """The requests [first, end) that the line's piece of pages [piece_start, piece_end) (line
+    positions: kv_indptr values) touches (LINE): the one begun before it whose pages run into it,
+    and every request starting in it (an empty one too), by counting the starts below each bound,
+    BLOCK at a time."""
+    before = 0
+    upto = 0
+    for b in range(0, n_requests, BLOCK):
+        offs = b + tl.arange(0, BLOCK)
+        starts = tl.load(indptr_ptr + offs, mask=offs < n_requests, other=0)
+        live = offs < n_requests
+        before += tl.sum((live & (starts < piece_start)).to(tl.int32))
+        upto += tl.sum((live & (starts < piece_end)).to(tl.int32))
+    runs_in = (before > 0) & (tl.load(indptr_ptr + before) > piece_start)
+    return before - runs_in.to(tl.int32), upto
+
+
+@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests"])  # they change per plan
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
+    n_requests,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -420,7 +483,7 @@ def decode_kernel(
     FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, SWAP_AB: tl.constexpr,
-    ITEMS: tl.constexpr,
+    ITEMS: tl.constexpr, LINE: tl.constexpr, LINE_BLOCK: tl.constexpr,
 ):
     if PDL_TRIGGER:  # the merge kernel may launch now (DecodeConfig.pdl); it waits for this grid
         gdc_launch_dependents()
@@ -435,13 +498,34 @@ def decode_kernel(
         unit = tl.program_id(0) // n_groups
         group = tl.program_id(0) % n_groups
     tl.static_assert(ITEMS == 1 or not DIRECT, "the direct table is one item per program")
-    for i in tl.static_range(ITEMS):  # ITEMS: the work rows of a packed plan's program
-        _decode_item(
-            group * ITEMS + i, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
-            counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
-            v_scale_ptr, qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens,
-            split_slots, max_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_kp,
-            stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS, PAGE,
-            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
-            K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
-            MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB)
+    tl.static_assert(not LINE or (DIRECT and not DIRECT_SPLIT), "the line is read from the direct table")
+    if LINE:  # this item group's piece of the line (module docstring)
+        n_groups = tl.num_programs(0) // UNITS
+        line_base = tl.load(work_ptr)
+        piece = tl.maximum((tl.load(work_ptr + n_requests) - line_base + n_groups - 1) // n_groups, 1)
+        piece_start = line_base + group * piece
+        piece_end = piece_start + piece
+        first, end = _line_requests(work_ptr, n_requests, piece_start, piece_end, LINE_BLOCK)
+        end = tl.where(group == n_groups - 1, n_requests, end)  # the last piece: any empty one at the end
+        for req in range(first, end):
+            _decode_item_call(
+                req, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
+                counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
+                v_scale_ptr, qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens,
+                split_slots, max_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_kp,
+                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS, PAGE,
+                HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
+                K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
+                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, LINE, piece_start, piece_end, piece,
+                line_base, group)
+    else:
+        for i in tl.static_range(ITEMS):  # ITEMS: the work rows of a packed plan's program
+            _decode_item(
+                group * ITEMS + i, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
+                counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
+                v_scale_ptr, qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens,
+                split_slots, max_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_kp,
+                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS, PAGE,
+                HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
+                K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
+                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, False, 0, 0, 1, 0, group)

@@ -1,0 +1,208 @@
+"""fa2 decode's own packing past one wave (`DecodeConfig.wave_pack_line`, decode_kernel.py's LINE):
+the kernel cuts the requests' pages, end to end as kv_indptr numbers them, into one equal piece per
+item group and finds the requests of its piece itself; plan() builds nothing.
+
+CPU: the plan's choices and the merge bound, and line plans under the Triton interpreter (fp16,
+e4m3) against the float64 oracle: empty requests anywhere, a request over many pieces, indptr not
+starting at 0, a refreshed plan. GPU (``-m gpu``): the defaults' line plans against the
+reference backend, and the host-packed plans beside them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashdispatch.backends.common import TRITON_INTERPRETED
+
+from oracle import assert_close, reference_backend_result, run_fa2_decode
+from test_fa2_decode_packed import CPU_PACK, _assert_empty_rows, _case, _gpu_mixed_plan, needs_cuda
+
+interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the kernels)")
+
+# past one wave on the interpreter's 8 SMs x 4 programs: 17 requests x 2 KV heads, 16 pieces
+LINE = {**CPU_PACK, "pack_items": 4, "wave_pack_line": True}
+ON = {"wave_pack_line": True}
+
+
+def _config(fused: bool, **extra) -> dict:
+    return {**LINE, "fused_merge_max_chunks": 64 if fused else 0, **extra}
+
+
+def _kernel_segments(lens: list[int], page: int, groups: int) -> list[list[int]]:
+    """The pieces each request is read on, as the kernel assigns them (the docstring's rule, in
+    Python): the requests a piece touches by counting kv_indptr starts below its bounds."""
+    pages = [-(-n // page) for n in lens]
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    piece = max(-(-int(indptr[-1]) // groups), 1)
+    seen: list[list[int]] = [[] for _ in lens]
+    for g in range(groups):
+        start, end = g * piece, g * piece + piece
+        before = int((indptr[:-1] < start).sum())
+        upto = len(lens) if g == groups - 1 else int((indptr[:-1] < end).sum())
+        first = before - int(before > 0 and indptr[before] > start)
+        for r in range(first, upto):
+            seen[r].append(g)
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_request_is_read_once_per_piece_it_touches(seed):
+    """The kernel's rule gives each request its own consecutive pieces (an empty one exactly one),
+    no more than the plan's merge bound (`DecodePlan._line_chunks`), and two requests' segments
+    never the same partial slot (piece + request)."""
+    from test_fa2_decode_waves import _h200_plan
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 8192, 256)
+    lens[rng.integers(0, 256, 5)] = 0
+    lens[:3] = 0 if seed % 2 else lens[:3]  # empty requests at the start of the line
+    lens[-2:] = 0 if seed % 3 == 0 else lens[-2:]  # and at its end
+    plan, params = _h200_plan(lens.tolist(), config=ON)
+    assert plan.line and plan.direct
+    seen = _kernel_segments(lens.tolist(), 16, plan.n_work)
+    slots = set()
+    for r, pieces in enumerate(seen):
+        assert pieces == list(range(pieces[0], pieces[0] + len(pieces))) and len(pieces) >= 1, r
+        assert len(pieces) == 1 or lens[r] > 0
+        assert len(pieces) <= plan.max_chunks
+        if len(pieces) > 1:
+            assert not slots & {g + r for g in pieces}
+            slots |= {g + r for g in pieces}
+    assert max(slots) < plan.n_work + plan.batch  # the partials the plan carves
+
+
+def test_line_plans_on_the_h200():
+    """Mixed lengths past one wave on the H200 are packed by the kernel (the fp8 d128 default;
+    bf16 with wave_pack_line): bf16 128 requests in 66 pieces, fp8 in 132, 256 bf16 in 132, on the
+    split block, merged in the kernel; the bf16 d128 default packs on the host. A line plan
+    re-planned for other mixed lengths keeps its pieces (only the tables change), for equal
+    lengths plans afresh (the direct table)."""
+    from test_fa2_decode_waves import F16, _H200, _h200_plan
+    lens = np.random.default_rng(20261201).integers(1, 8192, 256).tolist()
+    for kv, batch, block_n, groups, config in ((F16, 128, 64, 66, ON), (torch.float8_e4m3fn, 128, 32, 132, None),
+                                               (F16, 256, 64, 132, ON)):
+        plan, params = _h200_plan(lens[:batch], kv, config)
+        got = (plan.line, plan.direct, plan.config.block_n, plan.n_work, plan.items, plan.fused_merge)
+        assert got == (True, True, block_n, groups, 1, True), (kv, batch)
+        assert plan._grid == (groups * 8,) and plan._consts["LINE"] and plan.n_merge == batch
+        other = plan.refreshed(_H200, _h200_plan(lens[-batch:], kv, config)[1])
+        assert other is not None and other.line and other.n_work == groups
+        assert plan.refreshed(_H200, _h200_plan([4096] * batch, kv, config)[1]) is None
+    host, _ = _h200_plan(lens[:128])
+    assert (host.line, host.direct, host.items) == (False, False, 4)
+
+
+@interpreted
+@pytest.mark.parametrize("fused, features", [
+    (True, {}), (False, {}), (True, dict(sinks=True)), (False, dict(q_len_per_req=2, mask_mode="causal")),
+    (True, dict(page_size=1)), (False, dict(page_size=64)), (True, dict(kv_dtype=torch.float8_e4m3fn)),
+    (False, dict(kv_layout="HND"))],
+    ids=["fused", "merge-kernel", "sinks", "qlen2", "page1", "page64", "e4m3", "HND"])
+def test_line_plan_matches_the_oracle(fused, features):
+    """17 requests past one wave, two empty, in 16 pieces the kernel finds, against the oracle;
+    the empty rows exactly 0 and -inf."""
+    lens = np.random.default_rng(74).integers(1, 300, 17)
+    lens[[3, 11]] = 0
+    case = _case(lens.tolist(), seed=75, **features)
+    ref_out, ref_lse = case.oracle()
+    plan = run_fa2_decode(case, _config(fused))
+    assert plan.line and plan.n_work == 16 and plan.items == 1 and (plan._merge is None) == fused
+    tol = 8e-2 if case.problem.kv_dtype == torch.float8_e4m3fn else 4e-3
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
+    if not case.problem.sinks and case.problem.q_len_per_req == 1:  # (a sink's logit is an empty row's lse)
+        _assert_empty_rows(case, (3, 11))
+
+
+@interpreted
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
+def test_line_plan_edge_cases(fused):
+    """Empty requests first, last and side by side on a piece's boundary; one request over most
+    pieces among short ones (its partials merged from 14 pieces); kv_indptr starting past 0."""
+    lens = [0, 0, 1200, 7, 0, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 0]
+    case = _case(lens, seed=76)
+    ref_out, ref_lse = case.oracle()
+    plan = run_fa2_decode(case, _config(fused))
+    assert plan.line and plan.max_chunks >= 14
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+    _assert_empty_rows(case, [b for b, n in enumerate(lens) if n == 0])
+    shifted = _case(lens, seed=76)
+    prm = shifted.params
+    prm.kv_indptr = prm.kv_indptr + 5
+    prm.kv_indices = torch.cat([torch.full((5,), 10 ** 6, dtype=torch.int32), prm.kv_indices])  # never read
+    plan = run_fa2_decode(shifted, _config(fused))
+    assert plan.line
+    assert_close(shifted.inputs.out, shifted.inputs.lse, ref_out, ref_lse, 4e-3)
+
+
+@interpreted
+def test_refreshed_line_plan_and_where_the_host_packs():
+    """A line plan refreshed for other lengths of the same batch runs them right; a sliding window
+    or wave_pack_line false packs on the host (work rows)."""
+    rng = np.random.default_rng(77)
+    first = _case(rng.integers(1, 300, 17).tolist(), seed=78)
+    plan = run_fa2_decode(first, _config(True))
+    lens = rng.integers(1, 300, 17)
+    lens[5] = 0
+    case = _case(lens.tolist(), seed=79)
+    ref_out, ref_lse = case.oracle()
+    case.params.workspace = torch.zeros(1 << 22, dtype=torch.uint8)
+    again = plan.refreshed(case.device, case.params)
+    assert again is not None and again.line
+    case.inputs.out.fill_(float("nan"))
+    case.inputs.lse.fill_(float("nan"))
+    again.run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+    window = run_fa2_decode(_case(lens.tolist(), seed=80, window_left=250), _config(True))
+    assert not window.line and window.items > 1
+    host = run_fa2_decode(_case(lens.tolist(), seed=81), _config(True, wave_pack_line=False))
+    assert not host.line and host.items > 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
+@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
+@pytest.mark.parametrize("line", [True, False], ids=["line", "host"])
+def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim, line):
+    """160 requests of a serving batch's mix (two empty) past one wave: the GQA defaults pack them
+    into whole waves of pieces, found by the kernel (line) or laid out by the host."""
+    plan = _gpu_mixed_plan(160, [5, 100], kv, head_dim, draw=10, seed=75, config={"wave_pack_line": line})
+    assert plan.line == line and (plan.items > 1) != line
+
+
+def _gpu_case(lens, kv: str, seed: int):
+    """bf16 / fp8 (k_scale 0.8, v_scale 1.5) 32/8 heads d128 on the GPU for these lengths, with
+    its reference backend result."""
+    fp8 = kv == "e4m3"
+    case = _case(lens, device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, num_qo_heads=32,
+                 num_kv_heads=8, k_scale=0.8 if fp8 else None, v_scale=1.5 if fp8 else None, seed=seed)
+    return case, reference_backend_result(case), 8e-2 if fp8 else 2e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
+def test_gpu_line_plan_refreshed_and_a_long_request(kv):
+    """A line plan refreshed for new mixed lengths of its batch (the empty requests moved) runs
+    them right; one request of 60000 tokens among 255 of the mix spans more pieces (about 8) than
+    a fused merge of up to 4 takes (the merge kernel)."""
+    plan = _gpu_mixed_plan(256, [0, 255], kv, 128, draw=11, seed=82, config=ON)
+    assert plan.line and plan.fused_merge
+    lens = np.random.default_rng(12).integers(1, 8192, 256)
+    lens[[3, 200]] = 0
+    case, (ref_out, ref_lse), tol = _gpu_case(lens.tolist(), kv, seed=83)
+    case.params.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    again = plan.refreshed(case.device, case.params)
+    assert again is not None and again.line
+    case.inputs.out.fill_(float("nan"))
+    case.inputs.lse.fill_(float("nan"))
+    again.run(case.inputs)
+    torch.cuda.synchronize()
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
+    _assert_empty_rows(case, [3, 200])
+    lens[7] = 60000
+    case, (ref_out, ref_lse), tol = _gpu_case(lens.tolist(), kv, seed=84)
+    plan = run_fa2_decode(case, {**ON, "fused_merge_max_chunks": 4})
+    assert plan.line and not plan.fused_merge and plan._merge is not None
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
+    _assert_empty_rows(case, [3, 200])
