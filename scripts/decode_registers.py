@@ -1,12 +1,14 @@
 """Offline compile of the fa2 decode kernel (sm90 unless --cc says another): registers, spills,
 shared memory and programs per SM of the variants a plan would launch (no GPU needed).
 
-Compiles ``decode_kernel`` for GPUTarget("cuda", 90, 32) (or --cc) with the constexprs ``decode_variant.kernel_constants``
-gives the problem's default config plus run()'s (float scales; lse with --lse), pointers and
-strides divisible by 16 as a launch of contiguous tensors specializes them, once per (work
-array | direct table) x (register cap as configured | none), and runs ptxas -v on the PTX.
-This is how session 6 explained a slower direct table: 79 registers against the work array's
-64, 6 programs per SM instead of 8 (128x2048 read 3.38 TB/s against 4.24).
+Compiles ``decode_kernel`` for GPUTarget("cuda", 90, 32) (or --cc) with the constexprs
+``decode_variant.kernel_constants`` gives the problem's default config plus run()'s (float scales;
+lse with --lse), pointers and strides divisible by 16 as a launch of contiguous tensors
+specializes them, once per (work array | direct table) x (register cap as configured | none),
+then the direct split and (wave_pack_line) the kernel's own packing (direct line) on the split
+config, and runs ptxas -v on the PTX. This is how session 6 explained a slower direct table: 79
+registers against the work array's 64, 6 programs per SM instead of 8 (128x2048 read 3.38 TB/s
+against 4.24); and session 25 the line kernel's first version (168 registers, 3 per SM).
 
     .venv/bin/python scripts/decode_registers.py                          # bf16, 32/8 heads, d128
     .venv/bin/python scripts/decode_registers.py --heads 64,4 --kv e4m3 --q-len 4
@@ -86,16 +88,19 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm{args.cc}; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")
-    # the work array and the direct table, capped and not; the direct split with the policy's
-    # split config (DecodePlan: split_block_n, uncapped), as the split plans that use it run
+    # the work array and the direct table, capped and not; the direct split and, where the config
+    # takes it, the kernel's own packing (LINE, DecodeConfig.wave_pack_line) with the policy's split
+    # config (DecodePlan: split_block_n, uncapped), as the split and packed plans that use them run
     caps = (True, False) if cfg.max_registers else (False,)
-    variants = [(direct, False, capped) for direct in (False, True) for capped in caps] + [(True, True, False)]
-    for direct, split, capped in variants:
-        if split and cfg.split_block_n:
+    variants = [(direct, False, capped, False) for direct in (False, True) for capped in caps]
+    variants += [(True, True, False, False)] + ([(True, False, False, True)] if cfg.wave_pack_line else [])
+    for direct, split, capped, line in variants:
+        if (split or line) and cfg.split_block_n:
             variant_cfg = decode_config.with_split_block(cfg)
         else:
             variant_cfg = cfg if capped else decode_config.apply_overrides(cfg, {"max_registers": 0})
-        consts = fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False)
+        consts = fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False,
+                                       line=line)
         consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
         # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
         consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
@@ -110,7 +115,7 @@ def main() -> None:
         shared, sm_threads, blocks = SM_LIMITS[args.cc]
         per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), shared // max(k.metadata.shared + 1024, 1),
                      sm_threads // threads, blocks)
-        name = ("direct split" if split else "direct table" if direct else "work array") + \
+        name = ("direct line" if line else "direct split" if split else "direct table" if direct else "work array") + \
             (f", cap {cfg.max_registers}" if capped else "") + (", fused" if args.fused else "")
         print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
 

@@ -103,7 +103,10 @@ class DecodePlan:
         self.batch = params.batch_size
         line = self._line_groups(params) if self._wave_pack else 0  # the kernel's own packing
         lengths = effective_lengths(params, p, self.q_len) if self._wave_pack and not line else None
-        wave_packed = (line * self.units, None) if line else self._wave_packed(params, lengths[2]) if lengths is not None else None
+        if line:
+            wave_packed = (line * self.units, None)
+        else:
+            wave_packed = self._wave_packed(params, lengths[2]) if lengths is not None else None
         # past ctas_per_sm x SMs programs under the default policy, the wave model's tile (a
         # function of the batch size: fixed_split_size / disable_split_kv stay batch-invariant)
         choice = None if few or wave_packed is not None or not policy_splits else wave_choice(cfg, programs, sm_count)
