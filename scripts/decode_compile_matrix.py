@@ -7,8 +7,9 @@ merge redefined with another type under sinks). This compiles each combination o
 work layout (work array with and without the fused merge, direct table, the kernel's own split
 with and without the fused merge; fp8 KV: the work array only, as its configs use), at the base
 tile and, for the variants that take them (`decode_variant.plain_variant`), each other wave tile, and
-where the defaults pack (`DecodeConfig.pack_items`) their packed work array, for
-GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
+where the defaults pack (`DecodeConfig.pack_items`) their packed work array and, where they
+take it (`DecodeConfig.wave_pack_line`, no window), the kernel's own packing (fused merge and
+merge kernel), for GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
 one that fails. d128 by default (the CPU suite runs that); other head dims as arguments.
 
     .venv/bin/python scripts/decode_compile_matrix.py [HEAD_DIM ...]
@@ -50,16 +51,20 @@ def main(head_dims: list[int]) -> None:
             waves = base.wave_tiles if fvar.plain_variant(p, block_m) else ()
             tiles = [(base, "")] + [(with_tile(base, bn, st), f", {bn} x {st}") for bn, st, _, _ in waves
                                     if (bn, st) != (base.block_n, base.num_stages)]
-            # (label, config, fused merge, direct table, direct split, work rows per program)
-            variants = [(f"{name}{tile}", cfg, fused, direct, split, 1) for cfg, tile in tiles
+            # (label, config, fused merge, direct table, direct split, work rows per program, line)
+            variants = [(f"{name}{tile}", cfg, fused, direct, split, 1, False) for cfg, tile in tiles
                         for name, fused, direct, split in LAYOUTS if not direct or kv == torch.bfloat16]
             # a packed plan: the split block's work array, 2 up to pack_items rows a program (as it
             # needs; the most compiled here, the kernel's body repeated that often)
             if base.pack_items > 1:
                 packed = with_split_block(base) if base.split_block_n else base
-                variants.append((f"packed x{base.pack_items}, fused", packed, True, False, False, base.pack_items))
-            for label, cfg, fused, direct, split, items in variants:
-                consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items)
+                variants.append((f"packed x{base.pack_items}, fused", packed, True, False, False, base.pack_items,
+                                 False))
+                if base.wave_pack_line and p.window_left < 0:
+                    variants += [(f"line{merge}", packed, fused, True, False, 1, True)
+                                 for merge, fused in ((", fused", True), ("", False))]
+            for label, cfg, fused, direct, split, items, line in variants:
+                consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items, line)
                 consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
                 regs.compile_variant(consts, torch.bfloat16, kv)
                 print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {label}", flush=True)
