@@ -4,8 +4,8 @@ item group and finds the requests of its piece itself; plan() builds nothing.
 
 CPU: the plan's choices and the merge bound, and line plans under the Triton interpreter (fp16,
 e4m3) against the float64 oracle: empty requests anywhere, a request over many pieces, indptr not
-starting at 0, a refreshed plan. GPU (``-m gpu``): the defaults' line plans against the
-reference backend, and the host-packed plans beside them.
+starting at 0, a refreshed plan. GPU (``-m gpu``): line plans (bf16 and fp8, d64/d128/d256) against
+the reference backend, the host-packed plans beside them, a refreshed line plan, the merge kernel.
 """
 from __future__ import annotations
 
