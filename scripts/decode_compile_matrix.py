@@ -8,8 +8,8 @@ work layout (work array with and without the fused merge, direct table, the kern
 with and without the fused merge; fp8 KV: the work array only, as its configs use), at the base
 tile and, for the variants that take them (`decode_variant.plain_variant`), each other wave tile, and
 where the defaults pack (`DecodeConfig.pack_items`) their packed work array and, where they
-take it (`DecodeConfig.wave_pack_line`, no window), the kernel's own packing (fused merge and
-merge kernel), for GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
+take it (`DecodeConfig.wave_pack_line`, no window), the kernel's own packing (fused merge; the
+merge kernel's plain only), for GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
 one that fails. d128 by default (the CPU suite runs that); other head dims as arguments.
 
     .venv/bin/python scripts/decode_compile_matrix.py [HEAD_DIM ...]
@@ -60,9 +60,9 @@ def main(head_dims: list[int]) -> None:
                 packed = with_split_block(base) if base.split_block_n else base
                 variants.append((f"packed x{base.pack_items}, fused", packed, True, False, False, base.pack_items,
                                  False))
-                if base.wave_pack_line and p.window_left < 0:
+                if base.wave_pack_line and p.window_left < 0:  # the merge kernel's line: plain only
                     variants += [(f"line{merge}", packed, fused, True, False, 1, True)
-                                 for merge, fused in ((", fused", True), ("", False))]
+                                 for merge, fused in ((", fused", True), ("", False)) if fused or not changes]
             for label, cfg, fused, direct, split, items, line in variants:
                 consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items, line)
                 consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
