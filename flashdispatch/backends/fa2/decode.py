@@ -101,8 +101,9 @@ class DecodePlan:
         self._wave_pack = (cfg, sm_count) if (not few and policy_splits and not p.use_cuda_graph
                                               and cfg.pack_items > 1 and cfg.wave_pack_spread > 0) else None
         self.batch = params.batch_size
-        line = self._line_groups(params) if self._wave_pack else 0  # the kernel's own packing
-        lengths = effective_lengths(params, p, self.q_len) if self._wave_pack and not line else None
+        packs = self._wave_pack is not None and self._may_wave_pack(params)
+        line = self._line_groups(params) if packs else 0  # the kernel's own packing
+        lengths = effective_lengths(params, p, self.q_len) if packs and not line else None
         if line:
             wave_packed = (line * self.units, None)
         else:
@@ -165,12 +166,12 @@ class DecodePlan:
         if not self.direct or params.batch_size != self.batch:
             return None
         if self.line:  # the same pieces and merge: only the tables change
-            if self._line_groups(params) != self.n_work:
+            if not self._may_wave_pack(params) or self._line_groups(params) != self.n_work:
                 return None
             if (self._line_chunks(params, self.n_work) <= self.config.fused_merge_max_chunks) != self.fused_merge:
                 return None
             return self._with_tables(params, 0)
-        if self._wave_pack and may_wave_pack(params, self.problem, self.q_len, *self._wave_pack, self.units):
+        if self._wave_pack and self._may_wave_pack(params):
             return None  # these lengths may pack (`_wave_packed`)
         if self._wave_policy is not None:
             cfg, sm_count, choice = self._wave_policy
@@ -358,13 +359,15 @@ class DecodePlan:
         packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
         return packed if packed is not None and self._holds(packed, params) else None
 
+    def _may_wave_pack(self, params: AttentionParams) -> bool:
+        """`may_wave_pack` of these requests in a plan past one wave (``self._wave_pack`` set)."""
+        return may_wave_pack(params, self.problem, self.q_len, *self._wave_pack, self.units)
+
     def _wave_packed(self, params: AttentionParams, eff: np.ndarray) -> tuple[int, PackedSplit] | None:
         """(split target, `packed_segments`) of a plan past one wave whose requests may pack
-        (`may_wave_pack`: lengths spread wide): the first of `wave_pack_groups`' piece counts that
-        packs, or None (also where the workspace cannot hold its partials)."""
+        (`_may_wave_pack`, checked by the caller): the first of `wave_pack_groups`' piece counts
+        that packs, or None (also where the workspace cannot hold its partials)."""
         cfg, sm_count = self._wave_pack
-        if not may_wave_pack(params, self.problem, self.q_len, cfg, sm_count, self.units):
-            return None
         for groups in wave_pack_groups(params.batch_size, cfg, sm_count, self.units):
             packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
             if packed is not None:
@@ -372,14 +375,12 @@ class DecodePlan:
         return None
 
     def _line_groups(self, params: AttentionParams) -> int:
-        """The item groups of a plan past one wave that leaves the packing to the kernel
-        (`DecodeConfig.wave_pack_line`; the first of `wave_pack_groups`): where these requests may
-        pack (`may_wave_pack`), without a sliding window (the line counts whole requests' pages)
-        and with room in the workspace for a partial per group and request; else 0."""
+        """The item groups of a plan past one wave, whose requests may pack (`_may_wave_pack`,
+        checked by the caller), that leaves the packing to the kernel (`DecodeConfig.wave_pack_line`;
+        the first of `wave_pack_groups`): without a sliding window (the line counts whole requests'
+        pages) and with room in the workspace for a partial per group and request; else 0."""
         cfg, sm_count = self._wave_pack
         if not cfg.wave_pack_line or self.problem.window_left >= 0:
-            return 0
-        if not may_wave_pack(params, self.problem, self.q_len, cfg, sm_count, self.units):
             return 0
         groups = wave_pack_groups(self.batch, cfg, sm_count, self.units)[0]
         return groups if self._partial_bytes(groups + self.batch) <= workspace_bytes(params) else 0
