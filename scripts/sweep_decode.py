@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +41,8 @@ CHECK_TOKENS = 1 << 16  # tokens per chunk of the dense check
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=ANCHOR_SHAPES, help="comma list of BATCHxKV_LEN (default: ANCHORS.md)")
+    ap.add_argument("--shapes", default=ANCHOR_SHAPES,
+                    help="comma list of BATCHxKV_LEN[:var] (default: ANCHORS.md; :var: the bench's mixed lengths)")
     ap.add_argument("--grid", default="{}", help="JSON: {field: [values]} (cartesian product) or [{config}, ...]")
     ap.add_argument("--no-default", action="store_true", help="leave out the default_config row")
     ap.add_argument("--kv", default="bf16", choices=list(DTYPES), help="KV cache dtype")
@@ -52,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--k-scale", type=float, default=None, help="float k_scale (fp8 dequant scale)")
     ap.add_argument("--v-scale", type=float, default=None, help="float v_scale")
     ap.add_argument("--reps", type=int, default=40, help="timed runs per (config, shape); the median is kept")
+    ap.add_argument("--order", default="drawn", choices=("drawn", "interleaved", "longest", "shortest"),
+                    help="the order of a :var row's requests (interleaved: longest, shortest, second longest, ...)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times every config is timed on a shape, in turn (the median of the rounds is kept)")
     ap.add_argument("--tol", type=float, default=2e-2, help="relative error (and lse error) that marks a '!'")
     ap.add_argument("--no-check", action="store_true", help="skip the dense float32 check")
     ap.add_argument("--json", default=None, help="also write every result to this JSON file")
@@ -74,37 +80,58 @@ def config_grid(text: str, with_default: bool) -> list[dict]:
     return ([{}] if with_default else []) + configs
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
+def parse_shapes(text: str) -> list[tuple[int, int, bool]]:
+    """(batch, kv_len, var) of each BATCHxKV_LEN[:var] item."""
     shapes = []
     for item in text.split(","):
-        b, _, n = item.strip().lower().partition("x")
-        shapes.append((int(b), int(n)))
+        size, _, mod = item.strip().lower().partition(":")
+        if mod not in ("", "var"):
+            raise SystemExit(f"shape {item!r}: the only modifier is :var")
+        b, _, n = size.partition("x")
+        shapes.append((int(b), int(n), mod == "var"))
     return shapes
 
 
-class Shape:
-    """One decode problem: a random paged cache (pages in random order), q, params, inputs."""
+def shape_label(batch: int, kv_len: int, var: bool) -> str:
+    return f"{batch}x{kv_len}" + (":var" if var else "")
 
-    def __init__(self, args, batch: int, kv_len: int, device: torch.device):
+
+def request_order(lens: np.ndarray, order: str) -> np.ndarray:
+    """The indices of ``lens`` in the requested order (`parse_args` --order)."""
+    from flashdispatch.backends.fa2.decode_split import interleaved
+    return {"drawn": lambda: np.arange(lens.size), "interleaved": lambda: interleaved(lens),
+            "longest": lambda: np.argsort(-lens, kind="stable"), "shortest": lambda: np.argsort(lens, kind="stable")}[order]()
+
+
+class Shape:
+    """One decode problem: a random paged cache (pages in random order), q, params, inputs;
+    ``var``: the bench's mixed lengths (`DecodeShape.kv_lens`, drawn from 1 .. 2 x kv_len - 1)."""
+
+    def __init__(self, args, batch: int, kv_len: int, device: torch.device, var: bool = False):
         from flashdispatch.backends.base import AttentionInputs, AttentionParams, PagedKV
+        from flashdispatch.bench.decode import DecodeShape
         from flashdispatch.dispatch.problem import Problem
         hq, hk = (int(x) for x in args.heads.split(","))
         d, ps = args.head_dim, args.page_size
-        if kv_len % ps:
+        if kv_len % ps and not var:
             raise SystemExit(f"kv_len {kv_len} is not a multiple of the page size {ps}")
         q_dtype, kv_dtype = DTYPES[args.q_dtype], DTYPES[args.kv]
-        pages_per = kv_len // ps
-        n = batch * pages_per
+        lens = DecodeShape(batch, kv_len, var=var).kv_lens()
+        lens = lens[request_order(lens, args.order)]
+        pages = -(-lens // ps)
+        n = int(pages.sum())
         slot_shape = (n, 2, ps, hk, d) if args.layout == "NHD" else (n, 2, hk, ps, d)
         cache = torch.randn(slot_shape, dtype=q_dtype, device=device).to(kv_dtype)
+        self.label, self.lens = shape_label(batch, kv_len, var), lens
         self.batch, self.kv_len, self.hq, self.hk, self.d = batch, kv_len, hq, hk, d
-        self.bytes = batch * kv_len * hk * d * 2 * cache.element_size()
+        self.bytes = int(lens.sum()) * hk * d * 2 * cache.element_size()
         i32 = dict(dtype=torch.int32, device=device)
+        indptr = torch.as_tensor(np.concatenate([[0], np.cumsum(pages)]), **i32)
         self.params = AttentionParams(
-            qo_indptr=torch.arange(batch + 1, **i32), kv_indptr=torch.arange(batch + 1, **i32) * pages_per,
-            kv_lens=torch.full((batch,), kv_len, **i32), qo_lens_host=[1] * batch, kv_lens_host=[kv_len] * batch,
+            qo_indptr=torch.arange(batch + 1, **i32), kv_indptr=indptr,
+            kv_lens=torch.as_tensor(lens, **i32), qo_lens_host=[1] * batch, kv_lens_host=lens.tolist(),
             sm_scale=1.0 / math.sqrt(d), kv_indices=torch.randperm(n, device=device).to(torch.int32),
-            kv_last_page_len=torch.full((batch,), ps, **i32),
+            kv_last_page_len=torch.as_tensor(lens - ps * (pages - 1), **i32),
             workspace=torch.zeros(128 << 20, dtype=torch.uint8, device=device))
         self.problem = Problem("decode", q_dtype, kv_dtype, q_dtype, hq, hk, d, d, page_size=ps,
                                kv_layout=args.layout)
@@ -114,30 +141,35 @@ class Shape:
                                       v_scale=args.v_scale)
         self._ref = None
 
-    def _gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[n, kv_len, kv_heads, d] float32 of requests whose page rows are ``pages``."""
         x = cache[pages]  # [n, P, ps, hk, d] (NHD) or [n, P, hk, ps, d] (HND)
         if self.problem.kv_layout == "HND":
             x = x.transpose(2, 3)
-        return x.reshape(len(pages), self.kv_len, self.hk, self.d).float()
+        return x.reshape(len(pages), -1, self.hk, self.d)[:, :kv_len].float()
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense float32 (out, lse base 2), computed once, CHECK_TOKENS tokens of KV at a time."""
+        """Dense float32 (out, lse base 2), computed once: requests of one length together,
+        CHECK_TOKENS tokens of KV at a time."""
         if self._ref is None:
             inp, prm = self.inputs, self.params
             ks = 1.0 if inp.k_scale is None else inp.k_scale
             vs = 1.0 if inp.v_scale is None else inp.v_scale
-            pages = prm.kv_indices.long().view(self.batch, -1)
-            step = max(1, CHECK_TOKENS // self.kv_len)
-            outs, lses = [], []
-            for b0 in range(0, self.batch, step):
-                rows = slice(b0, min(b0 + step, self.batch))
-                k, v = self._gather(inp.kv.k, pages[rows]), self._gather(inp.kv.v, pages[rows])
-                q = inp.q[rows].float().view(-1, self.hk, self.hq // self.hk, self.d)
-                s = torch.einsum("nhgd,nlhd->nhgl", q, k) * (prm.sm_scale * ks)
-                outs.append((torch.einsum("nhgl,nlhd->nhgd", s.softmax(-1), v) * vs).reshape(-1, self.hq, self.d))
-                lses.append((torch.logsumexp(s, -1) / math.log(2)).reshape(-1, self.hq))
-            self._ref = torch.cat(outs), torch.cat(lses)
+            indptr = prm.kv_indptr.tolist()
+            out = torch.empty(self.batch, self.hq, self.d, device=inp.q.device)
+            lse = torch.empty(self.batch, self.hq, device=inp.q.device)
+            for kv_len in np.unique(self.lens):
+                reqs = np.flatnonzero(self.lens == kv_len)
+                step = max(1, CHECK_TOKENS // int(kv_len))
+                for b0 in range(0, len(reqs), step):
+                    rows = torch.as_tensor(reqs[b0:b0 + step], device=inp.q.device)
+                    pages = torch.stack([prm.kv_indices[indptr[r]:indptr[r + 1]] for r in rows.tolist()]).long()
+                    k, v = self._gather(inp.kv.k, pages, int(kv_len)), self._gather(inp.kv.v, pages, int(kv_len))
+                    q = inp.q[rows].float().view(-1, self.hk, self.hq // self.hk, self.d)
+                    s = torch.einsum("nhgd,nlhd->nhgl", q, k) * (prm.sm_scale * ks)
+                    out[rows] = (torch.einsum("nhgl,nlhd->nhgd", s.softmax(-1), v) * vs).reshape(-1, self.hq, self.d)
+                    lse[rows] = (torch.logsumexp(s, -1) / math.log(2)).reshape(-1, self.hq)
+            self._ref = out, lse
         return self._ref
 
     def errors(self) -> tuple[float, float]:
@@ -177,11 +209,11 @@ def sync(device: torch.device) -> None:
 
 
 def run_config(shape: Shape, cfg: dict, dev, args, flush) -> tuple[dict, float | None]:
-    """Plan, time and check one config on one shape: (result row with its table cell, seconds
+    """Plan, time and check one config on one shape: (result row, seconds
     of the first call including any compile, or None when it failed)."""
     from flashdispatch.backends.fa2.decode import plan_decode
     device = shape.inputs.q.device
-    row = dict(shape=f"{shape.batch}x{shape.kv_len}", config=cfg)
+    row = dict(shape=shape.label, config=cfg)
     try:
         shape.inputs.out.fill_(float("nan"))
         t0 = time.perf_counter()
@@ -193,16 +225,23 @@ def run_config(shape: Shape, cfg: dict, dev, args, flush) -> tuple[dict, float |
         first = time.perf_counter() - t0
         ms = median_ms(lambda: plan.run(shape.inputs), args.reps, device, flush)
     except Exception as ex:  # a config that does not compile or run: report it, keep sweeping
-        row.update(error=f"{type(ex).__name__}: {str(ex)[:300]}", cell="ERR")
+        row.update(error=f"{type(ex).__name__}: {str(ex)[:300]}")
         print(f"  {json.dumps(cfg)} {row['shape']}: {row['error']}", flush=True)
         return row, None
     row.update(ms=ms, tbps=shape.bytes / ms / 1e9, resolved=dataclasses.asdict(plan.config))
-    row["cell"] = f"{row['tbps']:.2f}"
     if not args.no_check:
         rel, lse_err = shape.errors()
         row.update(rel_err=rel, lse_err=lse_err, ok=rel <= args.tol and lse_err <= args.tol)
-        row["cell"] += "" if row["ok"] else "!"
     return row, first
+
+
+def cell(results: list[dict], index: int, label: str) -> str:
+    """The table cell of config ``index`` on shape ``label``: the median TB/s of its rounds, "!"
+    where a round's check failed, ERR where one did not run."""
+    rows = [r for r in results if r["index"] == index and r["shape"] == label]
+    if any("error" in r for r in rows):
+        return "ERR"
+    return f"{statistics.median(r['tbps'] for r in rows):.2f}" + ("" if all(r.get("ok", True) for r in rows) else "!")
 
 
 def main(argv=None) -> int:
@@ -222,36 +261,37 @@ def main(argv=None) -> int:
           f"page {args.page_size}, {args.layout}; {len(configs)} configs x {len(shapes)} shapes, "
           f"median of {args.reps}", flush=True)
 
-    results, cells, first_call = [], {}, {}
-    for batch, kv_len in shapes:
-        shape = Shape(args, batch, kv_len, device)
-        for ci, cfg in enumerate(configs):
-            row, first = run_config(shape, cfg, dev, args, flush)
-            if first is not None:
-                first_call.setdefault(ci, first)
-            cells[(ci, batch, kv_len)] = row["cell"]
-            results.append(row)
-        done = [r for r in results if r["shape"] == f"{batch}x{kv_len}" and "tbps" in r]
+    results, first_call = [], {}
+    for batch, kv_len, var in shapes:
+        shape = Shape(args, batch, kv_len, device, var)
+        for _ in range(args.rounds):
+            for ci, cfg in enumerate(configs):
+                row, first = run_config(shape, cfg, dev, args, flush)
+                if first is not None:
+                    first_call.setdefault(ci, first)
+                results.append(dict(row, index=ci))
+        done = [r for r in results if r["shape"] == shape.label and "tbps" in r]
         if done:
             best = max(done, key=lambda r: r["tbps"])
-            print(f"done {batch}x{kv_len}: best {best['tbps']:.2f} TB/s {json.dumps(best['config'])}", flush=True)
+            print(f"done {shape.label}: best {best['tbps']:.2f} TB/s {json.dumps(best['config'])}", flush=True)
         shape = None  # free the cache before the next one is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     names = [json.dumps(c) if c else "default" for c in configs]
     width = max(len(n) for n in names)
-    heads = [f"{b}x{n}" for b, n in shapes]
-    print(f"\nTB/s of KV read ('!': check failed, tol {args.tol}); first: first call incl. compile, s")
-    print(f"{'config':<{width}} | first | " + " | ".join(f"{h:>9}" for h in heads))
+    heads = [shape_label(*s) for s in shapes]
+    print(f"\nTB/s of KV read, median of {args.rounds} round(s) ('!': a check failed, tol {args.tol}); "
+          "first: first call incl. compile, s")
+    print(f"{'config':<{width}} | first | " + " | ".join(f"{h:>12}" for h in heads))
     for ci, name in enumerate(names):
         first = f"{first_call[ci]:5.1f}" if ci in first_call else "    -"
-        print(f"{name:<{width}} | {first} | " + " | ".join(f"{cells[(ci, b, n)]:>9}" for b, n in shapes))
-    for b, n in shapes:
-        ok = [r for r in results if r["shape"] == f"{b}x{n}" and "tbps" in r and r.get("ok", True)]
+        print(f"{name:<{width}} | {first} | " + " | ".join(f"{cell(results, ci, h):>12}" for h in heads))
+    for h in heads:
+        ok = [r for r in results if r["shape"] == h and "tbps" in r and r.get("ok", True)]
         if ok:
             best = max(ok, key=lambda r: r["tbps"])
-            print(f"BEST {b}x{n}: {best['tbps']:.2f} TB/s {json.dumps(best['config'])}")
+            print(f"BEST {h}: {best['tbps']:.2f} TB/s {json.dumps(best['config'])}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(args=vars(args), results=results), fh, indent=1)

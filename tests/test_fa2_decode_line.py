@@ -29,37 +29,41 @@ def _config(fused: bool, **extra) -> dict:
     return {**LINE, "fused_merge_max_chunks": 64 if fused else 0, **extra}
 
 
-def _kernel_segments(lens: list[int], page: int, groups: int) -> list[list[int]]:
+def _kernel_segments(lens: list[int], page: int, groups: int, gap: int = 0) -> list[list[int]]:
     """The pieces each request is read on, as the kernel assigns them (the docstring's rule, in
-    Python): the requests a piece touches by counting kv_indptr starts below its bounds."""
+    Python): requests' first pages at kv_indptr + gap x (request + 1), the requests a piece touches
+    by counting those positions below its bounds."""
     pages = [-(-n // page) for n in lens]
     indptr = np.concatenate([[0], np.cumsum(pages)])
-    piece = max(-(-int(indptr[-1]) // groups), 1)
+    at = indptr[:-1] + gap * np.arange(1, len(lens) + 1)
+    piece = max(-(-int(indptr[-1] + gap * len(lens)) // groups), 1)
     seen: list[list[int]] = [[] for _ in lens]
     for g in range(groups):
         start, end = g * piece, g * piece + piece
-        before = int((indptr[:-1] < start).sum())
-        upto = len(lens) if g == groups - 1 else int((indptr[:-1] < end).sum())
-        first = before - int(before > 0 and indptr[before] > start)
+        before = int((at < start).sum())
+        upto = len(lens) if g == groups - 1 else int((at < end).sum())
+        first = before - int(before > 0 and indptr[before] + gap * before > start)
         for r in range(first, upto):
             seen[r].append(g)
     return seen
 
 
+@pytest.mark.parametrize("gap_tokens", [0, 40])
 @pytest.mark.parametrize("seed", range(6))
-def test_every_request_is_read_once_per_piece_it_touches(seed):
+def test_every_request_is_read_once_per_piece_it_touches(seed, gap_tokens):
     """The kernel's rule gives each request its own consecutive pieces (an empty one exactly one),
     no more than the plan's merge bound (`DecodePlan._line_chunks`), and two requests' segments
-    never the same partial slot (piece + request)."""
+    never the same partial slot (piece + request); with a gap per request (line_segment_tokens 40:
+    3 pages), pieces where more requests start hold fewer pages."""
     from test_fa2_decode_waves import _h200_plan
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, 8192, 256)
     lens[rng.integers(0, 256, 5)] = 0
     lens[:3] = 0 if seed % 2 else lens[:3]  # empty requests at the start of the line
     lens[-2:] = 0 if seed % 3 == 0 else lens[-2:]  # and at its end
-    plan, params = _h200_plan(lens.tolist(), config=ON)
-    assert plan.line and plan.direct
-    seen = _kernel_segments(lens.tolist(), 16, plan.n_work)
+    plan, params = _h200_plan(lens.tolist(), config={**ON, "line_segment_tokens": gap_tokens})
+    assert plan.line and plan.direct and plan.line_gap == -(-gap_tokens // 16)
+    seen = _kernel_segments(lens.tolist(), 16, plan.n_work, plan.line_gap)
     slots = set()
     for r, pieces in enumerate(seen):
         assert pieces == list(range(pieces[0], pieces[0] + len(pieces))) and len(pieces) >= 1, r
@@ -69,6 +73,14 @@ def test_every_request_is_read_once_per_piece_it_touches(seed):
             assert not slots & {g + r for g in pieces}
             slots |= {g + r for g in pieces}
     assert max(slots) < plan.n_work + plan.batch  # the partials the plan carves
+    if gap_tokens:  # the pieces' pages fall as their segments rise
+        pages = np.array([-(-n // 16) for n in lens])
+        at = np.cumsum(pages) - pages + plan.line_gap * np.arange(1, len(lens) + 1)  # first pages' positions
+        width = max(-(-int(pages.sum() + plan.line_gap * len(lens)) // plan.n_work), 1)
+        held = [np.clip(np.minimum(at + pages, g * width + width) - np.maximum(at, g * width), 0, None).sum()
+                for g in range(plan.n_work - 1)]
+        segments = [sum(g in pieces for pieces in seen) for g in range(plan.n_work - 1)]
+        assert np.corrcoef(segments, held)[0, 1] < -0.5
 
 
 def test_line_plans_on_the_h200():
@@ -96,17 +108,20 @@ def test_line_plans_on_the_h200():
 @pytest.mark.parametrize("fused, features", [
     (True, {}), (False, {}), (True, dict(sinks=True)), (False, dict(q_len_per_req=2, mask_mode="causal")),
     (True, dict(page_size=1)), (False, dict(page_size=64)), (True, dict(kv_dtype=torch.float8_e4m3fn)),
-    (False, dict(kv_layout="HND"))],
-    ids=["fused", "merge-kernel", "sinks", "qlen2", "page1", "page64", "e4m3", "HND"])
+    (False, dict(kv_layout="HND")), (True, dict(gap=48)), (False, dict(page_size=1, gap=5))],
+    ids=["fused", "merge-kernel", "sinks", "qlen2", "page1", "page64", "e4m3", "HND", "gap", "gap-page1"])
 def test_line_plan_matches_the_oracle(fused, features):
     """17 requests past one wave, two empty, in 16 pieces the kernel finds, against the oracle;
-    the empty rows exactly 0 and -inf."""
+    the empty rows exactly 0 and -inf. ``gap``: line_segment_tokens."""
+    features = dict(features)
+    gap = features.pop("gap", 0)
     lens = np.random.default_rng(74).integers(1, 300, 17)
     lens[[3, 11]] = 0
     case = _case(lens.tolist(), seed=75, **features)
     ref_out, ref_lse = case.oracle()
-    plan = run_fa2_decode(case, _config(fused))
+    plan = run_fa2_decode(case, _config(fused, line_segment_tokens=gap))
     assert plan.line and plan.n_work == 16 and plan.items == 1 and (plan._merge is None) == fused
+    assert plan.line_gap == -(-gap // case.problem.page_size)
     tol = 8e-2 if case.problem.kv_dtype == torch.float8_e4m3fn else 4e-3
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
     if not case.problem.sinks and case.problem.q_len_per_req == 1:  # (a sink's logit is an empty row's lse)
@@ -114,22 +129,24 @@ def test_line_plan_matches_the_oracle(fused, features):
 
 
 @interpreted
+@pytest.mark.parametrize("gap", [0, 16], ids=["", "gap"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
-def test_line_plan_edge_cases(fused):
+def test_line_plan_edge_cases(fused, gap):
     """Empty requests first, last and side by side on a piece's boundary; one request over most
-    pieces among short ones (its partials merged from 14 pieces); kv_indptr starting past 0."""
+    pieces among short ones (its partials merged from 12-14 pieces); kv_indptr starting past 0;
+    with and without a gap of a page per request (line_segment_tokens)."""
     lens = [0, 0, 1200, 7, 0, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 0]
     case = _case(lens, seed=76)
     ref_out, ref_lse = case.oracle()
-    plan = run_fa2_decode(case, _config(fused))
-    assert plan.line and plan.max_chunks >= 14
+    plan = run_fa2_decode(case, _config(fused, line_segment_tokens=gap))
+    assert plan.line and plan.max_chunks >= 12
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
     _assert_empty_rows(case, [b for b, n in enumerate(lens) if n == 0])
     shifted = _case(lens, seed=76)
     prm = shifted.params
     prm.kv_indptr = prm.kv_indptr + 5
     prm.kv_indices = torch.cat([torch.full((5,), 10 ** 6, dtype=torch.int32), prm.kv_indices])  # never read
-    plan = run_fa2_decode(shifted, _config(fused))
+    plan = run_fa2_decode(shifted, _config(fused, line_segment_tokens=gap))
     assert plan.line
     assert_close(shifted.inputs.out, shifted.inputs.lse, ref_out, ref_lse, 4e-3)
 

@@ -145,7 +145,7 @@ class DecodePlan:
         # work rows per program (`DecodeConfig.pack_items`): a few-programs split may pack
         self.items, self._may_pack = 1, few and policy_splits and not p.use_cuda_graph and cfg.pack_items > 1
         self.kernel_max_splits = cfg.max_splits  # the kernel's cap on its own split's chunks
-        self.line = False
+        self.line, self.line_gap = False, 0  # line_gap: the kernel's (`DecodeConfig.line_segment_tokens`)
         if line:
             self._place_direct(params, run_device, line_groups=line)
         elif p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
@@ -387,11 +387,15 @@ class DecodePlan:
 
     def _line_chunks(self, params: AttentionParams, groups: int) -> int:
         """The most pieces a request can touch in a line plan of ``groups`` pieces (a bound from
-        the longest request and the fewest pages the lengths can fill)."""
+        the longest request and the shortest line the lengths can fill, gaps included)."""
         lens, page = params.kv_lens_host, self.problem.page_size
         fewest_pages, longest = -(-sum(lens) // page), -(-max(lens) // page)
-        piece = max(-(-fewest_pages // groups), 1)
+        piece = max(-(-(fewest_pages + self._gap_pages() * len(lens)) // groups), 1)
         return -(-longest // piece) + 1
+
+    def _gap_pages(self) -> int:
+        """The line's gap before each request in pages (`DecodeConfig.line_segment_tokens`)."""
+        return -(-self.config.line_segment_tokens // self.problem.page_size)
 
     def _holds(self, packed: PackedSplit, params: AttentionParams) -> bool:
         """Whether the workspace holds the partials of ``packed``'s split requests."""
@@ -434,6 +438,7 @@ class DecodePlan:
         if split_slots > 1 or self.line:
             if self.line:
                 self.n_work, n_partial = line_groups, line_groups + self.batch
+                self.line_gap = self._gap_pages()
                 self.max_chunks = self._line_chunks(params, line_groups)
             else:
                 self.n_work = n_partial = self.batch * split_slots
@@ -521,7 +526,7 @@ class DecodePlan:
                         self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope,
-                              self.split_tokens, self.split_slots, self.kernel_max_splits, self.batch)
+                              self.split_tokens, self.split_slots, self.kernel_max_splits, self.batch, self.line_gap)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:

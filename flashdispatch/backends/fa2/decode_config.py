@@ -185,6 +185,10 @@ class DecodeConfig:
     4.35, 4.01 -> 4.31; fp8 d256 256x1024:var 3.39 -> 3.39. Off elsewhere: bf16 d128 read 3-5 %
     less (128x4096:var 4.29 -> 4.08, 512x1024:var 4.12 -> 3.99), fp8 d64 256x1024:var 2.28 -> 2.18;
     MHA not measured.
+    line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
+    (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each
+    request, so a piece where many short requests start reads fewer pages and its program ends
+    with the others. 0: pieces of equal pages.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -224,6 +228,7 @@ class DecodeConfig:
     wave_pack_spread: float = 1.5
     wave_pack_load: float = 2.0
     wave_pack_line: bool = False
+    line_segment_tokens: int = 0
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -246,7 +251,7 @@ class DecodeConfig:
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
                           ("wave_split_ctas", 0), ("wave_split_slots", 0), ("split_chunk_tokens", 0),
-                          ("lone_wave_split_tokens", 0)):
+                          ("lone_wave_split_tokens", 0), ("line_segment_tokens", 0)):
             v = getattr(self, name)
             if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")

@@ -29,14 +29,17 @@ one after the other, all for its (KV head, row block): a packed plan's equal pie
 tokens laid end to end, one row per request it touches (idle rows return at once).
 
 LINE (DecodeConfig.wave_pack_line; with DIRECT): a packed plan whose pieces the kernel finds itself.
-The requests' pages lie end to end as kv_indptr numbers them, cut into one equal piece of whole
-pages per item group (piece = ceil(pages / groups)); a program runs, one after the other, every
+The requests' pages lie end to end as kv_indptr numbers them, each after a gap of ``line_gap`` pages
+that stands for the cost of one more segment (DecodeConfig.line_segment_tokens): request r's first
+page sits at position kv_indptr[r] - kv_indptr[0] + line_gap x (r + 1). The line is cut into one
+equal piece of positions per item group (piece = ceil((pages + line_gap x requests) / groups)), so a
+piece where many short requests start reads fewer pages. A program runs, one after the other, every
 request its piece touches: the one begun before it (if any) and those whose first page lies in it
 (an empty request, in the piece where it stands; the last group takes any at the end), found by
-counting kv_indptr entries below the piece's bounds (`_line_requests`). A request on s pieces from
-piece f is split into s segments whose partials take slots f + request .. f + request + s - 1 (two
-segments never share a slot: a request's segments come after its predecessors' on the line), and
-its first segment's program writes the merge info row (out row, f + request, s) as DIRECT_SPLIT
+counting the requests' positions below the piece's bounds (`_line_requests`). A request on s pieces
+from piece f is split into s segments whose partials take slots f + request .. f + request + s - 1
+(two segments never share a slot: a request's segments come after its predecessors' on the line),
+and its first segment's program writes the merge info row (out row, f + request, s) as DIRECT_SPLIT
 does, or merges in place with the fused merge. plan() builds nothing, and the grid (groups x
 units) depends on the batch size alone. Each request is a call of the item body, not inlined
 (`_decode_item_call`).
@@ -189,12 +192,13 @@ def _decode_item(
     FP16_DOTS: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
-    LINE: tl.constexpr, piece_start, piece_end, piece, line_base, group,
+    LINE: tl.constexpr, piece_start, piece_end, piece, line_base, line_gap, group,
 ):
     """Row ``item`` of the work array (or the direct table's request / chunk slot) for one
     (KV head, row block) ``unit``: the program of the module docstring; an idle row returns. LINE:
-    ``item`` is a request, read on item group ``group``'s piece of the line (pages
-    [piece_start, piece_end) from ``line_base``, ``piece`` pages a piece)."""
+    ``item`` is a request, read on item group ``group``'s piece of the line (positions
+    [piece_start, piece_end), ``piece`` a piece; kv_indptr starts at ``line_base``, a request's
+    first page after a gap of ``line_gap``)."""
     UNITS: tl.constexpr = NUM_QO_HEADS // GROUP * ROW_BLOCKS
     wrow = work_ptr + item * 8  # WORK_COLS
     if DIRECT:  # work_ptr is kv_indptr: the request's pages and length from the API's tables
@@ -240,12 +244,13 @@ def _decode_item(
             if n_chunks > 1:
                 slot = req * split_slots + chunk_idx
             is_first = (chunk_idx == 0).to(tl.int32)
-        if LINE:  # the request's segment on this piece (pages: kv_indptr positions)
-            seg_first = (page_base - line_base) // piece
-            n_chunks = (page_base + tl.maximum(pages - 1, 0) - line_base) // piece - seg_first + 1  # empty: 1
-            lo_page = tl.maximum(page_base, piece_start) - page_base
+        if LINE:  # the request's segment on this piece (positions on the line: module docstring)
+            at = page_base - line_base + line_gap * (req + 1)  # its first page's position
+            seg_first = at // piece
+            n_chunks = (at + tl.maximum(pages - 1, 0)) // piece - seg_first + 1  # empty: 1
+            lo_page = tl.maximum(at, piece_start) - at
             tok_start = lo_page * PAGE
-            tok_end = tl.minimum((tl.minimum(pages, piece_end - page_base)) * PAGE, kv_len)
+            tok_end = tl.minimum((tl.minimum(pages, piece_end - at)) * PAGE, kv_len)
             is_first = (lo_page == 0).to(tl.int32)
             if n_chunks > 1:
                 slot = group + req
@@ -450,29 +455,31 @@ _decode_item_call = _decode_item if TRITON_INTERPRETED else triton.jit(noinline=
 
 
 @triton.jit
-def _line_requests(indptr_ptr, n_requests, piece_start, piece_end, BLOCK: tl.constexpr):
-    """The requests [first, end) that the line's piece of pages [piece_start, piece_end) (line
-    positions: kv_indptr values) touches (LINE): the one begun before it whose pages run into it,
-    and every request starting in it (an empty one too), by counting the starts below each bound,
-    BLOCK at a time."""
+def _line_requests(indptr_ptr, n_requests, line_gap, piece_start, piece_end, BLOCK: tl.constexpr):
+    """The requests [first, end) that the line's piece of positions [piece_start, piece_end)
+    touches (LINE): the one begun before it whose pages run into it, and every request starting
+    in it (an empty one too), by counting the requests' first positions below each bound, BLOCK
+    at a time."""
+    base = tl.load(indptr_ptr)
     before = 0
     upto = 0
     for b in range(0, n_requests, BLOCK):
         offs = b + tl.arange(0, BLOCK)
-        starts = tl.load(indptr_ptr + offs, mask=offs < n_requests, other=0)
         live = offs < n_requests
-        before += tl.sum((live & (starts < piece_start)).to(tl.int32))
-        upto += tl.sum((live & (starts < piece_end)).to(tl.int32))
-    runs_in = (before > 0) & (tl.load(indptr_ptr + before) > piece_start)
+        at = tl.load(indptr_ptr + offs, mask=live, other=0) - base + line_gap * (offs + 1)
+        before += tl.sum((live & (at < piece_start)).to(tl.int32))
+        upto += tl.sum((live & (at < piece_end)).to(tl.int32))
+    # the request before the piece ends at its successor's position less the gap
+    runs_in = (before > 0) & (tl.load(indptr_ptr + before) - base + line_gap * before > piece_start)
     return before - runs_in.to(tl.int32), upto
 
 
-@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests"])  # they change per plan
+@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests", "line_gap"])  # per plan
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
-    n_requests,
+    n_requests, line_gap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -502,10 +509,11 @@ def decode_kernel(
     if LINE:  # this item group's piece of the line (module docstring)
         n_groups = tl.num_programs(0) // UNITS
         line_base = tl.load(work_ptr)
-        piece = tl.maximum((tl.load(work_ptr + n_requests) - line_base + n_groups - 1) // n_groups, 1)
-        piece_start = line_base + group * piece
+        positions = tl.load(work_ptr + n_requests) - line_base + line_gap * n_requests
+        piece = tl.maximum((positions + n_groups - 1) // n_groups, 1)
+        piece_start = group * piece
         piece_end = piece_start + piece
-        first, end = _line_requests(work_ptr, n_requests, piece_start, piece_end, LINE_BLOCK)
+        first, end = _line_requests(work_ptr, n_requests, line_gap, piece_start, piece_end, LINE_BLOCK)
         end = tl.where(group == n_groups - 1, n_requests, end)  # the last piece: any empty one at the end
         for req in range(first, end):
             _decode_item_call(
@@ -517,7 +525,7 @@ def decode_kernel(
                 HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
                 K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
                 MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, LINE, piece_start, piece_end, piece,
-                line_base, group)
+                line_base, line_gap, group)
     else:
         for i in tl.static_range(ITEMS):  # ITEMS: the work rows of a packed plan's program
             _decode_item(
@@ -528,4 +536,4 @@ def decode_kernel(
                 stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS, PAGE,
                 HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
                 K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
-                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, False, 0, 0, 1, 0, group)
+                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, False, 0, 0, 1, 0, 0, group)
