@@ -24,7 +24,7 @@ import decode_registers as regs  # noqa: E402  (sets up an offline Triton: no in
 import torch  # noqa: E402
 
 from flashdispatch.backends.fa2 import decode_variant as fvar  # noqa: E402
-from flashdispatch.backends.fa2.decode_config import resolve_config, with_split_block, with_tile  # noqa: E402
+from flashdispatch.backends.fa2.decode_config import line_variant, resolve_config, with_split_block, with_tile  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
 
 FEATURES = {
@@ -61,7 +61,7 @@ def main(head_dims: list[int]) -> None:
                 variants.append((f"packed x{base.pack_items}, fused", packed, True, False, False, base.pack_items,
                                  False))
                 if base.wave_pack_line and p.window_left < 0:  # the merge kernel's line: plain only
-                    variants += [(f"line{merge}", packed, fused, True, False, 1, True)
+                    variants += [(f"line{merge}", line_variant(packed), fused, True, False, 1, True)
                                  for merge, fused in ((", fused", True), ("", False)) if fused or not changes]
             for label, cfg, fused, direct, split, items, line in variants:
                 consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items, line)

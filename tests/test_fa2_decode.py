@@ -302,6 +302,7 @@ def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
     ("min_chunk_tokens", (0,)), ("max_splits", (0, 1.5)), ("split_chunk_tokens", (-1, 0.5)),
     ("split_ctas_per_sm", (-1, 2.0)), ("pack_items", (0, 5, 2.0)), ("pack_fill", (0, 1.5, True, "x")),
     ("wave_pack_spread", (-1, True, "x")), ("wave_pack_load", (0, 0.1, None)),
+    ("line_segment_tokens", (-1, 1.5, True)), ("line_page_prefetch", (1, "yes")), ("wave_pack_line", (0,)),
 ])
 def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):
     """Every size knob is checked where the config is built (a constructor call, the environment's
@@ -414,7 +415,7 @@ def test_sm90_register_cap_keeps_8_programs_per_sm():
         assert int(regs) <= 64 and int(spill) == 0 and int(per_sm) == 8, (name, rows)
 
 
-@pytest.mark.parametrize("head_dim, combinations", [(128, 77), (64, 49), (256, 53)])
+@pytest.mark.parametrize("head_dim, combinations", [(128, 81), (64, 53), (256, 53)])
 def test_sm90_compiles_every_feature_and_work_layout(head_dim, combinations):
     """Offline sm90 compile (scripts/decode_compile_matrix.py, no GPU) of features x work layouts
     of each head dim's defaults (d128 has wave tiles, d64 and d256 their own tiles; all three

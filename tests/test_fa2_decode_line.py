@@ -84,24 +84,24 @@ def test_every_request_is_read_once_per_piece_it_touches(seed, gap_tokens):
 
 
 def test_line_plans_on_the_h200():
-    """Mixed lengths past one wave on the H200 are packed by the kernel (the fp8 d128 default;
-    bf16 with wave_pack_line): bf16 128 requests in 66 pieces, fp8 in 132, 256 bf16 in 132, on the
-    split block, merged in the kernel; the bf16 d128 default packs on the host. A line plan
-    re-planned for other mixed lengths keeps its pieces (only the tables change), for equal
-    lengths plans afresh (the direct table)."""
+    """Mixed lengths past one wave on the H200 are packed by the kernel (the bf16 and fp8 d128
+    defaults): bf16 128 requests in 66 pieces, fp8 in 132, 256 bf16 in 132, on the split block with
+    the page numbers loaded a step ahead (line_page_prefetch), merged in the kernel; with
+    wave_pack_line false, on the host. A line plan re-planned for other mixed lengths keeps its
+    pieces (only the tables change), for equal lengths plans afresh (the direct table)."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
     lens = np.random.default_rng(20261201).integers(1, 8192, 256).tolist()
-    for kv, batch, block_n, groups, config in ((F16, 128, 64, 66, ON), (torch.float8_e4m3fn, 128, 32, 132, None),
-                                               (F16, 256, 64, 132, ON)):
-        plan, params = _h200_plan(lens[:batch], kv, config)
+    for kv, batch, block_n, groups in ((F16, 128, 64, 66), (torch.float8_e4m3fn, 128, 32, 132), (F16, 256, 64, 132)):
+        plan, params = _h200_plan(lens[:batch], kv)
         got = (plan.line, plan.direct, plan.config.block_n, plan.n_work, plan.items, plan.fused_merge)
         assert got == (True, True, block_n, groups, 1, True), (kv, batch)
+        assert plan.config.page_prefetch and plan.line_gap == 4  # line_segment_tokens 64, page 16
         assert plan._grid == (groups * 8,) and plan._consts["LINE"] and plan.n_merge == batch
-        other = plan.refreshed(_H200, _h200_plan(lens[-batch:], kv, config)[1])
+        other = plan.refreshed(_H200, _h200_plan(lens[-batch:], kv)[1])
         assert other is not None and other.line and other.n_work == groups
-        assert plan.refreshed(_H200, _h200_plan([4096] * batch, kv, config)[1]) is None
-    host, _ = _h200_plan(lens[:128])
-    assert (host.line, host.direct, host.items) == (False, False, 4)
+        assert plan.refreshed(_H200, _h200_plan([4096] * batch, kv)[1]) is None
+    host, _ = _h200_plan(lens[:128], config={"wave_pack_line": False})
+    assert (host.line, host.direct, host.items, host.config.page_prefetch) == (False, False, 4, False)
 
 
 @interpreted

@@ -52,7 +52,7 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, shared_per_block,
                       triton_fp8_kv_reasons)
-from .decode_config import (for_cuda_graph, resolve_config, wave_choice, wave_split_ceiling,
+from .decode_config import (for_cuda_graph, line_variant, resolve_config, wave_choice, wave_split_ceiling,
                             wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
@@ -133,7 +133,7 @@ class DecodePlan:
             cfg = with_split_block(cfg)
         else:
             cfg = tiled
-        self.config = cfg
+        self.config = cfg = line_variant(cfg) if line else cfg
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)
         self.sm_scale = params.sm_scale

@@ -176,19 +176,28 @@ class DecodeConfig:
     twice the pieces, read the same or less: d128 fp8 256x1024:var 3.27 against 3.39).
     wave_pack_line: a wave-packed plan without a sliding window leaves the pieces to the kernel
     (decode_kernel.py's LINE): the requests' pages end to end as kv_indptr numbers them, one equal
-    piece of whole pages per item group, so plan() lays out and uploads nothing (a direct plan's
-    host time) and a re-plan of the same batch size only swaps the tables. False: the host lays
-    out the segments (`decode_split.packed_segments`, up to pack_items to a program) and uploads
-    their work rows. On by default where the H200 measured it within 1 % of the host's packing or
-    above (32/8, session 25, TB/s host -> line): fp8 d128 128x4096:var 3.80 -> 3.78, 256x1024:var
-    3.35 -> 3.36; bf16 d64 128x4096:var 3.96 -> 4.00, 256x2048:var 3.61 -> 3.80; bf16 d256 4.30 ->
-    4.35, 4.01 -> 4.31; fp8 d256 256x1024:var 3.39 -> 3.39. Off elsewhere: bf16 d128 read 3-5 %
-    less (128x4096:var 4.29 -> 4.08, 512x1024:var 4.12 -> 3.99), fp8 d64 256x1024:var 2.28 -> 2.18;
-    MHA not measured.
+    piece per item group, so plan() lays out and uploads nothing (a direct plan's host time) and a
+    re-plan of the same batch size only swaps the tables. False: the host lays out the segments
+    (`decode_split.packed_segments`, up to pack_items to a program) and uploads their work rows
+    (394-736 us of plan() on the GPU host against the line's 165-208, session 25). On by default
+    for GQA where the H200 measured it within about 2 % of the host's packing or above (32/8, sessions
+    25-26, TB/s host -> line, line_segment_tokens 64): bf16 d128 (with line_page_prefetch)
+    128x4096:var 4.37 -> 4.32, 256x2048:var 4.32 -> 4.26, 200x4096:var 4.44 -> 4.38, 512x1024:var
+    4.19 -> 4.11, 128x1024:var 3.78 -> 3.70; fp8 d128 3.88 -> 3.91, 3.37 -> 3.49 (256x1024:var),
+    3.83 -> 3.87 (256x2048:var); bf16 d64 4.02 -> 4.07, 3.67 -> 3.91; bf16 d256 4.39 -> 4.42,
+    4.07 -> 4.38; fp8 d256 256x1024:var 3.40 -> 3.41; fp8 d64 256x1024:var 2.39 -> 2.38. Off for
+    MHA (32/32 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17 -> 4.13).
     line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
     (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each
     request, so a piece where many short requests start reads fewer pages and its program ends
-    with the others. 0: pieces of equal pages.
+    with the others. 0: pieces of equal pages. 64 (H200 32/8, session 26, TB/s 0 -> 64): fp8 d128
+    128x4096:var 3.86 -> 3.91, 256x1024:var 3.42 -> 3.49, 512x1024:var 3.58 -> 3.62; fp8 d64
+    256x1024:var 2.33 -> 2.38; bf16 d64, d256 and d128 within 0.5 % either way.
+    line_page_prefetch: a line plan runs with page_prefetch whatever the config's own. The line's
+    request body is a called function (not inlined), where ptxas issues the two-level page-table
+    loads of a tile one after the other instead of together (the sm90 SASS of bf16 d128): bf16
+    d128 line 128x4096:var 4.15 -> 4.32, 256x2048:var 4.16 -> 4.24 TB/s (H200 32/8, session 26);
+    bf16 d64 and d256 read less with it (4.06 -> 3.31, 4.43 -> 3.34).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -228,7 +237,8 @@ class DecodeConfig:
     wave_pack_spread: float = 1.5
     wave_pack_load: float = 2.0
     wave_pack_line: bool = False
-    line_segment_tokens: int = 0
+    line_segment_tokens: int = 64
+    line_page_prefetch: bool = False
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -246,7 +256,8 @@ class DecodeConfig:
             raise ValueError(f"fp8_dot_dtype must be 'q' or 'fp16', got {self.fp8_dot_dtype!r}")
         if self.fp8_v_convert not in ("operand", "staged"):
             raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
-        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab", "wave_pack_line"):
+        for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab", "wave_pack_line",
+                     "line_page_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
@@ -339,8 +350,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     # 3.16 -> 4.30, fp8 36x4096:var 2.60 -> 3.35, 48x4096:var 2.10 -> 3.50, 16x8192:var 2.69 -> 3.29;
     # d64 bf16 2.89 -> 3.20, 2.85 -> 3.47, 2.79 -> 3.68, fp8 2.01 -> 2.36, 1.97 -> 2.36, 2.19 -> 2.25)
     mixed = dict(pack_items=4, pack_fill=0.65) if gqa and d in (64, 256) and problem.page_size > 1 else {}
-    # past one wave the kernel packs (DecodeConfig.wave_pack_line) where it read as much as the host's packing
-    line = dict(wave_pack_line=True) if mixed and not (d == 64 and problem.kv_dtype in FP8_DTYPES) else {}
+    # past one wave the kernel packs (DecodeConfig.wave_pack_line): it read within about 2 % of the host's packing
+    line = dict(wave_pack_line=True) if mixed else {}
     if problem.kv_dtype in FP8_DTYPES and 0 < shared < FP8_SMALL_SHARED:
         return _small_shared_fp8_config(problem, shared)
     if problem.kv_dtype in FP8_DTYPES:
@@ -356,7 +367,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
             # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items)
             few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=gqa) if d == 128
-                   else mixed)
+                   else {**mixed, **line})
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
@@ -375,7 +386,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         return DecodeConfig(block_n=128, direct_table=gqa, wave_slots=3 if gqa and d == 128 else 0,
                             wave_split_ctas=24)
     # 16-bit d128 (page > 1) packs few programs, up to 4 to a program, under a work fill of 0.65
-    # (DecodeConfig.pack_items)
+    # (DecodeConfig.pack_items); GQA past one wave in the kernel, with the page numbers loaded a
+    # step ahead there (DecodeConfig.line_page_prefetch)
     pack = dict(pack_items=4, pack_fill=0.65) if d == 128 else {}
     if not gqa and d <= 128:
         return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24,
@@ -394,7 +406,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
-                            wave_split_slots=4 if group == 4 else 0, **pack)
+                            wave_split_slots=4 if group == 4 else 0, wave_pack_line=True, line_page_prefetch=True,
+                            **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16, **mixed, **line)
 
@@ -440,6 +453,13 @@ def for_cuda_graph(cfg: DecodeConfig) -> DecodeConfig:
 def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` with block_n = split_block_n, uncapped (cached: plan() is host-time bound)."""
     return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
+
+
+@functools.lru_cache(maxsize=64)
+def line_variant(cfg: DecodeConfig) -> DecodeConfig:
+    """The config a line plan runs (`DecodeConfig.wave_pack_line`), from its packed plans' one:
+    page_prefetch on where line_page_prefetch says."""
+    return dataclasses.replace(cfg, page_prefetch=True) if cfg.line_page_prefetch and not cfg.page_prefetch else cfg
 
 
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
