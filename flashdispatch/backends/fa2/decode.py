@@ -29,11 +29,12 @@ so a graph captured once replays correctly after a later plan() of the same batc
 indptr / last_page_len buffers and splits each request into the slots itself; its merge rows and
 counters take the work array layout's places in the int workspace.
 
-Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): the host lays the requests'
-tokens end to end and uploads the work rows of equal pieces (`decode_split.packed_segments`), or,
-with `DecodeConfig.wave_pack_line`, the kernel cuts the pages as kv_indptr numbers them into the
-plan's number of pieces and finds its own (decode_kernel.py's LINE): such a plan builds nothing,
-and a re-plan of the same batch size only swaps the tables.
+Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
+`DecodeConfig.wave_pack_line` (the GQA defaults) the kernel cuts the pages as kv_indptr numbers
+them into the plan's number of pieces and finds its own (decode_kernel.py's LINE): such a plan
+builds nothing, and a re-plan of the same batch size only swaps the tables. Otherwise the host
+lays the requests' tokens end to end and uploads the work rows of equal pieces
+(`decode_split.packed_segments`).
 
 Tuning: `DecodeConfig` (decode_config.py) fields can be overridden per plan
 (``plan_decode(..., config={...})``) or through
