@@ -4,14 +4,17 @@ Each config of the grid (`DecodeConfig` fields; the row ``{}`` is `default_confi
 with ``plan_decode(..., config)`` on each shape (the key ``fixed_split_size``, pages per chunk,
 is the plan's parameter of that name instead: a split of every request into equal chunks) and
 timed (median of --reps runs, each after a 256 MB L2 flush and a GPU spin (`--l2-flush`, the
-bench's `L2Flusher`), CUDA events). TB/s counts the KV bytes read: batch x kv_len x kv_heads x
-head_dim x 2 (K, V) x the KV dtype's size. Every result is compared with a dense float32
-attention over the same cache (in chunks of requests, so 4 GB caches are checked too): a "!"
-after a figure means ||out - ref|| / ||ref|| > --tol or an lse error > --tol.
+bench's `L2Flusher`), CUDA events). TB/s counts the KV bytes read: the requests' tokens x kv_heads
+x head_dim x 2 (K, V) x the KV dtype's size. Every result is compared with a dense float32
+attention over the same cache (requests of one length together, in chunks, so 4 GB caches are
+checked too): a "!" after a figure means ||out - ref|| / ||ref|| > --tol or an lse error > --tol.
 
     # fp8 e4m3 KV: fp16 vs q-dtype dots x block_n x warps x stages (one GPU call, ~2-3 min)
     python scripts/sweep_decode.py --kv e4m3 --shapes 64x4096,256x4096,16x8192 \\
         --grid '{"fp8_dot_dtype": ["q", "fp16"], "block_n": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}'
+    # mixed lengths (the bench's :var draw), the line against the host's packing, 3 rounds in turn
+    python scripts/sweep_decode.py --shapes 128x4096:var,512x1024:var --no-default --rounds 3 \\
+        --grid '[{"wave_pack_line": false}, {"wave_pack_line": true}]'
     # a list of configs instead of a product; HND layout, page 1
     python scripts/sweep_decode.py --layout HND --page-size 1 --grid '[{"block_n": 128}, {"block_n": 64}]'
     # smoke test of the script itself on CPU (Triton interpreter, tiny shapes)
@@ -99,8 +102,11 @@ def shape_label(batch: int, kv_len: int, var: bool) -> str:
 def request_order(lens: np.ndarray, order: str) -> np.ndarray:
     """The indices of ``lens`` in the requested order (`parse_args` --order)."""
     from flashdispatch.backends.fa2.decode_split import interleaved
-    return {"drawn": lambda: np.arange(lens.size), "interleaved": lambda: interleaved(lens),
-            "longest": lambda: np.argsort(-lens, kind="stable"), "shortest": lambda: np.argsort(lens, kind="stable")}[order]()
+    if order == "interleaved":
+        return interleaved(lens)
+    if order == "drawn":
+        return np.arange(lens.size)
+    return np.argsort(-lens if order == "longest" else lens, kind="stable")
 
 
 class Shape:

@@ -1,0 +1,23 @@
+"""scripts/sweep_decode.py on the CPU (Triton interpreter): a mixed-length row in another order,
+two configs over two rounds, every result checked against its dense reference (the script exits
+non-zero where one is off)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sweep_decode.py"
+
+
+def test_sweep_checks_mixed_lengths_in_rounds():
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--shapes", "2x32,5x40:var", "--heads", "4,2",
+         "--head-dim", "64", "--q-dtype", "fp16", "--kv", "fp16", "--reps", "1", "--rounds", "2",
+         "--order", "interleaved", "--grid", '[{"block_n": 16}]'],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    table = res.stdout[res.stdout.index("TB/s of KV read"):]
+    assert "median of 2 round(s)" in table and "5x40:var" in table.splitlines()[1]
+    rows = [line for line in table.splitlines() if line.startswith(("default", '{"block_n": 16}'))]
+    assert len(rows) == 2 and not any("!" in row or "ERR" in row for row in rows), table
