@@ -180,8 +180,9 @@ class DecodeConfig:
     re-plan of the same batch size only swaps the tables. False: the host lays out the segments
     (`decode_split.packed_segments`, up to pack_items to a program) and uploads their work rows
     (394-736 us of plan() on the GPU host against the line's 165-208, session 25). On by default
-    for GQA, where the H200 measured it within about 2 % of the host's packing or above (32/8,
-    sessions 25-26, TB/s host -> line, line_segment_tokens 64): bf16 d128 (with line_page_prefetch)
+    for GQA with pages of more than one token, where the H200 measured it within about 2 % of the
+    host's packing or above (32/8, sessions 25-26, TB/s host -> line, line_segment_tokens 64):
+    bf16 d128 (with line_page_prefetch)
     128x4096:var 4.37 -> 4.32, 256x2048:var 4.32 -> 4.26, 200x4096:var 4.44 -> 4.38, 512x1024:var
     4.19 -> 4.11, 128x1024:var 3.78 -> 3.70; fp8 d128 3.88 -> 3.91, 3.37 -> 3.49 (256x1024:var),
     3.83 -> 3.87 (256x2048:var); bf16 d64 4.02 -> 4.07, 3.67 -> 3.91; bf16 d256 4.39 -> 4.42,
