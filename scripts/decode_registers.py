@@ -97,9 +97,9 @@ def main() -> None:
     for direct, split, capped, line in variants:
         if (split or line) and cfg.split_block_n:
             variant_cfg = decode_config.with_split_block(cfg)
-            variant_cfg = decode_config.line_variant(variant_cfg) if line else variant_cfg
         else:
             variant_cfg = cfg if capped else decode_config.apply_overrides(cfg, {"max_registers": 0})
+        variant_cfg = decode_config.line_variant(variant_cfg) if line else variant_cfg
         consts = fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False,
                                        line=line)
         consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}

@@ -250,6 +250,17 @@ def cell(results: list[dict], index: int, label: str) -> str:
     return f"{statistics.median(r['tbps'] for r in rows):.2f}" + ("" if all(r.get("ok", True) for r in rows) else "!")
 
 
+def best_config(results: list[dict], configs: list[dict], label: str, checked: bool) -> tuple[float, dict] | None:
+    """(median TB/s, config) of the config with the highest median over its rounds on shape
+    ``label``, among those that ran every round (``checked``: and passed every check); None if none did."""
+    medians = []
+    for index, cfg in enumerate(configs):
+        rows = [r for r in results if r["index"] == index and r["shape"] == label]
+        if rows and all("tbps" in r and (r.get("ok", True) or not checked) for r in rows):
+            medians.append((statistics.median(r["tbps"] for r in rows), cfg))
+    return max(medians, key=lambda m: m[0]) if medians else None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
@@ -276,10 +287,9 @@ def main(argv=None) -> int:
                 if first is not None:
                     first_call.setdefault(ci, first)
                 results.append(dict(row, index=ci))
-        done = [r for r in results if r["shape"] == shape.label and "tbps" in r]
-        if done:
-            best = max(done, key=lambda r: r["tbps"])
-            print(f"done {shape.label}: best {best['tbps']:.2f} TB/s {json.dumps(best['config'])}", flush=True)
+        best = best_config(results, configs, shape.label, checked=False)
+        if best:
+            print(f"done {shape.label}: best {best[0]:.2f} TB/s {json.dumps(best[1])}", flush=True)
         shape = None  # free the cache before the next one is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -294,10 +304,9 @@ def main(argv=None) -> int:
         first = f"{first_call[ci]:5.1f}" if ci in first_call else "    -"
         print(f"{name:<{width}} | {first} | " + " | ".join(f"{cell(results, ci, h):>12}" for h in heads))
     for h in heads:
-        ok = [r for r in results if r["shape"] == h and "tbps" in r and r.get("ok", True)]
-        if ok:
-            best = max(ok, key=lambda r: r["tbps"])
-            print(f"BEST {h}: {best['tbps']:.2f} TB/s {json.dumps(best['config'])}")
+        best = best_config(results, configs, h, checked=True)
+        if best:
+            print(f"BEST {h}: {best[0]:.2f} TB/s {json.dumps(best[1])}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(args=vars(args), results=results), fh, indent=1)

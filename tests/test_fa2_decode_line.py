@@ -133,7 +133,7 @@ def test_line_plan_matches_the_oracle(fused, features):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
 def test_line_plan_edge_cases(fused, gap):
     """Empty requests first, last and side by side on a piece's boundary; one request over most
-    pieces among short ones (its partials merged from 12-14 pieces); kv_indptr starting past 0;
+    pieces among short ones (its partials merged from 12-13 pieces); kv_indptr starting past 0;
     with and without a gap of a page per request (line_segment_tokens)."""
     lens = [0, 0, 1200, 7, 0, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 0]
     case = _case(lens, seed=76)

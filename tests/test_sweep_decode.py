@@ -21,3 +21,4 @@ def test_sweep_checks_mixed_lengths_in_rounds():
     assert "median of 2 round(s)" in table and "5x40:var" in table.splitlines()[1]
     rows = [line for line in table.splitlines() if line.startswith(("default", '{"block_n": 16}'))]
     assert len(rows) == 2 and not any("!" in row or "ERR" in row for row in rows), table
+    assert "BEST 5x40:var:" in table and "BEST 2x32:" in table

@@ -30,7 +30,7 @@ indptr / last_page_len buffers and splits each request into the slots itself; it
 counters take the work array layout's places in the int workspace.
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
-`DecodeConfig.wave_pack_line` (the GQA defaults) the kernel cuts the pages as kv_indptr numbers
+`DecodeConfig.wave_pack_line` (most GQA defaults) the kernel cuts the pages as kv_indptr numbers
 them into the plan's number of pieces and finds its own (decode_kernel.py's LINE): such a plan
 builds nothing, and a re-plan of the same batch size only swaps the tables. Otherwise the host
 lays the requests' tokens end to end and uploads the work rows of equal pieces

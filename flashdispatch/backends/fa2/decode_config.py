@@ -15,6 +15,7 @@ import torch
 from ...dispatch.problem import FP8_DTYPES, Problem
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
+MAX_LINE_SEGMENT_TOKENS = 4096  # DecodeConfig.line_segment_tokens: gap x requests stays far inside int32
 MAX_PACK_ITEMS = 4  # DecodeConfig.pack_items: the kernel's body is compiled that many times
 
 
@@ -180,9 +181,9 @@ class DecodeConfig:
     re-plan of the same batch size only swaps the tables. False: the host lays out the segments
     (`decode_split.packed_segments`, up to pack_items to a program) and uploads their work rows
     (394-736 us of plan() on the GPU host against the line's 165-208, session 25). On by default
-    for GQA with pages of more than one token, where the H200 measured it within about 2 % of the
-    host's packing or above (32/8, sessions 25-26, TB/s host -> line, line_segment_tokens 64):
-    bf16 d128 (with line_page_prefetch)
+    for GQA with pages of more than one token (fp8 d128 GQA at any page size), where the H200
+    measured it within about 2 % of the host's packing or above (32/8, sessions 25-26, TB/s host
+    -> line, line_segment_tokens 64): bf16 d128 (with line_page_prefetch)
     128x4096:var 4.37 -> 4.32, 256x2048:var 4.32 -> 4.26, 200x4096:var 4.44 -> 4.38, 512x1024:var
     4.19 -> 4.11, 128x1024:var 3.78 -> 3.70; fp8 d128 3.88 -> 3.91, 3.37 -> 3.49 (256x1024:var),
     3.83 -> 3.87 (256x2048:var); bf16 d64 4.02 -> 4.07, 3.67 -> 3.91; bf16 d256 4.39 -> 4.42,
@@ -263,10 +264,13 @@ class DecodeConfig:
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
                           ("wave_split_ctas", 0), ("wave_split_slots", 0), ("split_chunk_tokens", 0),
-                          ("lone_wave_split_tokens", 0), ("line_segment_tokens", 0)):
+                          ("lone_wave_split_tokens", 0)):
             v = getattr(self, name)
             if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
+        if not _int(self.line_segment_tokens) or not 0 <= self.line_segment_tokens <= MAX_LINE_SEGMENT_TOKENS:
+            raise ValueError(f"fa2 decode config line_segment_tokens must be an int in [0, {MAX_LINE_SEGMENT_TOKENS}] "
+                             f"(the kernel's positions are int32), got {self.line_segment_tokens!r}")
         if not _int(self.pack_items) or not 1 <= self.pack_items <= MAX_PACK_ITEMS:
             raise ValueError(f"fa2 decode config pack_items must be an int in [1, {MAX_PACK_ITEMS}] (the kernel "
                              f"repeats its body that many times), got {self.pack_items!r}")
