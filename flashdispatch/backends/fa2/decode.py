@@ -388,15 +388,11 @@ class DecodePlan:
 
     def _line_chunks(self, params: AttentionParams, groups: int) -> int:
         """The most pieces a request can touch in a line plan of ``groups`` pieces (a bound from
-        the longest request and the shortest line the lengths can fill, gaps included)."""
+        the longest request and the shortest line the lengths can fill, this plan's gaps included)."""
         lens, page = params.kv_lens_host, self.problem.page_size
         fewest_pages, longest = -(-sum(lens) // page), -(-max(lens) // page)
-        piece = max(-(-(fewest_pages + self._gap_pages() * len(lens)) // groups), 1)
+        piece = max(-(-(fewest_pages + self.line_gap * len(lens)) // groups), 1)
         return -(-longest // piece) + 1
-
-    def _gap_pages(self) -> int:
-        """The line's gap before each request in pages (`DecodeConfig.line_segment_tokens`)."""
-        return -(-self.config.line_segment_tokens // self.problem.page_size)
 
     def _holds(self, packed: PackedSplit, params: AttentionParams) -> bool:
         """Whether the workspace holds the partials of ``packed``'s split requests."""
@@ -439,7 +435,7 @@ class DecodePlan:
         if split_slots > 1 or self.line:
             if self.line:
                 self.n_work, n_partial = line_groups, line_groups + self.batch
-                self.line_gap = self._gap_pages()
+                self.line_gap = -(-self.config.line_segment_tokens // self.problem.page_size)  # in pages
                 self.max_chunks = self._line_chunks(params, line_groups)
             else:
                 self.n_work = n_partial = self.batch * split_slots
