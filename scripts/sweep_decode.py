@@ -15,6 +15,8 @@ checked too): a "!" after a figure means ||out - ref|| / ||ref|| > --tol or an l
     # mixed lengths (the bench's :var draw), the line against the host's packing, 3 rounds in turn
     python scripts/sweep_decode.py --shapes 128x4096:var,512x1024:var --no-default --rounds 3 \\
         --grid '[{"wave_pack_line": false}, {"wave_pack_line": true}]'
+    # one request 64 x longer among the mix (:long): the fused merge against the merge kernel
+    python scripts/sweep_decode.py --shapes 256x2048:long --grid '[{}, {"fused_merge_max_chunks": 1000}]'
     # a list of configs instead of a product; HND layout, page 1
     python scripts/sweep_decode.py --layout HND --page-size 1 --grid '[{"block_n": 128}, {"block_n": 64}]'
     # smoke test of the script itself on CPU (Triton interpreter, tiny shapes)
@@ -40,12 +42,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANCHOR_SHAPES = "1x32768,16x8192,64x4096,128x2048,256x1024,64x16384,256x4096"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 CHECK_TOKENS = 1 << 16  # tokens per chunk of the dense check
+LONG_FACTOR = 64  # a :long row's long request, in kv_len (2K-token requests and one of 128K)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=ANCHOR_SHAPES,
-                    help="comma list of BATCHxKV_LEN[:var] (default: ANCHORS.md; :var: the bench's mixed lengths)")
+                    help="comma list of BATCHxKV_LEN[:var|:long] (default: ANCHORS.md; :var: the bench's mixed "
+                         f"lengths; :long: those with the middle request {LONG_FACTOR} x KV_LEN tokens long)")
     ap.add_argument("--grid", default="{}", help="JSON: {field: [values]} (cartesian product) or [{config}, ...]")
     ap.add_argument("--no-default", action="store_true", help="leave out the default_config row")
     ap.add_argument("--kv", default="bf16", choices=list(DTYPES), help="KV cache dtype")
@@ -83,20 +87,20 @@ def config_grid(text: str, with_default: bool) -> list[dict]:
     return ([{}] if with_default else []) + configs
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, bool]]:
-    """(batch, kv_len, var) of each BATCHxKV_LEN[:var] item."""
+def parse_shapes(text: str) -> list[tuple[int, int, str]]:
+    """(batch, kv_len, mix) of each BATCHxKV_LEN[:var|:long] item (mix "": equal lengths)."""
     shapes = []
     for item in text.split(","):
         size, _, mod = item.strip().lower().partition(":")
-        if mod not in ("", "var"):
-            raise SystemExit(f"shape {item!r}: the only modifier is :var")
+        if mod not in ("", "var", "long"):
+            raise SystemExit(f"shape {item!r}: the modifiers are :var and :long")
         b, _, n = size.partition("x")
-        shapes.append((int(b), int(n), mod == "var"))
+        shapes.append((int(b), int(n), mod))
     return shapes
 
 
-def shape_label(batch: int, kv_len: int, var: bool) -> str:
-    return f"{batch}x{kv_len}" + (":var" if var else "")
+def shape_label(batch: int, kv_len: int, mix: str) -> str:
+    return f"{batch}x{kv_len}" + (f":{mix}" if mix else "")
 
 
 def request_order(lens: np.ndarray, order: str) -> np.ndarray:
@@ -111,24 +115,27 @@ def request_order(lens: np.ndarray, order: str) -> np.ndarray:
 
 class Shape:
     """One decode problem: a random paged cache (pages in random order), q, params, inputs;
-    ``var``: the bench's mixed lengths (`DecodeShape.kv_lens`, drawn from 1 .. 2 x kv_len - 1)."""
+    ``mix`` "var": the bench's mixed lengths (`DecodeShape.kv_lens`, drawn from 1 .. 2 x kv_len - 1);
+    "long": those with the middle request LONG_FACTOR x kv_len tokens long."""
 
-    def __init__(self, args, batch: int, kv_len: int, device: torch.device, var: bool = False):
+    def __init__(self, args, batch: int, kv_len: int, device: torch.device, mix: str = ""):
         from flashdispatch.backends.base import AttentionInputs, AttentionParams, PagedKV
         from flashdispatch.bench.decode import DecodeShape
         from flashdispatch.dispatch.problem import Problem
         hq, hk = (int(x) for x in args.heads.split(","))
         d, ps = args.head_dim, args.page_size
-        if kv_len % ps and not var:
+        if kv_len % ps and not mix:
             raise SystemExit(f"kv_len {kv_len} is not a multiple of the page size {ps}")
         q_dtype, kv_dtype = DTYPES[args.q_dtype], DTYPES[args.kv]
-        lens = DecodeShape(batch, kv_len, var=var).kv_lens()
+        lens = DecodeShape(batch, kv_len, var=bool(mix)).kv_lens()
+        if mix == "long":
+            lens[batch // 2] = LONG_FACTOR * kv_len
         lens = lens[request_order(lens, args.order)]
         pages = -(-lens // ps)
         n = int(pages.sum())
         slot_shape = (n, 2, ps, hk, d) if args.layout == "NHD" else (n, 2, hk, ps, d)
         cache = torch.randn(slot_shape, dtype=q_dtype, device=device).to(kv_dtype)
-        self.label, self.lens = shape_label(batch, kv_len, var), lens
+        self.label, self.lens = shape_label(batch, kv_len, mix), lens
         self.batch, self.kv_len, self.hq, self.hk, self.d = batch, kv_len, hq, hk, d
         self.bytes = int(lens.sum()) * hk * d * 2 * cache.element_size()
         i32 = dict(dtype=torch.int32, device=device)
@@ -279,8 +286,8 @@ def main(argv=None) -> int:
           f"median of {args.reps}", flush=True)
 
     results, first_call = [], {}
-    for batch, kv_len, var in shapes:
-        shape = Shape(args, batch, kv_len, device, var)
+    for batch, kv_len, mix in shapes:
+        shape = Shape(args, batch, kv_len, device, mix)
         for _ in range(args.rounds):
             for ci, cfg in enumerate(configs):
                 row, first = run_config(shape, cfg, dev, args, flush)

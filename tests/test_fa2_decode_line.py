@@ -52,8 +52,8 @@ def _kernel_segments(lens: list[int], page: int, groups: int, gap: int = 0) -> l
 @pytest.mark.parametrize("seed", range(6))
 def test_every_request_is_read_once_per_piece_it_touches(seed, gap_tokens):
     """The kernel's rule gives each request its own consecutive pieces (an empty one exactly one),
-    no more than the plan's merge bound (`DecodePlan._line_chunks`), and two requests' segments
-    never the same partial slot (piece + request); with a gap per request (line_segment_tokens 40:
+    and two requests' segments never the same partial slot (piece + request); with a gap per
+    request (line_segment_tokens 40:
     3 pages), pieces where more requests start hold fewer pages."""
     from test_fa2_decode_waves import _h200_plan
     rng = np.random.default_rng(seed)
@@ -68,7 +68,6 @@ def test_every_request_is_read_once_per_piece_it_touches(seed, gap_tokens):
     for r, pieces in enumerate(seen):
         assert pieces == list(range(pieces[0], pieces[0] + len(pieces))) and len(pieces) >= 1, r
         assert len(pieces) == 1 or lens[r] > 0
-        assert len(pieces) <= plan.max_chunks
         if len(pieces) > 1:
             assert not slots & {g + r for g in pieces}
             slots |= {g + r for g in pieces}
@@ -139,7 +138,8 @@ def test_line_plan_edge_cases(fused, gap):
     case = _case(lens, seed=76)
     ref_out, ref_lse = case.oracle()
     plan = run_fa2_decode(case, _config(fused, line_segment_tokens=gap))
-    assert plan.line and plan.max_chunks >= (12 if gap else 14)  # (the gaps widen the pieces)
+    spans = _kernel_segments(lens, 16, plan.n_work, plan.line_gap)
+    assert plan.line and max(map(len, spans)) == (12 if gap else 13)  # (the gaps widen the pieces)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
     _assert_empty_rows(case, [b for b, n in enumerate(lens) if n == 0])
     shifted = _case(lens, seed=76)
@@ -201,8 +201,8 @@ def _gpu_case(lens, kv: str, seed: int):
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
 def test_gpu_line_plan_refreshed_and_a_long_request(kv):
     """A line plan refreshed for new mixed lengths of its batch (the empty requests moved) runs
-    them right; one request of 60000 tokens among 255 of the mix spans more pieces (about 8) than
-    a fused merge of up to 4 takes (the merge kernel)."""
+    them right; one request of 60000 tokens among 255 of the mix, over about 8 pieces, merged in
+    the kernel (the default) and by the merge kernel (fused_merge_max_chunks 0)."""
     plan = _gpu_mixed_plan(256, [0, 255], kv, 128, draw=11, seed=82, config=ON)
     assert plan.line and plan.fused_merge
     lens = np.random.default_rng(12).integers(1, 8192, 256)
@@ -219,7 +219,8 @@ def test_gpu_line_plan_refreshed_and_a_long_request(kv):
     _assert_empty_rows(case, [3, 200])
     lens[7] = 60000
     case, (ref_out, ref_lse), tol = _gpu_case(lens.tolist(), kv, seed=84)
-    plan = run_fa2_decode(case, {**ON, "fused_merge_max_chunks": 4})
-    assert plan.line and not plan.fused_merge and plan._merge is not None
-    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
-    _assert_empty_rows(case, [3, 200])
+    for fused in (True, False):
+        plan = run_fa2_decode(case, {**ON, "fused_merge_max_chunks": 16 if fused else 0})
+        assert plan.line and plan.fused_merge == fused and (plan._merge is None) == fused
+        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
+        _assert_empty_rows(case, [3, 200])

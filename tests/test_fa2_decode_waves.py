@@ -80,9 +80,10 @@ def test_wave_tile_choice_and_config():
 _H200 = Device("cpu", 0, (9, 0), "NVIDIA H200", 132)  # plans only: their tables stay on the CPU
 
 
-def _h200_plan(lens, kv_dtype=F16, config=None):
+def _h200_plan(lens, kv_dtype=F16, config=None, graph=False):
     """A plan (no launch) of bf16 / fp8 32/8 heads d128 page 16 for these KV lengths on a
-    described 132-SM sm90 device (``config``: `DecodeConfig` overrides); page tables on the CPU."""
+    described 132-SM sm90 device (``config``: `DecodeConfig` overrides; ``graph``: use_cuda_graph,
+    with an int workspace); page tables on the CPU."""
     from flashdispatch.backends.base import AttentionParams
     from flashdispatch.backends.fa2.decode import DecodePlan
     from flashdispatch.dispatch.problem import Problem
@@ -94,8 +95,9 @@ def _h200_plan(lens, kv_dtype=F16, config=None):
         qo_lens_host=[1] * len(lens), kv_lens_host=list(lens), sm_scale=0.1,
         kv_indices=torch.randperm(int(indptr[-1])).to(torch.int32),
         kv_last_page_len=i32([n - 16 * (p - 1) if n else 0 for n, p in zip(lens, pages)]),
-        workspace=torch.empty(128 << 20, dtype=torch.uint8))
-    problem = Problem("decode", F16, kv_dtype, F16, 32, 8, 128, 128, page_size=16)
+        workspace=torch.empty(128 << 20, dtype=torch.uint8),
+        int_workspace=torch.zeros(1 << 20, dtype=torch.uint8) if graph else None)
+    problem = Problem("decode", F16, kv_dtype, F16, 32, 8, 128, 128, page_size=16, use_cuda_graph=graph)
     return DecodePlan(problem, _H200, params, config), params
 
 

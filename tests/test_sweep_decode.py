@@ -1,6 +1,6 @@
-"""scripts/sweep_decode.py on the CPU (Triton interpreter): a mixed-length row in another order,
-two configs over two rounds, every result checked against its dense reference (the script exits
-non-zero where one is off)."""
+"""scripts/sweep_decode.py on the CPU (Triton interpreter): mixed-length rows (one with a long
+request) in another order, two configs over two rounds, every result checked against its dense
+reference (the script exits non-zero where one is off)."""
 from __future__ import annotations
 
 import subprocess
@@ -12,7 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sweep_decode.py"
 
 def test_sweep_checks_mixed_lengths_in_rounds():
     res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--shapes", "2x32,5x40:var", "--heads", "4,2",
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--shapes", "2x32,5x40:var,3x16:long", "--heads", "4,2",
          "--head-dim", "64", "--q-dtype", "fp16", "--kv", "fp16", "--reps", "1", "--rounds", "2",
          "--order", "interleaved", "--grid", '[{"block_n": 16}]'],
         capture_output=True, text=True, timeout=300, check=False)
@@ -21,4 +21,4 @@ def test_sweep_checks_mixed_lengths_in_rounds():
     assert "median of 2 round(s)" in table and "5x40:var" in table.splitlines()[1]
     rows = [line for line in table.splitlines() if line.startswith(("default", '{"block_n": 16}'))]
     assert len(rows) == 2 and not any("!" in row or "ERR" in row for row in rows), table
-    assert "BEST 5x40:var:" in table and "BEST 2x32:" in table
+    assert "BEST 5x40:var:" in table and "BEST 2x32:" in table and "BEST 3x16:long:" in table

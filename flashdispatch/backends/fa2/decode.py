@@ -8,8 +8,9 @@ length). A request with one chunk is written to out/lse by the decode kernel; th
 split request go to the workspace and the merge kernel (merge.py) combines them. run() only
 launches.
 
-Fused merge (DecodeConfig.fused_merge_max_chunks): when no request has more chunks than that,
-the decode kernel merges in place of the merge kernel, one launch in all. Work column 7 holds
+Fused merge (DecodeConfig.fused_merge_max_chunks): when no request has more chunks than that (a
+line plan: whenever it is on), the decode kernel merges in place of the merge kernel, one launch
+in all. Work column 7 holds
 each split item's merge row; the last program to arrive at a (merge row, KV head, row block)
 int32 counter merges those rows and zeroes the counter (decode_kernel.py). The counters, n_merge
 x kv_heads x row_blocks, follow the plan arrays in the same int32 copy (at the next 256-byte
@@ -27,7 +28,9 @@ exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, 
 so a graph captured once replays correctly after a later plan() of the same batch size. With
 `DecodeConfig.direct_table` there are no plan arrays: the kernel reads the wrapper's fixed
 indptr / last_page_len buffers and splits each request into the slots itself; its merge rows and
-counters take the work array layout's places in the int workspace.
+counters take the work array layout's places in the int workspace. Past one wave, a config with
+`DecodeConfig.wave_pack_line` takes the line whatever the lengths: its pieces are a function of the
+batch size too.
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
 `DecodeConfig.wave_pack_line` (most GQA defaults) the kernel cuts the pages as kv_indptr numbers
@@ -57,9 +60,10 @@ from .decode_config import (for_cuda_graph, line_variant, resolve_config, wave_c
                             wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
-                           few_programs_target, may_wave_pack, mean_tokens, never_split, packed_segments,
-                           policy_tokens, split_target, wave_pack_groups, work_fill)
+                           few_programs_target, may_wave_pack, mean_tokens, never_split,
+                           packed_segments, policy_tokens, split_target, wave_pack_groups, work_fill)
 from .decode_variant import kernel_constants, plain_variant, row_block
+from .decode_work import work_array
 from .decode_workspace import carve_partials, counters_offset, int_workspace_ints, partial_bytes, workspace_bytes
 from .launch import BoundKernel, SpecKeys, bind
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -86,8 +90,6 @@ class DecodePlan:
 
     def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: dict | None = None):
         cfg, p = resolve_config(problem, config, shared_per_block(device)), problem
-        if p.use_cuda_graph:
-            cfg = for_cuda_graph(cfg)
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
         self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
@@ -99,11 +101,17 @@ class DecodePlan:
         programs = params.batch_size * self.units
         few = programs < sm_count * cfg.ctas_per_sm
         # past one wave of programs, lengths spread wide pack too (`DecodeConfig.wave_pack_spread`)
-        self._wave_pack = (cfg, sm_count) if (not few and policy_splits and not p.use_cuda_graph
-                                              and cfg.pack_items > 1 and cfg.wave_pack_spread > 0) else None
+        wave_pack = (cfg, sm_count) if (not few and policy_splits and cfg.pack_items > 1
+                                        and cfg.wave_pack_spread > 0) else None
         self.batch = params.batch_size
-        packs = self._wave_pack is not None and self._may_wave_pack(params)
-        line = self._line_groups(params) if packs else 0  # the kernel's own packing
+        if p.use_cuda_graph:  # a captured grid replays any later lengths: the kernel's line whatever these are
+            line = self._line_groups(params, wave_pack) if wave_pack else 0
+            self._wave_pack, packs = None, line > 0
+            cfg = cfg if line else for_cuda_graph(cfg)  # (the line runs as the eager line does)
+        else:
+            self._wave_pack = wave_pack
+            packs = wave_pack is not None and self._may_wave_pack(params)
+            line = self._line_groups(params, wave_pack) if packs else 0  # the kernel's own packing
         lengths = effective_lengths(params, p, self.q_len) if packs and not line else None
         if line:
             wave_packed = (line * self.units, None)
@@ -159,17 +167,16 @@ class DecodePlan:
         """This plan for the new lengths and index tensors of ``params`` (same problem, device,
         batch size and scalars): when the kernel reads the page table directly and the new lengths
         keep its layout (no request split, the kernel's own split with as many chunk slots, or
-        its line of as many pieces and the same merge, `wave_pack_line`) and the wave split's
+        its line of as many pieces, `wave_pack_line`; a CUDA-graph line plan any) and the wave split's
         target (`split_target` of the new mean length), only the tables and
         the split length change (a copy of the plan with the new ones, its config too:
         FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
         plan afresh."""
         if not self.direct or params.batch_size != self.batch:
             return None
-        if self.line:  # the same pieces and merge: only the tables change
-            if not self._may_wave_pack(params) or self._line_groups(params) != self.n_work:
-                return None
-            if (self._line_chunks(params, self.n_work) <= self.config.fused_merge_max_chunks) != self.fused_merge:
+        if self.line:  # the same pieces (under CUDA graphs a function of the batch size): only the tables change
+            if not self.problem.use_cuda_graph and (not self._may_wave_pack(params)
+                                                    or self._line_groups(params, self._wave_pack) != self.n_work):
                 return None
             return self._with_tables(params, 0)
         if self._wave_pack and self._may_wave_pack(params):
@@ -249,7 +256,7 @@ class DecodePlan:
                packed: PackedSplit | None = None) -> None:
         """Partition (or, given ``packed``, lay out those segments), then place the direct table or
         the work array."""
-        p, cfg, ql = self.problem, self.config, self.q_len
+        p, cfg = self.problem, self.config
         if packed is None:
             lens, lo, eff, splits, chunk = self._partition(device, params, lengths)
             packed = None if splits else self._packed(eff, chunk, params)
@@ -269,83 +276,9 @@ class DecodePlan:
             if split is not None:
                 self._place_direct(params, run_device, *split)
                 return
-        pages = -(-lens // p.page_size)
-        page_base = pages.cumsum() - pages
-        if unsplit:
-            meta = np.zeros((batch, WORK_COLS), dtype=np.int32)
-            meta[:, 0] = np.arange(batch)
-            meta[:, 1] = page_base
-            meta[:, 2] = lo
-            meta[:, 3] = lens
-            meta[:, 4] = lens
-            meta[:, 5] = -1
-            meta[:, 6] = 1
-            self._place(meta.ravel(), batch, 0, params, run_device)
-            return
-
-        line = None  # the requests in the order of their segments (None: their own; `PackedSplit`)
-        if packed is not None:  # segments (position in line, first and end token from lo, work row), the rows
-            line, pos, seg_lo, seg_hi, items, n_work, self.items, nsplit = packed
-        else:
-            nsplit = chunk_counts(eff, chunk)
-            pos = np.arange(batch).repeat(nsplit)
-        req = pos if line is None else line[pos]  # nsplit is by position in line, the tables by request
-        if splits:  # CUDA graph: request b owns work items and partial slots b*splits .. +splits-1
-            if nsplit.max() > splits:
-                raise ValueError(f"use_cuda_graph: a request needs {int(nsplit.max())} chunks of "
-                                 f"fixed_split_size={params.fixed_split_size} pages, the graph grid holds "
-                                 f"{splits}; raise fixed_split_size")
-            n_work, n_partial = batch * splits, (batch * splits if splits > 1 else 0)
-            items = np.arange(len(req)) - (nsplit.cumsum() - nsplit).repeat(nsplit) + req * splits
-            sidx = items - req * splits
-            slot_of = np.where(nsplit[req] > 1, items, -1)
-            merge_rows = np.arange(batch if splits > 1 else 0)
-            merge_row_of = np.where(nsplit[req] > 1, req, -1)
-            merge_first = merge_rows * splits
-        else:  # items in order (a slice below, not an index array: plan() is host-time bound), or packed
-            if packed is None:
-                n_work, items = len(req), slice(None)
-            first_item = nsplit.cumsum() - nsplit
-            sidx = np.arange(len(pos)) - first_item[pos]
-            merge_rows = np.flatnonzero(nsplit > 1)
-            if merge_rows.size == batch:  # every request split (the usual case): every item a partial
-                slot_of, merge_row_of, n_partial, merge_first = np.arange(len(pos)), pos, len(pos), first_item
-            else:
-                split_item = nsplit[pos] > 1
-                slot_of = np.where(split_item, split_item.cumsum() - 1, -1)
-                merge_row_of = np.where(split_item, ((nsplit > 1).cumsum() - 1)[pos], -1)
-                n_partial = int(split_item.sum())
-                merge_first = nsplit[merge_rows].cumsum() - nsplit[merge_rows]
-        n_merge = len(merge_rows)
-        meta = np.zeros(n_work * WORK_COLS + n_merge * MERGE_INFO_COLS, dtype=np.int32)
-        work = meta[:n_work * WORK_COLS].reshape(n_work, WORK_COLS)
-        info = meta[n_work * WORK_COLS:].reshape(n_merge, MERGE_INFO_COLS)
-        if splits or packed is not None:  # the graph grid's or the packed rows' idle items
-            work[:, 0] = -1
-            work[:, 7] = -1
-        lens_req = lens[req]
-        if packed is not None:
-            start, end = lo[req] + seg_lo, lo[req] + seg_hi
-        else:
-            req_chunk = chunk[req] if chunk is not None else 0
-            start = lo[req] + sidx * req_chunk
-            end = np.minimum(start + req_chunk, lens_req) if chunk is not None else lens_req
-        work[items, 0] = req
-        work[items, 1] = page_base[req]
-        work[items, 2] = start
-        work[items, 3] = end
-        work[items, 4] = lens_req
-        work[items, 5] = slot_of
-        work[items, 6] = sidx == 0
-        work[items, 7] = merge_row_of
-        info[:, 0] = (merge_rows if line is None else line[merge_rows]) * ql
-        info[:, 1] = merge_first
-        info[:, 2] = nsplit[merge_rows]
-        self.n_work, self.n_merge = n_work, n_merge
-        # CUDA graphs: the most chunks a request can get (fixed by the batch size, as the kernel
-        # variant a captured graph replays must be)
-        self.max_chunks = splits if splits else int(nsplit.max())
-        self._place(meta, n_work, n_partial, params, run_device)
+        work = work_array(lens, lo, eff, p.page_size, self.q_len, splits, chunk, packed, params.fixed_split_size)
+        self.n_work, self.n_merge, self.max_chunks, self.items = work.n_work, work.n_merge, work.max_chunks, work.items
+        self._place(work.meta, work.n_work, work.n_partial, params, run_device)
 
     def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> PackedSplit | None:
         """`decode_split.packed_segments` of a few-programs plan whose requests (whole, or in
@@ -375,24 +308,30 @@ class DecodePlan:
                 return (groups * self.units, packed) if self._holds(packed, params) else None
         return None
 
-    def _line_groups(self, params: AttentionParams) -> int:
-        """The item groups of a plan past one wave, whose requests may pack (`_may_wave_pack`,
-        checked by the caller), that leaves the packing to the kernel (`DecodeConfig.wave_pack_line`;
-        the first of `wave_pack_groups`): without a sliding window (the line counts whole requests'
-        pages) and with room in the workspace for a partial per group and request; else 0."""
-        cfg, sm_count = self._wave_pack
+    def _line_groups(self, params: AttentionParams, wave_pack: tuple) -> int:
+        """The item groups of a plan past one wave (``wave_pack``: its (config, SM count)), whose
+        requests may pack (`_may_wave_pack`, checked by the caller; under CUDA graphs any), that
+        leaves the packing to the kernel (`DecodeConfig.wave_pack_line`; the first of
+        `wave_pack_groups`): without a sliding window (the line counts whole requests' pages) and
+        with room in the workspace for a partial per group and request; else 0."""
+        cfg, sm_count = wave_pack
         if not cfg.wave_pack_line or self.problem.window_left >= 0:
             return 0
         groups = wave_pack_groups(self.batch, cfg, sm_count, self.units)[0]
         return groups if self._partial_bytes(groups + self.batch) <= workspace_bytes(params) else 0
 
-    def _line_chunks(self, params: AttentionParams, groups: int) -> int:
-        """The most pieces a request can touch in a line plan of ``groups`` pieces (a bound from
-        the longest request and the shortest line the lengths can fill, this plan's gaps included)."""
-        lens, page = params.kv_lens_host, self.problem.page_size
-        fewest_pages, longest = -(-sum(lens) // page), -(-max(lens) // page)
-        piece = max(-(-(fewest_pages + self.line_gap * len(lens)) // groups), 1)
-        return -(-longest // piece) + 1
+    def _merge_choice(self) -> tuple[int, bool]:
+        """(the most chunks a request can have, whether the kernel merges them) of a direct plan
+        that splits (`_place_direct`): the fused merge up to fused_merge_max_chunks chunks; a line
+        plan's whenever the fused merge is on (fused_merge_max_chunks > 0), however many pieces a
+        request spans (at most all of them): its variant with the merge kernel keeps fewer programs
+        per SM (H200 32/8 d128, eager, session 27, TB/s merge kernel -> fused: bf16 128x4096:var
+        3.25 -> 4.32, 256x2048 with one 131072-token request (~30 pieces) 3.92 -> 4.33; fp8
+        128x4096:var 3.56 -> 3.90)."""
+        cfg = self.config
+        if self.line:
+            return self.n_work, cfg.fused_merge_max_chunks > 0
+        return self.split_slots, self.split_slots <= cfg.fused_merge_max_chunks
 
     def _holds(self, packed: PackedSplit, params: AttentionParams) -> bool:
         """Whether the workspace holds the partials of ``packed``'s split requests."""
@@ -436,11 +375,9 @@ class DecodePlan:
             if self.line:
                 self.n_work, n_partial = line_groups, line_groups + self.batch
                 self.line_gap = -(-self.config.line_segment_tokens // self.problem.page_size)  # in pages
-                self.max_chunks = self._line_chunks(params, line_groups)
             else:
                 self.n_work = n_partial = self.batch * split_slots
-                self.max_chunks = split_slots
-            self.fused_merge = self.max_chunks <= self.config.fused_merge_max_chunks
+            self.max_chunks, self.fused_merge = self._merge_choice()
             self.n_merge = self.batch
             n_info, n_counters = self.batch * MERGE_INFO_COLS, self.batch * self.units
             if self.problem.use_cuda_graph:

@@ -64,7 +64,8 @@ class DecodeConfig:
     arrival counter) instead of in a second kernel launch; 0: never. That last program merges
     alone, so many chunks favour the merge kernel (H200 sweeps, TB/s unfused -> fused: 32x4096 with
     2 chunks 3.70-3.75 -> 3.82-3.92, 16x8192 with 4 3.74-3.85 -> 3.82-3.92, 1x32768 with 64
-    2.58-2.60 -> 2.47-2.50).
+    2.58-2.60 -> 2.47-2.50). A line plan (wave_pack_line) merges in the kernel whenever this is
+    > 0, however many pieces a request spans (decode.py's `DecodePlan._merge_choice`).
     fused_merge_values: float32 values the fused merge loads per round, a [rows, partials,
     head_dim] tile (a power of two, >= 256): more values, fewer dependent rounds on the kernel's
     tail, more registers for the whole kernel (sm90 d128 group 4, direct split: 80 registers and
@@ -188,7 +189,12 @@ class DecodeConfig:
     4.19 -> 4.11, 128x1024:var 3.78 -> 3.70; fp8 d128 3.88 -> 3.91, 3.37 -> 3.49 (256x1024:var),
     3.83 -> 3.87 (256x2048:var); bf16 d64 4.02 -> 4.07, 3.67 -> 3.91; bf16 d256 4.39 -> 4.42,
     4.07 -> 4.38; fp8 d256 256x1024:var 3.40 -> 3.41; fp8 d64 256x1024:var 2.39 -> 2.38. Off for
-    MHA (32/32 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17 -> 4.13).
+    MHA (32/32 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17 -> 4.13). Under CUDA graphs past one
+    wave such a config takes the line whatever the lengths, equal ones too (the captured grid
+    replays any later lengths; H200 32/8 d128 graphs, session 27, TB/s the graph's own split ->
+    line: bf16 128x4096:var 3.15 -> 4.25, 512x1024:var 3.94 -> 4.05, 128x1024:var 2.87 -> 3.65,
+    fp8 128x4096:var 2.42 -> 3.83; equal bf16 256x1024 4.16 -> 3.96, 128x4096 4.30 -> 4.24, fp8
+    128x4096 3.86 -> 3.84).
     line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
     (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each
     request, so a piece where many short requests start reads fewer pages and its program ends

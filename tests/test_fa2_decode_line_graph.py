@@ -1,0 +1,113 @@
+"""fa2 decode's line under CUDA graphs: past one wave, a graph plan of a `DecodeConfig.wave_pack_line`
+config leaves the packing to the kernel whatever the lengths, so a graph captured on one batch
+replays any later lengths of the same batch size packed (mixed or equal, empty requests, one
+request over most pieces).
+
+CPU: the plans' layout on a described H200 (no launch), and graph plans under the Triton
+interpreter re-planned in place against the float64 oracle. GPU (``-m gpu``): a captured graph
+replayed after re-plans, against the reference backend.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashdispatch.backends.common import TRITON_INTERPRETED
+
+from test_fa2_decode_line import LINE
+
+interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the kernels)")
+
+
+def _layout(plan) -> tuple:
+    """What a captured graph replays of a plan: grid, kernel constants, launch scalars, merge
+    kernel or not, and the int-workspace offsets of its merge rows and counters."""
+    base = plan.counters if plan.counters is not None else plan.info
+    iws = base.untyped_storage().data_ptr()
+    offsets = tuple(t.data_ptr() - iws if t is not None else None for t in (plan.info, plan.counters))
+    return plan._grid, plan._consts, plan._plan_scalars, plan._merge is None, offsets
+
+
+def test_graph_line_plans_on_the_h200():
+    """bf16 and fp8 d128 graph plans of 128 and 256 requests take the line for mixed and equal
+    lengths alike, in the eager mixed plans' pieces, with the same layout, merged in the kernel
+    (fused_merge_max_chunks 0: the merge kernel); a refresh only swaps the tables. Under one wave,
+    with a sliding window or with wave_pack_line false they do not (the graph's direct split)."""
+    from test_fa2_decode_waves import F16, _H200, _h200_plan
+    mixed = np.random.default_rng(20261202).integers(1, 8192, 256)
+    for kv, batch, groups in ((F16, 128, 66), (torch.float8_e4m3fn, 128, 132), (F16, 256, 132)):
+        eager, _ = _h200_plan(mixed[:batch].tolist(), kv)
+        plans = [_h200_plan(lens, kv, graph=True)[0]
+                 for lens in (mixed[:batch].tolist(), [4096] * batch, [0] * (batch - 1) + [60000])]
+        for plan in plans:
+            assert (plan.line, plan.direct, plan.n_work, plan.fused_merge) == (True, True, groups, True), (kv, batch)
+            assert plan.config == eager.config
+            assert _layout(plan) == _layout(plans[0])
+        _, equal = _h200_plan([2048] * batch, kv, graph=True)
+        again = plans[0].refreshed(_H200, equal)
+        assert again is not None and again.line and _layout(again) == _layout(plans[0])
+        assert not _h200_plan([4096] * batch, kv)[0].line  # eager plans of equal lengths do not pack
+        split, _ = _h200_plan(mixed[:batch].tolist(), kv, {"fused_merge_max_chunks": 0}, graph=True)
+        assert split.line and not split.fused_merge and split._merge is not None
+        off, _ = _h200_plan(mixed[:batch].tolist(), kv, {"wave_pack_line": False}, graph=True)
+        assert not off.line and off.direct
+    assert not _h200_plan(mixed[:64].tolist(), graph=True)[0].line  # 64 x 8 programs: under one wave
+
+
+def _graph_case(lens, seed: int):
+    from test_fa2_decode import _case
+    return _case(lens, use_cuda_graph=True, seed=seed)
+
+
+@interpreted
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
+def test_graph_line_plan_replays_later_lengths(fused):
+    """17 requests past one wave (8/2 heads d64, fp16): a graph plan made for mixed lengths and run
+    after re-plans of equal lengths, of one request over most pieces among short and empty ones,
+    and of mixed lengths again (on the wrapper's fixed buffers, as a captured graph replays it)
+    gives each re-plan's own result, which matches the oracle; a refresh of it does too."""
+    from test_fa2_decode import WORKSPACE_BYTES, _check, _GraphBuffers
+    ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    iws = torch.zeros(1 << 20, dtype=torch.uint8)
+    bufs, config = _GraphBuffers(slots=600, batch=17), {**LINE, "fused_merge_max_chunks": 64 if fused else 0}
+    rng = np.random.default_rng(90)
+    mixed = rng.integers(1, 300, 17)
+    mixed[[2, 9]] = 0
+    first = bufs.adopt(_graph_case(mixed.tolist(), seed=91))
+    captured = _check(first, workspace=ws, int_workspace=iws, config=config)
+    assert captured.line and captured.fused_merge == fused and captured.n_work == 16
+    long_one = [0, 3, 1200, 7, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 11, 0]
+    for seed, lens in ((92, [150] * 17), (93, long_one), (94, rng.integers(0, 300, 17).tolist())):
+        case = bufs.adopt(_graph_case(lens, seed=seed))
+        plan = _check(case, workspace=ws, int_workspace=iws, config=config)
+        assert plan.line and _layout(plan) == _layout(captured)
+        ref = case.inputs.out.clone(), case.inputs.lse.clone()
+        for replay in (captured, captured.refreshed(case.device, case.params)):
+            case.inputs.out.fill_(float("nan"))
+            case.inputs.lse.fill_(float("nan"))
+            replay.run(case.inputs)
+            assert torch.equal(case.inputs.out, ref[0]) and torch.equal(case.inputs.lse, ref[1]), seed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8kv"])
+def test_gpu_graph_line_replays_later_lengths(kv):
+    """A graph captured on a line plan of 160 mixed requests (32/8 heads d128, two empty), replayed
+    after re-plans to 160 equal requests and to a mix with one request of 60000 tokens: each
+    replay gives the re-plan's reference result (poisoned out/lse, new q)."""
+    from test_fa2_decode_gpu import _assert_replay_is_replanned, _captured, _case, _fp8_scales, _replanned
+    lens = np.random.default_rng(95).integers(1, 8192, 160)
+    lens[[4, 100]] = 0
+    case = _case(lens.tolist(), num_qo_heads=32, num_kv_heads=8, kv_dtype=kv, use_cuda_graph=True,
+                 extra_pages=12000, seed=96, **_fp8_scales(kv))
+    plan, graph = _captured(case, 64 << 10)
+    assert plan.line
+    long_one = np.random.default_rng(97).integers(1, 4096, 160)
+    long_one[[0, 159]] = 0
+    long_one[80] = 60000
+    for later in ([2048] * 160, long_one.tolist()):
+        replanned, prm_b = _replanned(case, later)
+        assert replanned.line and _layout(replanned) == _layout(plan)
+        _assert_replay_is_replanned(case, graph, prm_b)
