@@ -301,7 +301,7 @@ def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
     ("num_warps", (0, 3, 32, 4.0)), ("num_stages", (0, -1, 2.0)), ("ctas_per_sm", (0, -2, True)),
     ("min_chunk_tokens", (0,)), ("max_splits", (0, 1.5)), ("split_chunk_tokens", (-1, 0.5)),
     ("split_ctas_per_sm", (-1, 2.0)), ("pack_items", (0, 5, 2.0)), ("pack_fill", (0, 1.5, True, "x")),
-    ("wave_pack_spread", (-1, True, "x")), ("wave_pack_load", (0, 0.1, None)),
+    ("wave_pack_spread", (-1, True, "x")), ("wave_pack_load", (0, 0.1, None)), ("wave_pack_max_waves", (-1, "4")),
     ("line_segment_tokens", (-1, 1.5, True, 4097)), ("line_page_prefetch", (1, "yes")), ("wave_pack_line", (0,)),
 ])
 def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):

@@ -3,8 +3,8 @@ config leaves the packing to the kernel whatever the lengths, so a graph capture
 replays any later lengths of the same batch size packed (mixed or equal, empty requests, one
 request over most pieces).
 
-CPU: the plans' layout on a described H200 (no launch), and graph plans under the Triton
-interpreter re-planned in place against the float64 oracle. GPU (``-m gpu``): a captured graph
+CPU: the plans' layout on a described H200 (no launch), graph plans under the Triton interpreter
+re-planned in place against the float64 oracle, and a graph-mode wrapper of the public API. GPU (``-m gpu``): a captured graph
 replayed after re-plans, against the reference backend.
 """
 from __future__ import annotations
@@ -88,6 +88,50 @@ def test_graph_line_plan_replays_later_lengths(fused):
             case.inputs.lse.fill_(float("nan"))
             replay.run(case.inputs)
             assert torch.equal(case.inputs.out, ref[0]) and torch.equal(case.inputs.lse, ref[1]), seed
+
+
+@interpreted
+def test_graph_wrapper_past_one_wave_replays_the_line():
+    """The public API: a use_cuda_graph=True decode wrapper on fa2's defaults (8/2 heads d64, fp16,
+    page 16; 17 requests x 2 KV heads past the interpreter's one wave of 8 SMs x 4) plans the line
+    for mixed lengths; the plan a graph would have captured, run after a re-plan to equal lengths
+    on other pages, gives the re-plan's attention."""
+    import flashdispatch as flashinfer
+    from flashdispatch.backends.base import AttentionInputs, PagedKV
+    from test_api import dense_attention, paged_to_dense, rel
+
+    torch.manual_seed(98)
+    page, hq, hkv, d, batch, slots = 16, 8, 2, 64, 17, 400
+    bufs = [torch.zeros(batch + 1, dtype=torch.int32), torch.zeros(slots, dtype=torch.int32),
+            torch.zeros(batch, dtype=torch.int32)]
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(1 << 22, dtype=torch.uint8), "NHD", use_cuda_graph=True, backend="fa2",
+        paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2])
+    kv = torch.randn(slots, 2, page, hkv, d).half()
+
+    def plan(lens):
+        n = [-(-x // page) for x in lens]
+        table = (torch.tensor(np.cumsum([0] + n), dtype=torch.int32), torch.randperm(slots)[:sum(n)].int(),
+                 torch.tensor([x - (c - 1) * page if c else 0 for x, c in zip(lens, n)], dtype=torch.int32))
+        w.plan(*table, hq, hkv, d, page, data_type=torch.float16)
+        return table
+
+    def check(out, table, q):
+        for b in range(batch):
+            k, v = paged_to_dense(kv, table[0], table[1], table[2], page, b)
+            assert rel(out[b], dense_attention(q[b:b + 1], k, v)[0][0]) < 4e-3, b
+
+    mixed = np.random.default_rng(99).integers(1, 300, batch)
+    mixed[6] = 0
+    table, q = plan(mixed.tolist()), torch.randn(batch, hq, d).half()
+    out = w.run(q, kv)
+    captured = w._variants[1, False]
+    assert captured.plan.line
+    check(out, table, q)
+    table = plan([200] * batch)  # re-plan: equal lengths, other pages, same batch
+    out = torch.full((batch, hq, d), float("nan"), dtype=torch.float16)
+    captured.backend.run(captured.plan, AttentionInputs(q, PagedKV(kv[:, 0], kv[:, 1], "NHD"), out))
+    check(out, table, q)
 
 
 @pytest.mark.gpu

@@ -80,10 +80,10 @@ def test_wave_tile_choice_and_config():
 _H200 = Device("cpu", 0, (9, 0), "NVIDIA H200", 132)  # plans only: their tables stay on the CPU
 
 
-def _h200_plan(lens, kv_dtype=F16, config=None, graph=False):
-    """A plan (no launch) of bf16 / fp8 32/8 heads d128 page 16 for these KV lengths on a
-    described 132-SM sm90 device (``config``: `DecodeConfig` overrides; ``graph``: use_cuda_graph,
-    with an int workspace); page tables on the CPU."""
+def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128):
+    """A plan (no launch) of bf16 / fp8 32/8 heads d128 (``head_dim``) page 16 for these KV
+    lengths on a described 132-SM sm90 device (``config``: `DecodeConfig` overrides; ``graph``:
+    use_cuda_graph, with an int workspace); page tables on the CPU."""
     from flashdispatch.backends.base import AttentionParams
     from flashdispatch.backends.fa2.decode import DecodePlan
     from flashdispatch.dispatch.problem import Problem
@@ -97,7 +97,7 @@ def _h200_plan(lens, kv_dtype=F16, config=None, graph=False):
         kv_last_page_len=i32([n - 16 * (p - 1) if n else 0 for n, p in zip(lens, pages)]),
         workspace=torch.empty(128 << 20, dtype=torch.uint8),
         int_workspace=torch.zeros(1 << 20, dtype=torch.uint8) if graph else None)
-    problem = Problem("decode", F16, kv_dtype, F16, 32, 8, 128, 128, page_size=16, use_cuda_graph=graph)
+    problem = Problem("decode", F16, kv_dtype, F16, 32, 8, head_dim, head_dim, page_size=16, use_cuda_graph=graph)
     return DecodePlan(problem, _H200, params, config), params
 
 
@@ -308,6 +308,19 @@ def test_mixed_lengths_past_a_wave_pack_on_the_h200():
         assert equal.refreshed(_H200, _h200_plan([4000] * batch, kv)[1]) is not None
     short, _ = _h200_plan(np.random.default_rng(1).integers(1, 128, 256).tolist())
     assert short.direct and short.items == 1 and not short.line
+
+
+def test_bf16_d64_packs_up_to_four_waves():
+    """bf16 d64 (`DecodeConfig.wave_pack_max_waves` 4): mixed lengths of 256 requests (3.9 waves
+    of 132 SMs x 4) go on the line, eager and under CUDA graphs; 512 (7.8 waves) are not packed,
+    unless the cap is off; fp8 d64 packs 512."""
+    lens = np.random.default_rng(20261202).integers(1, 2048, 512).tolist()
+    for graph in (False, True):
+        assert _h200_plan(lens[:256], graph=graph, head_dim=64)[0].line
+        many = _h200_plan(lens, graph=graph, head_dim=64)[0]
+        assert not many.line and many.items == 1, graph
+        assert _h200_plan(lens, config={"wave_pack_max_waves": 0}, graph=graph, head_dim=64)[0].line
+        assert _h200_plan(lens, torch.float8_e4m3fn, graph=graph, head_dim=64)[0].line
 
 
 def test_may_wave_pack_and_its_pieces():

@@ -60,7 +60,7 @@ from .decode_config import (for_cuda_graph, line_variant, resolve_config, wave_c
                             wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
-                           few_programs_target, may_wave_pack, mean_tokens, never_split,
+                           few_programs_target, may_wave_pack, mean_tokens, packs_these_waves, never_split,
                            packed_segments, policy_tokens, split_target, wave_pack_groups, work_fill)
 from .decode_variant import kernel_constants, plain_variant, row_block
 from .decode_work import work_array
@@ -101,8 +101,8 @@ class DecodePlan:
         programs = params.batch_size * self.units
         few = programs < sm_count * cfg.ctas_per_sm
         # past one wave of programs, lengths spread wide pack too (`DecodeConfig.wave_pack_spread`)
-        wave_pack = (cfg, sm_count) if (not few and policy_splits and cfg.pack_items > 1
-                                        and cfg.wave_pack_spread > 0) else None
+        wave_pack = (cfg, sm_count) if (not few and policy_splits and cfg.pack_items > 1 and cfg.wave_pack_spread > 0
+                                        and packs_these_waves(cfg, programs, sm_count)) else None
         self.batch = params.batch_size
         if p.use_cuda_graph:  # a captured grid replays any later lengths: the kernel's line whatever these are
             line = self._line_groups(params, wave_pack) if wave_pack else 0

@@ -174,6 +174,9 @@ class DecodeConfig:
     128x4096 3.17 -> 4.36, 256x2048 3.69 -> 4.31, 512x1024 3.98 -> 4.18; fp8 128x4096 2.43 ->
     3.88, 256x1024 2.84 -> 3.39; d256 bf16 128x4096 3.47 -> 4.29; d64 fp8 128x4096 1.99 -> 2.96;
     MHA 32x4096 3.35 -> 4.19 (docs/perf-notes.md). 0: never.
+    wave_pack_max_waves: packing past one wave only up to this many waves of programs (ctas_per_sm
+    x SMs each; 0: any): bf16 d64 4 (H200 32/8, session 27, TB/s line -> unpacked at 7.8 waves:
+    512x1024:var 3.62 -> 3.86, 512x2048:var 3.96 -> 3.98; at 3.9, 256x1024:var 3.41 both).
     wave_pack_load: the mean requests' tokens to a piece that `wave_pack_groups` aims for (1.0,
     twice the pieces, read the same or less: d128 fp8 256x1024:var 3.27 against 3.39).
     wave_pack_line: a wave-packed plan without a sliding window leaves the pieces to the kernel
@@ -189,12 +192,9 @@ class DecodeConfig:
     4.19 -> 4.11, 128x1024:var 3.78 -> 3.70; fp8 d128 3.88 -> 3.91, 3.37 -> 3.49 (256x1024:var),
     3.83 -> 3.87 (256x2048:var); bf16 d64 4.02 -> 4.07, 3.67 -> 3.91; bf16 d256 4.39 -> 4.42,
     4.07 -> 4.38; fp8 d256 256x1024:var 3.40 -> 3.41; fp8 d64 256x1024:var 2.39 -> 2.38. Off for
-    MHA (32/32 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17 -> 4.13). Under CUDA graphs past one
-    wave such a config takes the line whatever the lengths, equal ones too (the captured grid
-    replays any later lengths; H200 32/8 d128 graphs, session 27, TB/s the graph's own split ->
-    line: bf16 128x4096:var 3.15 -> 4.25, 512x1024:var 3.94 -> 4.05, 128x1024:var 2.87 -> 3.65,
-    fp8 128x4096:var 2.42 -> 3.83; equal bf16 256x1024 4.16 -> 3.96, 128x4096 4.30 -> 4.24, fp8
-    128x4096 3.86 -> 3.84).
+    MHA (32/32 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17 -> 4.13). Under CUDA graphs such a plan
+    takes the line whatever the lengths (the captured grid replays any later ones): mixed lengths
+    read up to 1.6x the graph's own split, equal ones 0-5 % less (docs/perf-notes.md, session 27).
     line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
     (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each
     request, so a piece where many short requests start reads fewer pages and its program ends
@@ -243,6 +243,7 @@ class DecodeConfig:
     pack_items: int = 1
     pack_fill: float = 0.95
     wave_pack_spread: float = 1.5
+    wave_pack_max_waves: float = 0.0
     wave_pack_load: float = 2.0
     wave_pack_line: bool = False
     line_segment_tokens: int = 64
@@ -282,7 +283,7 @@ class DecodeConfig:
                              f"repeats its body that many times), got {self.pack_items!r}")
         if not _number(self.pack_fill) or not 0 < self.pack_fill <= 1:
             raise ValueError(f"fa2 decode config pack_fill must be a number in (0, 1], got {self.pack_fill!r}")
-        for name, low in (("wave_pack_spread", 0.0), ("wave_pack_load", 0.25)):
+        for name, low in (("wave_pack_spread", 0.0), ("wave_pack_max_waves", 0.0), ("wave_pack_load", 0.25)):
             v = getattr(self, name)
             if not _number(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be a number >= {low}, got {v!r}")
@@ -406,7 +407,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     if d <= 64:
         # 128 x 3 (H200 32/8, session 21, TB/s 64 x 2 -> 128 x 3: 1x32768 1.99 -> 2.11, 16x8192 3.12 ->
         # 3.27, 64x4096 3.43 -> 3.82, 256x1024 3.78 -> 3.74, 256x4096 4.15 -> 4.16)
-        return DecodeConfig(block_n=128, num_stages=3, direct_table=True, **mixed, **line)
+        return DecodeConfig(block_n=128, num_stages=3, direct_table=True, wave_pack_max_waves=4.0, **mixed, **line)
     if d <= 128:
         # the fused merge's 8K tile only where it was measured: group 4 (offline sm90, the direct
         # split with it: groups 2 and 16 152-156 registers, 3 programs per SM; group 4 122, 4)

@@ -89,6 +89,12 @@ def may_wave_pack(params: AttentionParams, problem: Problem, q_len: int, cfg: De
     return total >= wave_pack_groups(len(lens), cfg, sm_count, units)[0] * cfg.min_chunk_tokens
 
 
+def packs_these_waves(cfg: DecodeConfig, programs: int, sm_count: int) -> bool:
+    """Whether a plan of ``programs`` programs (past one wave) may pack: at most
+    `DecodeConfig.wave_pack_max_waves` waves of ctas_per_sm x SMs (0: any)."""
+    return not cfg.wave_pack_max_waves or programs <= cfg.wave_pack_max_waves * cfg.ctas_per_sm * sm_count
+
+
 def wave_pack_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int) -> tuple[int, int]:
     """The work items (pieces) that a packed plan past one wave tries, in order
     (`DecodeConfig.wave_pack_spread`): whole waves of the few-programs target's items
