@@ -2,10 +2,11 @@
 the kernel cuts the requests' pages, end to end as kv_indptr numbers them, into one equal piece per
 item group and finds the requests of its piece itself; plan() builds nothing.
 
-CPU: the plan's choices and the merge bound, and line plans under the Triton interpreter (fp16,
+CPU: the plan's choices and the pieces the kernel reads, and line plans under the Triton interpreter (fp16,
 e4m3) against the float64 oracle: empty requests anywhere, a request over many pieces, indptr not
 starting at 0, a refreshed plan. GPU (``-m gpu``): line plans (bf16 and fp8, d64/d128/d256) against
-the reference backend, the host-packed plans beside them, a refreshed line plan, the merge kernel.
+the reference backend, the host-packed plans beside them, a refreshed line plan, a long request
+merged in the kernel and by the merge kernel.
 """
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ def test_every_request_is_read_once_per_piece_it_touches(seed, gap_tokens):
 def test_line_plans_on_the_h200():
     """Mixed lengths past one wave on the H200 are packed by the kernel (the bf16 and fp8 d128
     defaults): bf16 128 requests in 66 pieces, fp8 in 132, 256 bf16 in 132, on the split block with
-    the page numbers loaded a step ahead (line_page_prefetch), merged in the kernel; with
-    wave_pack_line false, on the host. A line plan re-planned for other mixed lengths keeps its
+    the page numbers loaded a step ahead (line_page_prefetch), merged in the kernel (a request
+    over ~30 pieces too); with wave_pack_line false, on the host. A line plan re-planned for other mixed lengths keeps its
     pieces (only the tables change), for equal lengths plans afresh (the direct table)."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
     lens = np.random.default_rng(20261201).integers(1, 8192, 256).tolist()
@@ -99,6 +100,8 @@ def test_line_plans_on_the_h200():
         other = plan.refreshed(_H200, _h200_plan(lens[-batch:], kv)[1])
         assert other is not None and other.line and other.n_work == groups
         assert plan.refreshed(_H200, _h200_plan([4096] * batch, kv)[1]) is None
+    long_one, _ = _h200_plan(lens[:255] + [131072])  # over ~30 of 132 pieces: still merged in the kernel
+    assert long_one.line and long_one.fused_merge and long_one._merge is None and long_one.max_chunks == 132
     host, _ = _h200_plan(lens[:128], config={"wave_pack_line": False})
     assert (host.line, host.direct, host.items, host.config.page_prefetch) == (False, False, 4, False)
 

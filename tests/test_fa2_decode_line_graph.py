@@ -4,8 +4,8 @@ replays any later lengths of the same batch size packed (mixed or equal, empty r
 request over most pieces).
 
 CPU: the plans' layout on a described H200 (no launch), graph plans under the Triton interpreter
-re-planned in place against the float64 oracle, and a graph-mode wrapper of the public API. GPU (``-m gpu``): a captured graph
-replayed after re-plans, against the reference backend.
+re-planned in place against the float64 oracle, and a graph-mode wrapper of the public API. GPU
+(``-m gpu``): a captured graph replayed after re-plans, against the reference backend.
 """
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_IN
 
 def _layout(plan) -> tuple:
     """What a captured graph replays of a plan: grid, kernel constants, launch scalars, merge
-    kernel or not, and the int-workspace offsets of its merge rows and counters."""
+    kernel or not, the int-workspace offsets of its merge rows and counters, and the float
+    workspace's partials (offsets of lse and outputs, bytes)."""
     base = plan.counters if plan.counters is not None else plan.info
-    iws = base.untyped_storage().data_ptr()
+    iws, fws = base.untyped_storage().data_ptr(), plan.plse.untyped_storage().data_ptr()
     offsets = tuple(t.data_ptr() - iws if t is not None else None for t in (plan.info, plan.counters))
-    return plan._grid, plan._consts, plan._plan_scalars, plan._merge is None, offsets
+    partials = (plan.plse.data_ptr() - fws, plan.po.data_ptr() - fws, plan.workspace_bytes)
+    return plan._grid, plan._consts, plan._plan_scalars, plan._merge is None, offsets, partials
 
 
 def test_graph_line_plans_on_the_h200():
@@ -52,6 +54,8 @@ def test_graph_line_plans_on_the_h200():
         assert split.line and not split.fused_merge and split._merge is not None
         off, _ = _h200_plan(mixed[:batch].tolist(), kv, {"wave_pack_line": False}, graph=True)
         assert not off.line and off.direct
+        window, _ = _h200_plan(mixed[:batch].tolist(), kv, graph=True, window_left=1000)
+        assert not window.line and window.direct
     assert not _h200_plan(mixed[:64].tolist(), graph=True)[0].line  # 64 x 8 programs: under one wave
 
 

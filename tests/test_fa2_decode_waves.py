@@ -80,10 +80,11 @@ def test_wave_tile_choice_and_config():
 _H200 = Device("cpu", 0, (9, 0), "NVIDIA H200", 132)  # plans only: their tables stay on the CPU
 
 
-def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128):
+def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128, **problem):
     """A plan (no launch) of bf16 / fp8 32/8 heads d128 (``head_dim``) page 16 for these KV
     lengths on a described 132-SM sm90 device (``config``: `DecodeConfig` overrides; ``graph``:
-    use_cuda_graph, with an int workspace); page tables on the CPU."""
+    use_cuda_graph, with an int workspace; ``problem``: other `Problem` fields); page tables on
+    the CPU."""
     from flashdispatch.backends.base import AttentionParams
     from flashdispatch.backends.fa2.decode import DecodePlan
     from flashdispatch.dispatch.problem import Problem
@@ -97,7 +98,8 @@ def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128):
         kv_last_page_len=i32([n - 16 * (p - 1) if n else 0 for n, p in zip(lens, pages)]),
         workspace=torch.empty(128 << 20, dtype=torch.uint8),
         int_workspace=torch.zeros(1 << 20, dtype=torch.uint8) if graph else None)
-    problem = Problem("decode", F16, kv_dtype, F16, 32, 8, head_dim, head_dim, page_size=16, use_cuda_graph=graph)
+    problem = Problem("decode", F16, kv_dtype, F16, 32, 8, head_dim, head_dim, page_size=16, use_cuda_graph=graph,
+                      **problem)
     return DecodePlan(problem, _H200, params, config), params
 
 
@@ -318,7 +320,7 @@ def test_bf16_d64_packs_up_to_four_waves():
     for graph in (False, True):
         assert _h200_plan(lens[:256], graph=graph, head_dim=64)[0].line
         many = _h200_plan(lens, graph=graph, head_dim=64)[0]
-        assert not many.line and many.items == 1, graph
+        assert not many.line and many.items == 1 and many.direct, graph
         assert _h200_plan(lens, config={"wave_pack_max_waves": 0}, graph=graph, head_dim=64)[0].line
         assert _h200_plan(lens, torch.float8_e4m3fn, graph=graph, head_dim=64)[0].line
 

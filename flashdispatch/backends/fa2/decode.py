@@ -10,18 +10,18 @@ launches.
 
 Fused merge (DecodeConfig.fused_merge_max_chunks): when no request has more chunks than that (a
 line plan: whenever it is on), the decode kernel merges in place of the merge kernel, one launch
-in all. Work column 7 holds
-each split item's merge row; the last program to arrive at a (merge row, KV head, row block)
-int32 counter merges those rows and zeroes the counter (decode_kernel.py). The counters, n_merge
-x kv_heads x row_blocks, follow the plan arrays in the same int32 copy (at the next 256-byte
-boundary), zeros from the host, so the plan's one stream-ordered copy zeroes them (no memset, no
-host sync). Without CUDA graphs that copy is a tensor the plan owns. With them it is the
-wrapper's int workspace: the counters' offset is the plan arrays' size, batch x graph-splits
-work rows + batch merge rows, fixed by the batch size as the grid a captured graph replays is,
-so every re-plan zeroes them at the same address. The kernel's own split (direct table) has no
-work rows: the merge row is the request, and its counters are a tensor of the plan (under CUDA
-graphs: the work array layout's place in the int workspace) zeroed when the plan is made (a
-refreshed plan keeps them: each launch leaves them at zero).
+in all. Work column 7 holds each split item's merge row; the last program to arrive at a (merge
+row, KV head, row block) int32 counter merges those rows and zeroes the counter
+(decode_kernel.py). The counters, n_merge x kv_heads x row_blocks, follow the plan arrays in the
+same int32 copy (at the next 256-byte boundary), zeros from the host, so the plan's one
+stream-ordered copy zeroes them (no memset, no host sync). Without CUDA graphs that copy is a
+tensor the plan owns. With them it is the wrapper's int workspace: the counters' offset is the
+plan arrays' size, work rows (batch x graph-splits, or a line's pieces) + batch merge rows, fixed
+by the batch size as the grid a captured graph replays is, so every re-plan zeroes them at the
+same address. The kernel's own split and the line (direct table) have no work rows: the merge
+row is the request, and its counters are a tensor of the plan (under CUDA graphs: the work array
+layout's place in the int workspace) zeroed when the plan is made (a refreshed plan keeps them:
+each launch leaves them at zero).
 
 CUDA graphs: the grid is fixed by the batch size (batch x chunk slots programs, idle ones
 exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, updated in place,
@@ -381,8 +381,8 @@ class DecodePlan:
             self.n_merge = self.batch
             n_info, n_counters = self.batch * MERGE_INFO_COLS, self.batch * self.units
             if self.problem.use_cuda_graph:
-                # the int workspace, where a work-array graph plan of this batch size has its merge
-                # rows and counters: the addresses a captured graph replays
+                # the int workspace, after n_work work rows' room (as a work-array graph plan lays
+                # them out): fixed by the batch size, the addresses a captured graph replays
                 info_at = self.n_work * WORK_COLS
                 counters_at = counters_offset(info_at + n_info)
                 table = int_workspace_ints(params, counters_at + n_counters)

@@ -42,9 +42,9 @@ class DecodeConfig:
     1.53, 1x8192 0.88 -> 0.92, 1x32768 2.01 -> 1.93, 2x16384 1.94 -> 1.95; page 1 16x8192 3.08
     -> 3.23, 4x8192 2.00 -> 1.92. The 32 x 3 tile at 4 per SM read less (64x4096 3.06). fp8
     MHA d128 takes it too (session 21: +2-3 % on 1-16 requests).
-    Eager plans only: a CUDA-graph grid is sized by the batch alone, and at 8 per SM the short
-    requests of a replay leave half of it idle (fp8 16x1024 1.35 TB/s, 1.54 eager), so graph
-    plans keep ctas_per_sm and the config's own tile (`for_cuda_graph`).
+    Eager plans and line plans only: a CUDA-graph grid is sized by the batch alone, and at 8 per
+    SM the short requests of a replay leave half of it idle (fp8 16x1024 1.35 TB/s, 1.54 eager),
+    so graph plans off the line keep ctas_per_sm and the config's own tile (`for_cuda_graph`).
     k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
     split_block_n: block_n for plans that split requests by the default policy (few requests with
     long contexts, or the wave split: fewer, longer steps pay off there); None: block_n.
@@ -164,16 +164,17 @@ class DecodeConfig:
     3.24, 16x8192 1.99 -> 2.98. Past ctas_per_sm x SMs programs, mixed lengths pack too
     (``wave_pack_spread``). At most `MAX_PACK_ITEMS`.
     pack_fill: see pack_items (fp8 0.95, 16-bit 0.65 where they pack).
-    wave_pack_spread: a plan of at least ctas_per_sm x SMs programs under the default policy,
-    eager, with pack_items > 1, whose longest request holds at least this many times the mean
-    tokens (and whose pieces would hold min_chunk_tokens: `decode_split.may_wave_pack`) is packed
-    too, into whole waves of the few-programs target's pieces, on the split block
-    (`decode_split.wave_pack_groups`): unpacked, a long request that starts late runs on after
-    the others, and with one wave of requests the longest sets the time. H200 32/8, session 24,
-    TB/s unpacked -> packed (the bench's ``:var`` rows, lengths 1 .. 2 x mean - 1): d128 bf16
-    128x4096 3.17 -> 4.36, 256x2048 3.69 -> 4.31, 512x1024 3.98 -> 4.18; fp8 128x4096 2.43 ->
-    3.88, 256x1024 2.84 -> 3.39; d256 bf16 128x4096 3.47 -> 4.29; d64 fp8 128x4096 1.99 -> 2.96;
-    MHA 32x4096 3.35 -> 4.19 (docs/perf-notes.md). 0: never.
+    wave_pack_spread: a plan of at least ctas_per_sm x SMs programs (up to wave_pack_max_waves
+    waves) under the default policy, eager (CUDA-graph plans take the line whatever the lengths:
+    wave_pack_line), with pack_items > 1, whose longest request holds at least this many times the
+    mean tokens (and whose pieces would hold min_chunk_tokens: `decode_split.may_wave_pack`) is
+    packed too, into whole waves of the few-programs target's pieces, on the split block
+    (`decode_split.wave_pack_groups`): unpacked, a long request that starts late runs on after the
+    others, and with one wave of requests the longest sets the time. H200 32/8, session 24, TB/s
+    unpacked -> packed (the bench's ``:var`` rows, lengths 1 .. 2 x mean - 1): d128 bf16 128x4096
+    3.17 -> 4.36, 256x2048 3.69 -> 4.31, 512x1024 3.98 -> 4.18; fp8 128x4096 2.43 -> 3.88, 256x1024
+    2.84 -> 3.39; d256 bf16 128x4096 3.47 -> 4.29; d64 fp8 128x4096 1.99 -> 2.96; MHA 32x4096 3.35
+    -> 4.19 (docs/perf-notes.md). 0: never.
     wave_pack_max_waves: packing past one wave only up to this many waves of programs (ctas_per_sm
     x SMs each; 0: any): bf16 d64 4 (H200 32/8, session 27, TB/s line -> unpacked at 7.8 waves:
     512x1024:var 3.62 -> 3.86, 512x2048:var 3.96 -> 3.98; at 3.9, 256x1024:var 3.41 both).
@@ -454,8 +455,9 @@ def resolve_config(problem: Problem, overrides: dict | None = None, shared: int 
 
 @functools.lru_cache(maxsize=64)
 def for_cuda_graph(cfg: DecodeConfig) -> DecodeConfig:
-    """The config of a CUDA-graph plan: without the eager plans' few-programs split
-    (`DecodeConfig.split_ctas_per_sm` and the split block it runs), else ``cfg`` itself."""
+    """The config of a CUDA-graph plan that does not take the line: without the eager plans'
+    few-programs split (`DecodeConfig.split_ctas_per_sm` and the split block it runs), else
+    ``cfg`` itself."""
     if not cfg.split_ctas_per_sm:
         return cfg
     return dataclasses.replace(cfg, split_ctas_per_sm=0, split_block_n=None)
