@@ -34,8 +34,9 @@ def _layout(plan) -> tuple:
 def test_graph_line_plans_on_the_h200():
     """bf16 and fp8 d128 graph plans of 128 and 256 requests take the line for mixed and equal
     lengths alike, in the eager mixed plans' pieces, with the same layout, merged in the kernel
-    (fused_merge_max_chunks 0: the merge kernel); a refresh only swaps the tables. Under one wave,
-    with a sliding window or with wave_pack_line false they do not (the graph's direct split)."""
+    (fused_merge_max_chunks 0: the merge kernel); a refresh only swaps the tables. So do MHA graph
+    plans (host packing eagerly) and plans with wave_pack_line false. Under one wave, with a
+    sliding window or with wave_pack_spread 0 they do not (the graph's direct split)."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
     mixed = np.random.default_rng(20261202).integers(1, 8192, 256)
     for kv, batch, groups in ((F16, 128, 66), (torch.float8_e4m3fn, 128, 132), (F16, 256, 132)):
@@ -52,38 +53,45 @@ def test_graph_line_plans_on_the_h200():
         assert not _h200_plan([4096] * batch, kv)[0].line  # eager plans of equal lengths do not pack
         split, _ = _h200_plan(mixed[:batch].tolist(), kv, {"fused_merge_max_chunks": 0}, graph=True)
         assert split.line and not split.fused_merge and split._merge is not None
-        off, _ = _h200_plan(mixed[:batch].tolist(), kv, {"wave_pack_line": False}, graph=True)
+        assert _h200_plan(mixed[:batch].tolist(), kv, {"wave_pack_line": False}, graph=True)[0].line
+        off, _ = _h200_plan(mixed[:batch].tolist(), kv, {"wave_pack_spread": 0}, graph=True)
         assert not off.line and off.direct
+        mha = _h200_plan(mixed[:batch].tolist(), kv, kv_heads=32)[0]
+        assert not mha.line and mha.items > 1  # eager MHA: the host packs
+        assert _h200_plan(mixed[:batch].tolist(), kv, graph=True, kv_heads=32)[0].line
         window, _ = _h200_plan(mixed[:batch].tolist(), kv, graph=True, window_left=1000)
         assert not window.line and window.direct
     assert not _h200_plan(mixed[:64].tolist(), graph=True)[0].line  # 64 x 8 programs: under one wave
 
 
-def _graph_case(lens, seed: int):
+def _graph_case(lens, seed: int, heads: tuple[int, int]):
     from test_fa2_decode import _case
-    return _case(lens, use_cuda_graph=True, seed=seed)
+    return _case(lens, use_cuda_graph=True, seed=seed, num_qo_heads=heads[0], num_kv_heads=heads[1])
 
 
 @interpreted
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
-def test_graph_line_plan_replays_later_lengths(fused):
-    """17 requests past one wave (8/2 heads d64, fp16): a graph plan made for mixed lengths and run
-    after re-plans of equal lengths, of one request over most pieces among short and empty ones,
-    and of mixed lengths again (on the wrapper's fixed buffers, as a captured graph replays it)
-    gives each re-plan's own result, which matches the oracle; a refresh of it does too."""
+@pytest.mark.parametrize("fused, heads", [(True, (8, 2)), (False, (8, 2)), (True, (2, 2))],
+                         ids=["fused", "merge-kernel", "mha-wave_pack_line-false"])
+def test_graph_line_plan_replays_later_lengths(fused, heads):
+    """17 requests past one wave (8/2 heads d64, fp16; MHA 2/2 with wave_pack_line false): a graph
+    plan made for mixed lengths and run after re-plans of equal lengths, of one request over most
+    pieces among short and empty ones, and of mixed lengths again (on the wrapper's fixed buffers,
+    as a captured graph replays it) gives each re-plan's own result, which matches the oracle; a
+    refresh of it does too."""
     from test_fa2_decode import WORKSPACE_BYTES, _check, _GraphBuffers
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     iws = torch.zeros(1 << 20, dtype=torch.uint8)
-    bufs, config = _GraphBuffers(slots=600, batch=17), {**LINE, "fused_merge_max_chunks": 64 if fused else 0}
+    bufs = _GraphBuffers(slots=600, batch=17)
+    config = {**LINE, "fused_merge_max_chunks": 64 if fused else 0, "wave_pack_line": heads[0] != heads[1]}
     rng = np.random.default_rng(90)
     mixed = rng.integers(1, 300, 17)
     mixed[[2, 9]] = 0
-    first = bufs.adopt(_graph_case(mixed.tolist(), seed=91))
+    first = bufs.adopt(_graph_case(mixed.tolist(), seed=91, heads=heads))
     captured = _check(first, workspace=ws, int_workspace=iws, config=config)
     assert captured.line and captured.fused_merge == fused and captured.n_work == 16
     long_one = [0, 3, 1200, 7, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 11, 0]
     for seed, lens in ((92, [150] * 17), (93, long_one), (94, rng.integers(0, 300, 17).tolist())):
-        case = bufs.adopt(_graph_case(lens, seed=seed))
+        case = bufs.adopt(_graph_case(lens, seed=seed, heads=heads))
         plan = _check(case, workspace=ws, int_workspace=iws, config=config)
         assert plan.line and _layout(plan) == _layout(captured)
         ref = case.inputs.out.clone(), case.inputs.lse.clone()

@@ -80,8 +80,8 @@ def test_wave_tile_choice_and_config():
 _H200 = Device("cpu", 0, (9, 0), "NVIDIA H200", 132)  # plans only: their tables stay on the CPU
 
 
-def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128, **problem):
-    """A plan (no launch) of bf16 / fp8 32/8 heads d128 (``head_dim``) page 16 for these KV
+def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128, kv_heads=8, **problem):
+    """A plan (no launch) of bf16 / fp8 32/8 (``kv_heads``) heads d128 (``head_dim``) page 16 for these KV
     lengths on a described 132-SM sm90 device (``config``: `DecodeConfig` overrides; ``graph``:
     use_cuda_graph, with an int workspace; ``problem``: other `Problem` fields); page tables on
     the CPU."""
@@ -98,7 +98,7 @@ def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128, **pro
         kv_last_page_len=i32([n - 16 * (p - 1) if n else 0 for n, p in zip(lens, pages)]),
         workspace=torch.empty(128 << 20, dtype=torch.uint8),
         int_workspace=torch.zeros(1 << 20, dtype=torch.uint8) if graph else None)
-    problem = Problem("decode", F16, kv_dtype, F16, 32, 8, head_dim, head_dim, page_size=16, use_cuda_graph=graph,
+    problem = Problem("decode", F16, kv_dtype, F16, 32, kv_heads, head_dim, head_dim, page_size=16, use_cuda_graph=graph,
                       **problem)
     return DecodePlan(problem, _H200, params, config), params
 

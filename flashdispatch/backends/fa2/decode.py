@@ -28,9 +28,9 @@ exit) and the plan arrays live at fixed offsets of the wrapper's int workspace, 
 so a graph captured once replays correctly after a later plan() of the same batch size. With
 `DecodeConfig.direct_table` there are no plan arrays: the kernel reads the wrapper's fixed
 indptr / last_page_len buffers and splits each request into the slots itself; its merge rows and
-counters take the work array layout's places in the int workspace. Past one wave, a config with
-`DecodeConfig.wave_pack_line` takes the line whatever the lengths: its pieces are a function of the
-batch size too.
+counters take the work array layout's places in the int workspace. Past one wave, a config that
+packs (`DecodeConfig.pack_items`) takes the line whatever the lengths: its pieces are a function
+of the batch size too.
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
 `DecodeConfig.wave_pack_line` (most GQA defaults) the kernel cuts the pages as kv_indptr numbers
@@ -311,11 +311,12 @@ class DecodePlan:
     def _line_groups(self, params: AttentionParams, wave_pack: tuple) -> int:
         """The item groups of a plan past one wave (``wave_pack``: its (config, SM count)), whose
         requests may pack (`_may_wave_pack`, checked by the caller; under CUDA graphs any), that
-        leaves the packing to the kernel (`DecodeConfig.wave_pack_line`; the first of
-        `wave_pack_groups`): without a sliding window (the line counts whole requests' pages) and
-        with room in the workspace for a partial per group and request; else 0."""
+        leaves the packing to the kernel (`DecodeConfig.wave_pack_line`; under CUDA graphs, where
+        the host cannot pack, any; the first of `wave_pack_groups`): without a sliding window (the
+        line counts whole requests' pages) and with room in the workspace for a partial per group
+        and request; else 0."""
         cfg, sm_count = wave_pack
-        if not cfg.wave_pack_line or self.problem.window_left >= 0:
+        if not (cfg.wave_pack_line or self.problem.use_cuda_graph) or self.problem.window_left >= 0:
             return 0
         groups = wave_pack_groups(self.batch, cfg, sm_count, self.units)[0]
         return groups if self._partial_bytes(groups + self.batch) <= workspace_bytes(params) else 0

@@ -193,9 +193,10 @@ class DecodeConfig:
     4.19 -> 4.11, 128x1024:var 3.78 -> 3.70; fp8 d128 3.88 -> 3.91, 3.37 -> 3.49 (256x1024:var),
     3.83 -> 3.87 (256x2048:var); bf16 d64 4.02 -> 4.07, 3.67 -> 3.91; bf16 d256 4.39 -> 4.42,
     4.07 -> 4.38; fp8 d256 256x1024:var 3.40 -> 3.41; fp8 d64 256x1024:var 2.39 -> 2.38. Off for
-    MHA (32/32 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17 -> 4.13). Under CUDA graphs such a plan
-    takes the line whatever the lengths (the captured grid replays any later ones): mixed lengths
-    read up to 1.6x the graph's own split, equal ones 0-5 % less (docs/perf-notes.md, session 27).
+    MHA (32/32 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17 -> 4.13). Under CUDA graphs, where the
+    host cannot pack, a plan that packs takes the line whatever this flag and the lengths (the
+    captured grid replays any later ones): mixed lengths read up to 1.6x the graph's own split,
+    equal ones 0-5 % less (docs/perf-notes.md, session 27; wave_pack_spread 0: no packing).
     line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
     (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each
     request, so a piece where many short requests start reads fewer pages and its program ends
