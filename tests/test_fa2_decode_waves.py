@@ -81,10 +81,10 @@ _H200 = Device("cpu", 0, (9, 0), "NVIDIA H200", 132)  # plans only: their tables
 
 
 def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128, kv_heads=8, **problem):
-    """A plan (no launch) of bf16 / fp8 32/8 (``kv_heads``) heads d128 (``head_dim``) page 16 for these KV
-    lengths on a described 132-SM sm90 device (``config``: `DecodeConfig` overrides; ``graph``:
-    use_cuda_graph, with an int workspace; ``problem``: other `Problem` fields); page tables on
-    the CPU."""
+    """A plan (no launch) of bf16 / fp8 32/8 heads (``kv_heads``) d128 (``head_dim``) page 16 for
+    these KV lengths on a described 132-SM sm90 device (``config``: `DecodeConfig` overrides;
+    ``graph``: use_cuda_graph, with an int workspace; ``problem``: other `Problem` fields); page
+    tables on the CPU."""
     from flashdispatch.backends.base import AttentionParams
     from flashdispatch.backends.fa2.decode import DecodePlan
     from flashdispatch.dispatch.problem import Problem

@@ -456,9 +456,8 @@ def resolve_config(problem: Problem, overrides: dict | None = None, shared: int 
 
 @functools.lru_cache(maxsize=64)
 def for_cuda_graph(cfg: DecodeConfig) -> DecodeConfig:
-    """The config of a CUDA-graph plan that does not take the line: without the eager plans'
-    few-programs split (`DecodeConfig.split_ctas_per_sm` and the split block it runs), else
-    ``cfg`` itself."""
+    """The config of a CUDA-graph plan off the line: without the eager plans' few-programs split
+    (`DecodeConfig.split_ctas_per_sm` and the split block it runs), else ``cfg`` itself."""
     if not cfg.split_ctas_per_sm:
         return cfg
     return dataclasses.replace(cfg, split_ctas_per_sm=0, split_block_n=None)
