@@ -174,9 +174,8 @@ class DecodePlan:
         plan afresh."""
         if not self.direct or params.batch_size != self.batch:
             return None
-        if self.line:  # the same pieces (under CUDA graphs a function of the batch size): only the tables change
-            if not self.problem.use_cuda_graph and (not self._may_wave_pack(params)
-                                                    or self._line_groups(params, self._wave_pack) != self.n_work):
+        if self.line:  # the same pieces (a function of the batch size and workspace): only the tables change
+            if not self.problem.use_cuda_graph and not self._may_wave_pack(params):
                 return None
             return self._with_tables(params, 0)
         if self._wave_pack and self._may_wave_pack(params):
