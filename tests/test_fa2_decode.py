@@ -303,6 +303,7 @@ def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
     ("split_ctas_per_sm", (-1, 2.0)), ("pack_items", (0, 5, 2.0)), ("pack_fill", (0, 1.5, True, "x")),
     ("wave_pack_spread", (-1, True, "x")), ("wave_pack_load", (0, 0.1, None)), ("wave_pack_max_waves", (-1, "4")),
     ("line_segment_tokens", (-1, 1.5, True, 4097)), ("line_page_prefetch", (1, "yes")), ("wave_pack_line", (0,)),
+    ("line_align_fill", (0, 1.1, None)),
 ])
 def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):
     """Every size knob is checked where the config is built (a constructor call, the environment's

@@ -30,12 +30,15 @@ def _config(fused: bool, **extra) -> dict:
     return {**LINE, "fused_merge_max_chunks": 64 if fused else 0, **extra}
 
 
-def _kernel_segments(lens: list[int], page: int, groups: int, gap: int = 0) -> list[list[int]]:
+def _kernel_segments(lens: list[int], page: int, groups: int, gap: int = 0, even: int = 0) -> list[list[int]]:
     """The pieces each request is read on, as the kernel assigns them (the docstring's rule, in
     Python): requests' first pages at kv_indptr + gap x (request + 1), the requests a piece touches
-    by counting those positions below its bounds."""
+    by counting those positions below its bounds; ``even`` groups where the pages are the batch x
+    the first request's."""
     pages = [-(-n // page) for n in lens]
     indptr = np.concatenate([[0], np.cumsum(pages)])
+    if even and indptr[-1] == pages[0] * len(lens):
+        groups = even
     at = indptr[:-1] + gap * np.arange(1, len(lens) + 1)
     piece = max(-(-int(indptr[-1] + gap * len(lens)) // groups), 1)
     seen: list[list[int]] = [[] for _ in lens]
@@ -85,16 +88,19 @@ def test_every_request_is_read_once_per_piece_it_touches(seed, gap_tokens):
 
 def test_line_plans_on_the_h200():
     """Mixed lengths past one wave on the H200 are packed by the kernel (the bf16 and fp8 d128
-    defaults): bf16 128 requests in 66 pieces, fp8 in 132, 256 bf16 in 132, on the split block with
-    the page numbers loaded a step ahead (line_page_prefetch), merged in the kernel (a request
-    over ~30 pieces too); with wave_pack_line false, on the host. A line plan re-planned for other mixed lengths keeps its
+    defaults): bf16 128 requests in 66 pieces, fp8 in 132, 256 bf16 in 132 (requests of equal
+    length in 64, 128 and 128: `line_groups`), on the split block with the page numbers loaded a
+    step ahead (line_page_prefetch), merged in the kernel (a request over ~30 pieces too); with
+    wave_pack_line false, on the host. A line plan re-planned for other mixed lengths keeps its
     pieces (only the tables change), for equal lengths plans afresh (the direct table)."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
     lens = np.random.default_rng(20261201).integers(1, 8192, 256).tolist()
-    for kv, batch, block_n, groups in ((F16, 128, 64, 66), (torch.float8_e4m3fn, 128, 32, 132), (F16, 256, 64, 132)):
+    for kv, batch, block_n, groups, even in ((F16, 128, 64, 66, 64), (torch.float8_e4m3fn, 128, 32, 132, 128),
+                                            (F16, 256, 64, 132, 128)):
         plan, params = _h200_plan(lens[:batch], kv)
         got = (plan.line, plan.direct, plan.config.block_n, plan.n_work, plan.items, plan.fused_merge)
         assert got == (True, True, block_n, groups, 1, True), (kv, batch)
+        assert plan.line_even_groups == even and plan._plan_scalars[-1] == even
         assert plan.config.page_prefetch and plan.line_gap == 4  # line_segment_tokens 64, page 16
         assert plan._grid == (groups * 8,) and plan._consts["LINE"] and plan.n_merge == batch
         other = plan.refreshed(_H200, _h200_plan(lens[-batch:], kv)[1])
@@ -152,6 +158,28 @@ def test_line_plan_edge_cases(fused, gap):
     plan = run_fa2_decode(shifted, _config(fused, line_segment_tokens=gap))
     assert plan.line
     assert_close(shifted.inputs.out, shifted.inputs.lse, ref_out, ref_lse, 4e-3)
+
+
+@interpreted
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
+def test_line_plan_of_equal_requests(fused):
+    """24 requests past one wave whose pages are 24 x the first's (line_align_fill 0.5: 12 even
+    groups of the line's 16): equal ones read on 12 pieces of two whole requests, none split; a mix
+    with that sum too (the kernel cannot tell) on 12 pieces, split where they fall (the merge rows
+    the kernel writes say so); both against the oracle."""
+    mixed = [100] + [1, 199, 150, 50, 120, 80] * 3 + [100] * 4 + [148]  # pages: 7, then 7 on average
+    for seed, lens in ((81, [100] * 24), (82, mixed)):
+        case = _case(lens, seed=seed)
+        ref_out, ref_lse = case.oracle()
+        plan = run_fa2_decode(case, _config(fused, wave_pack_spread=1.0, line_align_fill=0.5))
+        assert plan.line and (plan.n_work, plan.line_even_groups) == (16, 12)
+        spans = _kernel_segments(lens, 16, plan.n_work, plan.line_gap, plan.line_even_groups)
+        assert sorted({g for s in spans for g in s}) == list(range(12))
+        assert max(map(len, spans)) == (1 if seed == 81 else 2)
+        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+        if not fused:  # the merge rows the kernel wrote: (out row, first slot, pieces) per request
+            rows = plan.info.view(len(lens), -1)[:, :3].tolist()
+            assert rows == [[r, s[0] + r, len(s)] for r, s in enumerate(spans)]
 
 
 @interpreted

@@ -151,20 +151,21 @@ def test_graph_wrapper_past_one_wave_replays_the_line():
 @pytest.mark.parametrize("kv, kv_heads", [(torch.bfloat16, 8), (torch.float8_e4m3fn, 8), (torch.bfloat16, 32)],
                          ids=["bf16", "fp8kv", "mha"])
 def test_gpu_graph_line_replays_later_lengths(kv, kv_heads):
-    """A graph captured on a line plan of 160 mixed requests (32/8 heads d128, MHA 32/32; two
-    empty), replayed after re-plans to 160 equal requests and to a mix with one request of 60000
-    tokens: each replay gives the re-plan's reference result (poisoned out/lse, new q)."""
+    """A graph captured on a line plan of 256 mixed requests (32/8 heads d128, MHA 32/32; two
+    empty), replayed after re-plans to 256 equal requests (cut into the line's even groups) and
+    to a mix with one request of 60000 tokens: each replay gives the re-plan's reference result
+    (poisoned out/lse, new q)."""
     from test_fa2_decode_gpu import _assert_replay_is_replanned, _captured, _case, _fp8_scales, _replanned
-    lens = np.random.default_rng(95).integers(1, 8192, 160)
+    lens = np.random.default_rng(95).integers(1, 8192, 256)
     lens[[4, 100]] = 0
     case = _case(lens.tolist(), num_qo_heads=32, num_kv_heads=kv_heads, kv_dtype=kv, use_cuda_graph=True,
                  extra_pages=12000, seed=96, **_fp8_scales(kv))
-    plan, graph = _captured(case, 64 << 10)
-    assert plan.line
-    long_one = np.random.default_rng(97).integers(1, 4096, 160)
-    long_one[[0, 159]] = 0
-    long_one[80] = 60000
-    for later in ([2048] * 160, long_one.tolist()):
+    plan, graph = _captured(case, 128 << 10)
+    assert plan.line and 256 % plan.line_even_groups == 0  # (MHA: every group)
+    long_one = np.random.default_rng(97).integers(1, 4096, 256)
+    long_one[[0, 255]] = 0
+    long_one[128] = 60000
+    for later in ([2048] * 256, long_one.tolist()):
         replanned, prm_b = _replanned(case, later)
         assert replanned.line and _layout(replanned) == _layout(plan)
         _assert_replay_is_replanned(case, graph, prm_b)

@@ -327,18 +327,29 @@ def test_bf16_d64_packs_up_to_four_waves():
 
 def test_may_wave_pack_and_its_pieces():
     """`wave_pack_groups`: whole waves of the few-programs target's pieces (bf16 d128 on 132 SMs:
-    66, fp8: 132), about two requests to a piece, then one wave more; `may_wave_pack`: the
-    longest over the mean (from the window start) at least wave_pack_spread, pieces of at least
-    min_chunk_tokens."""
+    66, fp8: 132), about two requests to a piece, then one wave more; `line_groups`: the first,
+    and down to 0.9 x it a count dividing the batch, so that equal requests are not cut;
+    `may_wave_pack`: the longest over the mean (from the window start) at least wave_pack_spread,
+    pieces of at least min_chunk_tokens."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from flashdispatch.backends.fa2.decode_config import default_config
-    from flashdispatch.backends.fa2.decode_split import may_wave_pack, wave_pack_groups
+    from flashdispatch.backends.fa2.decode_split import line_groups, may_wave_pack, wave_pack_groups
     from flashdispatch.dispatch.problem import Problem
     bf16, fp8 = (default_config(Problem("decode", F16, kv, F16, 32, 8, 128, 128, page_size=16))
                  for kv in (F16, torch.float8_e4m3fn))
     assert [wave_pack_groups(b, bf16, 132, 8) for b in (100, 132, 133, 256)] == [(66, 132)] * 2 + [(132, 198)] * 2
     assert wave_pack_groups(128, fp8, 132, 8) == (132, 264)
+    for batch, even in ((100, 66), (128, 64), (160, 132), (256, 128), (300, 198), (384, 192), (512, 256)):
+        groups = wave_pack_groups(batch, bf16, 132, 8)[0]
+        assert line_groups(batch, bf16, 132, 8) == (groups, even), batch
+        assert line_groups(batch, replace(bf16, line_align_fill=1.0), 132, 8) == (groups, groups)
+        span = 64 + 4  # equal requests on the kernel's line (decode_kernel.py): 64 pages after a gap of 4
+        piece = -(-batch * span // even)
+        cut = {(piece * j) // span for j in range(even) if (piece * j) % span}  # requests a boundary falls in
+        assert (len(cut) == 0) == (batch % even == 0), batch
+    assert line_groups(256, fp8, 132, 8) == (132, 128) and line_groups(100, fp8, 132, 8) == (132, 132)
     for lens, window_left, ok in (([3000, 1000] * 64, -1, True), ([2000, 1000] * 64, -1, False),
                                   ([3000, 1000] * 64, 999, False), ([150, 50] * 64, -1, False)):
         params, problem = SimpleNamespace(kv_lens_host=lens), SimpleNamespace(window_left=window_left)

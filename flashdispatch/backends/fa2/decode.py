@@ -60,8 +60,8 @@ from .decode_config import (for_cuda_graph, line_variant, resolve_config, wave_c
                             wave_split_config, with_split_block, with_tile, without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
-                           few_programs_target, may_wave_pack, mean_tokens, packs_these_waves, never_split,
-                           packed_segments, policy_tokens, split_target, wave_pack_groups, work_fill)
+                           few_programs_target, line_groups, may_wave_pack, mean_tokens, packs_these_waves,
+                           never_split, packed_segments, policy_tokens, split_target, wave_pack_groups, work_fill)
 from .decode_variant import kernel_constants, plain_variant, row_block
 from .decode_work import work_array
 from .decode_workspace import carve_partials, counters_offset, int_workspace_ints, partial_bytes, workspace_bytes
@@ -105,16 +105,16 @@ class DecodePlan:
                                         and packs_these_waves(cfg, programs, sm_count)) else None
         self.batch = params.batch_size
         if p.use_cuda_graph:  # a captured grid replays any later lengths: the kernel's line whatever these are
-            line = self._line_groups(params, wave_pack) if wave_pack else 0
-            self._wave_pack, packs = None, line > 0
+            line = self._line_groups(params, wave_pack) if wave_pack else None
+            self._wave_pack, packs = None, line is not None
             cfg = cfg if line else for_cuda_graph(cfg)  # (the line runs as the eager line does)
         else:
             self._wave_pack = wave_pack
             packs = wave_pack is not None and self._may_wave_pack(params)
-            line = self._line_groups(params, wave_pack) if packs else 0  # the kernel's own packing
+            line = self._line_groups(params, wave_pack) if packs else None  # the kernel's own packing
         lengths = effective_lengths(params, p, self.q_len) if packs and not line else None
         if line:
-            wave_packed = (line * self.units, None)
+            wave_packed = (line[0] * self.units, None)
         else:
             wave_packed = self._wave_packed(params, lengths[2]) if lengths is not None else None
         # past ctas_per_sm x SMs programs under the default policy, the wave model's tile (a
@@ -154,9 +154,10 @@ class DecodePlan:
         # work rows per program (`DecodeConfig.pack_items`): a few-programs split may pack
         self.items, self._may_pack = 1, few and policy_splits and not p.use_cuda_graph and cfg.pack_items > 1
         self.kernel_max_splits = cfg.max_splits  # the kernel's cap on its own split's chunks
-        self.line, self.line_gap = False, 0  # line_gap: the kernel's (`DecodeConfig.line_segment_tokens`)
+        # the kernel's line_gap (`DecodeConfig.line_segment_tokens`) and even groups (`line_groups`)
+        self.line, self.line_gap, self.line_even_groups = False, 0, 0
         if line:
-            self._place_direct(params, run_device, line_groups=line)
+            self._place_direct(params, run_device, line=line)
         elif p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
             self._place_graph_direct(device, params, run_device)
         else:
@@ -307,18 +308,18 @@ class DecodePlan:
                 return (groups * self.units, packed) if self._holds(packed, params) else None
         return None
 
-    def _line_groups(self, params: AttentionParams, wave_pack: tuple) -> int:
+    def _line_groups(self, params: AttentionParams, wave_pack: tuple) -> tuple[int, int] | None:
         """The item groups of a plan past one wave (``wave_pack``: its (config, SM count)), whose
         requests may pack (`_may_wave_pack`, checked by the caller; under CUDA graphs any), that
         leaves the packing to the kernel (`DecodeConfig.wave_pack_line`; under CUDA graphs, where
-        the host cannot pack, any; the first of `wave_pack_groups`): without a sliding window (the
-        line counts whole requests' pages) and with room in the workspace for a partial per group
-        and request; else 0."""
+        the host cannot pack, any): without a sliding window (the line counts whole requests'
+        pages) and with room in the workspace for a partial per group and request, `line_groups`;
+        else None."""
         cfg, sm_count = wave_pack
         if not (cfg.wave_pack_line or self.problem.use_cuda_graph) or self.problem.window_left >= 0:
-            return 0
-        groups = wave_pack_groups(self.batch, cfg, sm_count, self.units)[0]
-        return groups if self._partial_bytes(groups + self.batch) <= workspace_bytes(params) else 0
+            return None
+        groups = line_groups(self.batch, cfg, sm_count, self.units)
+        return groups if self._partial_bytes(groups[0] + self.batch) <= workspace_bytes(params) else None
 
     def _merge_choice(self) -> tuple[int, bool]:
         """(the most chunks a request can have, whether the kernel merges them) of a direct plan
@@ -358,22 +359,23 @@ class DecodePlan:
         self._place_direct(params, run_device, self.config.min_chunk_tokens if slots > 1 else 0, slots)
 
     def _place_direct(self, params: AttentionParams, run_device: torch.device, split_tokens: int = 0,
-                      split_slots: int = 1, line_groups: int = 0) -> None:
+                      split_slots: int = 1, line: tuple[int, int] | None = None) -> None:
         """`DecodeConfig.direct_table`: the kernel reads kv_indptr / last_page_len (on the run
         device: a host one is uploaded here, with the API's other host arrays) for its request.
         ``split_slots`` > 1: each request has that many work items (chunk slots) and the kernel
         splits it as `chunk_tokens` would (see `_direct_split`); its partials take slots
-        request x split_slots + chunk. ``line_groups``: that many work items, each a piece of the
-        requests' pages end to end (`DecodeConfig.wave_pack_line`), partial slots piece + request.
+        request x split_slots + chunk. ``line``: (groups, even groups) of `line_groups`: that many
+        work items, each a piece of the requests' pages end to end (`DecodeConfig.wave_pack_line`),
+        partial slots piece + request.
         Split, the fused merge's counters are zeroed here once (the merging program resets its
         own), else the kernel writes the merge kernel's info row per request."""
-        self.direct, self.line = True, line_groups > 0
+        self.direct, self.line = True, line is not None
         self.work, self.last = params.kv_indptr, params.kv_last_page_len
         self.split_tokens, self.split_slots = split_tokens, split_slots
         self.info = self.counters = None
         if split_slots > 1 or self.line:
             if self.line:
-                self.n_work, n_partial = line_groups, line_groups + self.batch
+                (self.n_work, self.line_even_groups), n_partial = line, line[0] + self.batch
                 self.line_gap = -(-self.config.line_segment_tokens // self.problem.page_size)  # in pages
             else:
                 self.n_work = n_partial = self.batch * split_slots
@@ -460,7 +462,8 @@ class DecodePlan:
                         self.last if self.direct else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope,
-                              self.split_tokens, self.split_slots, self.kernel_max_splits, self.batch, self.line_gap)
+                              self.split_tokens, self.split_slots, self.kernel_max_splits, self.batch, self.line_gap,
+                              self.line_even_groups)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:

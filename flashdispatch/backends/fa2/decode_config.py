@@ -138,31 +138,28 @@ class DecodeConfig:
     lone_wave_split_tokens: a single, partly filled wave of programs (within one wave of the
     most resident tile) is split for waves only where its requests hold at least this many
     tokens on average, predicted as a last partial wave (`wave_cost`); 0: never (it reads at the
-    full rate). bf16's 4-warp programs keep enough loads in flight at any fill (96x4096 and
-    128x2048 whole read as fast as full waves): 0. fp8's one-warp programs do not: 3072 (H200,
-    TB/s whole -> split: 80x4096 3.02 -> 3.49, 160x4096 3.66 -> 3.86, 75x8192 2.94 -> 3.81,
-    92x16384 3.49 -> 4.13, 160x3072 3.58 -> 3.69; at 2048 tokens 70x2048 2.53 -> 2.69 but
-    160x2048 3.46 -> 3.26 and 120x2048 3.48 -> 3.35, at 1024 80x1024 2.67 -> 2.55; session 18).
+    full rate). bf16's 4-warp programs keep enough loads in flight at any fill (96x4096 whole
+    reads as fast as full waves): 0. fp8's one-warp programs do not: 3072 (H200, session 18, TB/s
+    whole -> split: 80x4096 3.02 -> 3.49, 75x8192 2.94 -> 3.81, but 160x2048 3.46 -> 3.26,
+    80x1024 2.67 -> 2.55; the others in docs/perf-notes.md).
     pack_items: > 1: a plan of fewer than ctas_per_sm x SMs programs whose requests (whole, or in
     the default policy's chunks) keep its split target's programs less than ``pack_fill`` busy
     (`decode_split.work_fill`: the tokens over the target's work items x the longest item's; the
     chunks per request are whole numbers: 48 requests of 4096 tokens, 32/8 heads, fp8 split in 2
     fill 0.73 of 132 SMs x 8, and a mix of lengths leaves a request of 1.9 chunks' tokens whole)
-    lays the requests' tokens end to end and gives each of the target's programs an equal piece,
-    up to this many segments of different requests in one program, one after the other, as many
-    as its pieces need (`decode_split.packed_segments`: short requests side by side that crowd a
-    piece are laid apart, longest, shortest, ...; the kernel's ITEMS); a work-array plan,
-    never under CUDA graphs. 1: never. H200 d128, session 22, TB/s 1 -> 2 (the plain plan's fill):
-    fp8 e4m3 32/8 36x4096 3.14 -> 3.21 (0.82), 48x4096 3.20 -> 3.39 (0.73), 52x4096 3.25 -> 3.44
-    (0.79), 60x4096 3.42 -> 3.52 (0.91), 24x8192 3.30 -> 3.39 (0.73), 32/32 9x4096 3.12 -> 3.20
-    (0.82), 12x4096 3.14 -> 3.34 (0.73); bf16 32/8 36x4096 3.27 -> 3.83 (0.55), 40x4096 3.60 ->
-    3.90 (0.61), but 20x4096 3.53 -> 3.42 (0.91), 60x2048 3.85 -> 3.72 (0.91), 48x4096 3.95 ->
-    3.97 (0.73); 32/32 9x4096 3.36 -> 3.78 (0.55), 12x4096 4.03 -> 3.93 (0.73). Mixed lengths
-    (the bench's ``:var`` rows) need 3-4 to a piece: session 23, 32/8, TB/s 1 -> 4: bf16 36x4096
-    3.32 -> 3.77, 48x4096 3.21 -> 3.97, 64x4096 3.39 -> 4.10, 48x2048 2.97 -> 3.52, 20x4096 3.03
-    -> 3.34; fp8 36x4096 2.58 -> 3.06, 48x4096 2.69 -> 3.28, 64x4096 2.86 -> 3.54, 24x8192 3.13 ->
-    3.24, 16x8192 1.99 -> 2.98. Past ctas_per_sm x SMs programs, mixed lengths pack too
-    (``wave_pack_spread``). At most `MAX_PACK_ITEMS`.
+    lays the requests' tokens end to end and gives each of the target's programs an equal piece, up
+    to this many segments of different requests in one program, one after the other, as many as its
+    pieces need (`decode_split.packed_segments`: short requests side by side that crowd a piece are
+    laid apart, longest, shortest, ...; the kernel's ITEMS); a work-array plan, never under CUDA
+    graphs. 1: never. H200 d128, session 22, TB/s 1 -> 2 (the plain plan's fill): fp8 e4m3 32/8
+    36x4096 3.14 -> 3.21 (0.82), 48x4096 3.20 -> 3.39 (0.73), 32/32 9x4096 3.12 -> 3.20 (0.82),
+    12x4096 3.14 -> 3.34 (0.73); bf16 32/8 36x4096 3.27 -> 3.83 (0.55), but 20x4096 3.53 -> 3.42
+    (0.91), 60x2048 3.85 -> 3.72 (0.91), 48x4096 3.95 -> 3.97 (0.73); 32/32 9x4096 3.36 -> 3.78
+    (0.55), 12x4096 4.03 -> 3.93 (0.73). Mixed lengths (the bench's ``:var`` rows) need 3-4 to a
+    piece: session 23, 32/8, TB/s 1 -> 4: bf16 36x4096 3.32 -> 3.77, 48x4096 3.21 -> 3.97, 64x4096
+    3.39 -> 4.10, 48x2048 2.97 -> 3.52, 20x4096 3.03 -> 3.34; fp8 36x4096 2.58 -> 3.06, 48x4096 2.69
+    -> 3.28, 64x4096 2.86 -> 3.54, 24x8192 3.13 -> 3.24, 16x8192 1.99 -> 2.98. Past ctas_per_sm x
+    SMs programs, mixed lengths pack too (``wave_pack_spread``). At most `MAX_PACK_ITEMS`.
     pack_fill: see pack_items (fp8 0.95, 16-bit 0.65 where they pack).
     wave_pack_spread: a plan of at least ctas_per_sm x SMs programs (up to wave_pack_max_waves
     waves) under the default policy, eager (CUDA-graph plans take the line whatever the lengths:
@@ -185,18 +182,19 @@ class DecodeConfig:
     piece per item group, so plan() lays out and uploads nothing (a direct plan's host time) and a
     re-plan of the same batch size only swaps the tables. False: the host lays out the segments
     (`decode_split.packed_segments`, up to pack_items to a program) and uploads their work rows
-    (394-736 us of plan() on the GPU host against the line's 165-208, session 25). On by default
-    for GQA with pages of more than one token (fp8 d128 GQA at any page size), where the H200
-    measured it within about 2 % of the host's packing or above (32/8, sessions 25-26, TB/s host
-    -> line, line_segment_tokens 64): bf16 d128 (with line_page_prefetch)
-    128x4096:var 4.37 -> 4.32, 256x2048:var 4.32 -> 4.26, 200x4096:var 4.44 -> 4.38, 512x1024:var
-    4.19 -> 4.11, 128x1024:var 3.78 -> 3.70; fp8 d128 3.88 -> 3.91, 3.37 -> 3.49 (256x1024:var),
-    3.83 -> 3.87 (256x2048:var); bf16 d64 4.02 -> 4.07, 3.67 -> 3.91; bf16 d256 4.39 -> 4.42,
-    4.07 -> 4.38; fp8 d256 256x1024:var 3.40 -> 3.41; fp8 d64 256x1024:var 2.39 -> 2.38. Off for
-    MHA (32/32 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17 -> 4.13). Under CUDA graphs, where the
-    host cannot pack, a plan that packs takes the line whatever this flag and the lengths (the
-    captured grid replays any later ones): mixed lengths read up to 1.6x the graph's own split,
-    equal ones 0-5 % less (docs/perf-notes.md, session 27; wave_pack_spread 0: no packing).
+    (394-736 us of plan() on the GPU host against the line's 165-208, session 25). On by default for
+    GQA with pages of more than one token (fp8 d128 GQA at any page size), where the H200 measured
+    it within about 2 % of the host's packing or above (32/8, sessions 25-26, TB/s host -> line:
+    bf16 d128 128x4096:var 4.37 -> 4.32, 512x1024:var 4.19 -> 4.11, fp8 d128 256x1024:var 3.37 ->
+    3.49, bf16 d256 4.07 -> 4.38; the others in docs/perf-notes.md). Off for MHA (32/32 64x2048:var
+    4.15 -> 4.12, 32x4096:var 4.17 -> 4.13). Under CUDA graphs, where the host cannot pack, a plan
+    that packs takes the line whatever this flag and the lengths (the captured grid replays any
+    later ones): mixed lengths read up to 1.6x the graph's own split, equal ones 0-3 % less
+    (docs/perf-notes.md, sessions 27-28; wave_pack_spread 0: no packing).
+    line_align_fill: requests as long as the first are cut into the largest piece count down to
+    this fraction of the line's that divides the batch (`decode_split.line_groups`; 1.0: the
+    line's own). H200 32/8 graphs, session 28, TB/s 1.0 -> 0.9: 256x1024 4.02 -> 4.14, 512x1024
+    4.17 -> 4.30, d64 256x1024 3.49 -> 3.66, d256 4.16 -> 4.27; mixed lengths unchanged.
     line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
     (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each
     request, so a piece where many short requests start reads fewer pages and its program ends
@@ -250,6 +248,7 @@ class DecodeConfig:
     wave_pack_line: bool = False
     line_segment_tokens: int = 64
     line_page_prefetch: bool = False
+    line_align_fill: float = 0.9
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -283,8 +282,9 @@ class DecodeConfig:
         if not _int(self.pack_items) or not 1 <= self.pack_items <= MAX_PACK_ITEMS:
             raise ValueError(f"fa2 decode config pack_items must be an int in [1, {MAX_PACK_ITEMS}] (the kernel "
                              f"repeats its body that many times), got {self.pack_items!r}")
-        if not _number(self.pack_fill) or not 0 < self.pack_fill <= 1:
-            raise ValueError(f"fa2 decode config pack_fill must be a number in (0, 1], got {self.pack_fill!r}")
+        for name in ("pack_fill", "line_align_fill"):
+            if not _number(getattr(self, name)) or not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"fa2 decode config {name} must be a number in (0, 1], got {getattr(self, name)!r}")
         for name, low in (("wave_pack_spread", 0.0), ("wave_pack_max_waves", 0.0), ("wave_pack_load", 0.25)):
             v = getattr(self, name)
             if not _number(v) or v < low:

@@ -33,16 +33,18 @@ The requests' pages lie end to end as kv_indptr numbers them, each after a gap o
 that stands for the cost of one more segment (DecodeConfig.line_segment_tokens): request r's first
 page sits at position kv_indptr[r] - kv_indptr[0] + line_gap x (r + 1). The line is cut into one
 equal piece of positions per item group (piece = ceil((pages + line_gap x requests) / groups)), so a
-piece where many short requests start reads fewer pages. A program runs, one after the other, every
-request its piece touches: the one begun before it (if any) and those whose first page lies in it
-(an empty request, in the piece where it stands; the last group takes any at the end), found by
-counting the requests' positions below the piece's bounds (`_line_requests`). A request on s pieces
-from piece f is split into s segments whose partials take slots f + request .. f + request + s - 1
-(two segments never share a slot: a request's segments come after its predecessors' on the line),
-and its first segment's program writes the merge info row (out row, f + request, s) as DIRECT_SPLIT
-does, or merges in place with the fused merge. plan() builds nothing, and the grid (groups x
-units) depends on the batch size alone. Each request is a call of the item body, not inlined
-(`_decode_item_call`).
+piece where many short requests start reads fewer pages. Where the pages are the batch x the first
+request's (requests of equal length, as a rule), the line is cut into ``line_even_groups`` pieces
+instead, a divisor of the batch, so that no request is cut (decode_split.py's `line_groups`; the
+other groups idle). A program runs, one after the other, every request its piece touches: the one
+begun before it (if any) and those whose first page lies in it (an empty request, in the piece where
+it stands; the last piece takes any at the end), found by counting the requests' positions below the
+piece's bounds (`_line_requests`). A request on s pieces from piece f is split into s segments whose
+partials take slots f + request .. f + request + s - 1 (two segments never share a slot: a request's
+segments come after its predecessors' on the line), and its first segment's program writes the merge
+info row (out row, f + request, s) as DIRECT_SPLIT does, or merges in place with the fused merge.
+plan() builds nothing, and the grid (groups x units) depends on the batch size alone. Each request
+is a call of the item body, not inlined (`_decode_item_call`).
 
 FUSED_MERGE (DecodeConfig.fused_merge_max_chunks): no second kernel merges the partials. Each
 program of a split work item, once its partial rows are stored, passes a CTA barrier (every
@@ -474,12 +476,13 @@ def _line_requests(indptr_ptr, n_requests, line_gap, piece_start, piece_end, BLO
     return before - runs_in.to(tl.int32), upto
 
 
-@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests", "line_gap"])  # per plan
+@triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests", "line_gap",
+                               "line_even_groups"])  # per plan
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
-    n_requests, line_gap,
+    n_requests, line_gap, line_even_groups,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -507,14 +510,18 @@ def decode_kernel(
     tl.static_assert(ITEMS == 1 or not DIRECT, "the direct table is one item per program")
     tl.static_assert(not LINE or (DIRECT and not DIRECT_SPLIT), "the line is read from the direct table")
     if LINE:  # this item group's piece of the line (module docstring)
-        n_groups = tl.num_programs(0) // UNITS
         line_base = tl.load(work_ptr)
-        positions = tl.load(work_ptr + n_requests) - line_base + line_gap * n_requests
+        pages = tl.load(work_ptr + n_requests) - line_base
+        # requests as long as the first (likely all equal): line_even_groups pieces, the others idle
+        even = pages == (tl.load(work_ptr + 1) - line_base) * n_requests
+        n_groups = tl.where(even, line_even_groups, tl.num_programs(0) // UNITS)
+        positions = pages + line_gap * n_requests
         piece = tl.maximum((positions + n_groups - 1) // n_groups, 1)
         piece_start = group * piece
         piece_end = piece_start + piece
         first, end = _line_requests(work_ptr, n_requests, line_gap, piece_start, piece_end, LINE_BLOCK)
         end = tl.where(group == n_groups - 1, n_requests, end)  # the last piece: any empty one at the end
+        end = tl.where(group < n_groups, end, first)
         for req in range(first, end):
             _decode_item_call(
                 req, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,

@@ -105,6 +105,17 @@ def wave_pack_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int) -
     return waves * wave, (waves + 1) * wave
 
 
+def line_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int) -> tuple[int, int]:
+    """(item groups, even groups) of a line plan (`DecodeConfig.wave_pack_line`): the first of
+    `wave_pack_groups`, and the largest count from it down to line_align_fill x it that divides
+    the batch (else it), into which the kernel cuts requests as long as the first one: then each
+    piece holds whole requests, none cut across two (256 requests: 128 pieces of two each, where
+    132 would cut 124 of them; the other programs idle)."""
+    groups = wave_pack_groups(batch, cfg, sm_count, units)[0]
+    low = max(1, math.ceil(cfg.line_align_fill * groups))
+    return groups, next((g for g in range(groups, low - 1, -1) if batch % g == 0), groups)
+
+
 def never_split(batch: int, params: AttentionParams, target: int | None) -> bool:
     """Whether `chunk_tokens` splits no request whatever the lengths: split-KV off, no request,
     or (the policy's split) no split ``target`` (`split_target`)."""
