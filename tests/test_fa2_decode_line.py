@@ -1,6 +1,7 @@
 """fa2 decode's own packing past one wave (`DecodeConfig.wave_pack_line`, decode_kernel.py's LINE):
 the kernel cuts the requests' pages, end to end as kv_indptr numbers them, into one equal piece per
-item group and finds the requests of its piece itself; plan() builds nothing.
+item group (requests of equal length into `line_groups`' even count) and finds the requests of its
+piece itself; plan() builds nothing.
 
 CPU: the plan's choices and the pieces the kernel reads, and line plans under the Triton interpreter (fp16,
 e4m3) against the float64 oracle: empty requests anywhere, a request over many pieces, indptr not
@@ -166,7 +167,8 @@ def test_line_plan_of_equal_requests(fused):
     """24 requests past one wave whose pages are 24 x the first's (line_align_fill 0.5: 12 even
     groups of the line's 16): equal ones read on 12 pieces of two whole requests, none split; a mix
     with that sum too (the kernel cannot tell) on 12 pieces, split where they fall (the merge rows
-    the kernel writes say so); both against the oracle."""
+    the merge-kernel variant's kernel writes say so; the fused one checks the results only); both
+    against the oracle."""
     mixed = [100] + [1, 199, 150, 50, 120, 80] * 3 + [100] * 4 + [148]  # pages: 7, then 7 on average
     for seed, lens in ((81, [100] * 24), (82, mixed)):
         case = _case(lens, seed=seed)

@@ -34,7 +34,8 @@ of the batch size too.
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
 `DecodeConfig.wave_pack_line` (most GQA defaults) the kernel cuts the pages as kv_indptr numbers
-them into the plan's number of pieces and finds its own (decode_kernel.py's LINE): such a plan
+them into the plan's number of pieces (requests of equal length into the largest count that
+holds them whole, `decode_split.line_groups`) and finds its own (decode_kernel.py's LINE): such a plan
 builds nothing, and a re-plan of the same batch size only swaps the tables. Otherwise the host
 lays the requests' tokens end to end and uploads the work rows of equal pieces
 (`decode_split.packed_segments`).

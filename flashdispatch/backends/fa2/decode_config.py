@@ -191,9 +191,9 @@ class DecodeConfig:
     that packs takes the line whatever this flag and the lengths (the captured grid replays any
     later ones): mixed lengths read up to 1.6x the graph's own split, equal ones 0-3 % less
     (docs/perf-notes.md, sessions 27-28; wave_pack_spread 0: no packing).
-    line_align_fill: requests as long as the first are cut into the largest piece count down to
-    this fraction of the line's that divides the batch (`decode_split.line_groups`; 1.0: the
-    line's own). H200 32/8 graphs, session 28, TB/s 1.0 -> 0.9: 256x1024 4.02 -> 4.14, 512x1024
+    line_align_fill: requests whose pages sum to batch x the first's (equal ones) are cut into the
+    largest piece count down to this fraction of the line's that divides the batch
+    (`decode_split.line_groups`; 1.0: the line's own). H200 32/8 graphs, session 28, TB/s 1.0 -> 0.9: 256x1024 4.02 -> 4.14, 512x1024
     4.17 -> 4.30, d64 256x1024 3.49 -> 3.66, d256 4.16 -> 4.27; mixed lengths unchanged.
     line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
     (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each

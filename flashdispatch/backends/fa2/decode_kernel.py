@@ -35,8 +35,8 @@ page sits at position kv_indptr[r] - kv_indptr[0] + line_gap x (r + 1). The line
 equal piece of positions per item group (piece = ceil((pages + line_gap x requests) / groups)), so a
 piece where many short requests start reads fewer pages. Where the pages are the batch x the first
 request's (requests of equal length, as a rule), the line is cut into ``line_even_groups`` pieces
-instead, a divisor of the batch, so that no request is cut (decode_split.py's `line_groups`; the
-other groups idle). A program runs, one after the other, every request its piece touches: the one
+instead, a divisor of the batch where one lies close below the groups, so that no request of equal
+length is cut (decode_split.py's `line_groups`; the other groups find no request and end). A program runs, one after the other, every request its piece touches: the one
 begun before it (if any) and those whose first page lies in it (an empty request, in the piece where
 it stands; the last piece takes any at the end), found by counting the requests' positions below the
 piece's bounds (`_line_requests`). A request on s pieces from piece f is split into s segments whose
