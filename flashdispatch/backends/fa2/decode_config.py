@@ -193,8 +193,8 @@ class DecodeConfig:
     (docs/perf-notes.md, sessions 27-28; wave_pack_spread 0: no packing).
     line_align_fill: requests whose pages sum to batch x the first's (equal ones) are cut into the
     largest piece count down to this fraction of the line's that divides the batch
-    (`decode_split.line_groups`; 1.0: the line's own). H200 32/8 graphs, session 28, TB/s 1.0 -> 0.9: 256x1024 4.02 -> 4.14, 512x1024
-    4.17 -> 4.30, d64 256x1024 3.49 -> 3.66, d256 4.16 -> 4.27; mixed lengths unchanged.
+    (`decode_split.line_groups`; 1.0: the line's own). H200 32/8 graphs, session 28, TB/s 1.0 ->
+    0.9: 256x1024 4.02 -> 4.14, 512x1024 4.17 -> 4.30, d64 3.49 -> 3.66; mixed lengths unchanged.
     line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
     (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each
     request, so a piece where many short requests start reads fewer pages and its program ends
