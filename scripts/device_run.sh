@@ -7,8 +7,9 @@
 # (DEADLINE_S, default 570 s, so one call of at most 600 s returns with its logs). A step that
 # starts with too little time left is skipped and says so. Results go to $OUT, flat, at most
 # 8 files: env.txt tests.log bench_{decode,prefill}.{log,json,png}. The summary is printed last.
-# Per-step caps: TESTS_S (default 420; the test files run in parallel, each 20 s less),
-# DECODE_S (300), PREFILL_S (330).
+# Per-step caps: TESTS_S (default 420; the GPU tests in chunks of at most CHUNK_TESTS (40) of one
+# file, JOBS (12) pytest processes at a time, each capped 20 s below the step; TEST_FILES: what to
+# collect, default tests), DECODE_S (300), PREFILL_S (330).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/out}
@@ -53,21 +54,43 @@ run_step() {
   rc[$name]=$r
 }
 
-# parallel_gpu_tests DIR LIMIT_S: every test file with GPU tests in its own pytest process (compiles
-# are CPU-bound and the machine has many cores), each under LIMIT_S, its log in DIR (kept even if
-# the step is stopped); then the logs one after the other and the tally.
-parallel_gpu_tests() {
+# gpu_test_chunks DIR: the GPU tests' ids from one collection (TEST_FILES: the files or folders to
+# collect, default tests), cut into chunks of at most CHUNK_TESTS (default 40) consecutive ids of
+# one file, as DIR/<file>.<n>.ids (a file of 287 GPU tests in one process outlasts the step's cap).
+gpu_test_chunks() {
+  local dir=$1
+  # shellcheck disable=SC2086
+  "$PY" -m pytest --collect-only -m gpu -p no:cacheprovider ${TEST_FILES:-tests} 2>/dev/null | grep '::' >"$dir/ids.txt"
+  awk -F'::' -v per="${CHUNK_TESTS:-40}" -v dir="$dir" '
+    { if ($1 != file) { file = $1; k = 1; n = 0 } else if (n == per) { k++; n = 0 }
+      n++; base = file; sub(/^.*\//, "", base); sub(/\.py$/, "", base)
+      print > (dir "/" base "." k ".ids") }' "$dir/ids.txt"
+}
+
+# run_gpu_chunks DIR LIMIT_S: each chunk in its own pytest process (compiles are CPU-bound and the
+# machine has many cores), JOBS (default 12) at a time, each under LIMIT_S, its log beside its ids.
+run_gpu_chunks() {
   local dir=$1 limit=$2
-  mkdir -p "$dir"
-  for f in $(grep -l "mark.gpu" tests/test_*.py); do
-    ( timeout -k 5 "$limit" "$PY" -m pytest -m gpu -p no:cacheprovider --maxfail=15 --durations=5 -rfE "$f" \
-        >"$dir/$(basename "$f" .py).log" 2>&1
-      echo "exit $?" >>"$dir/$(basename "$f" .py).log" ) &
+  find "$dir" -name '*.ids' | sort -V | xargs -P "${JOBS:-12}" -I{} bash -c '
+    timeout -k 5 "$1" "$PY" -m pytest -m gpu -p no:cacheprovider --maxfail=15 --durations=3 -rfE $(cat "$2") \
+      >"${2%.ids}.log" 2>&1
+    echo "exit $?" >>"${2%.ids}.log"' _ "$limit" {}
+}
+
+# gpu_test_report DIR: the chunks' logs one after the other, then the tally (a chunk that never
+# started or was stopped with the step says so).
+gpu_test_report() {
+  local dir=$1 f name
+  for f in $(find "$dir" -name '*.log' | sort -V); do echo "=== $(basename "$f" .log)"; cat "$f"; done
+  echo "=== tally ($(wc -l <"$dir/ids.txt") tests collected)"
+  for f in $(find "$dir" -name '*.ids' | sort -V); do
+    name=$(basename "$f" .ids)
+    if [ ! -f "$dir/$name.log" ]; then echo "$name: not started ($(wc -l <"$f") tests)"
+    elif ! grep -q '^exit ' "$dir/$name.log"; then echo "$name: stopped with the step ($(wc -l <"$f") tests)"
+    elif grep -qE '^exit (124|137)$' "$dir/$name.log"; then echo "$name: stopped at its time limit ($(wc -l <"$f") tests)"
+    else echo "$name: $(grep -E ' in [0-9.]+s' "$dir/$name.log" | tail -n 1) ($(grep '^exit ' "$dir/$name.log"))"
+    fi
   done
-  wait
-  for f in "$dir"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done
-  echo "=== tally"
-  for f in "$dir"/*.log; do echo "$(basename "$f" .log): $(grep -E ' in [0-9.]+s' "$f" | tail -n 1)"; done
 }
 
 {
@@ -95,9 +118,12 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests)
       if "$PY" -c "import pytest" 2>/dev/null; then
-        per_file=$(( ${TESTS_S:-420} < DEADLINE_S - SECONDS - 40 ? ${TESTS_S:-420} - 20 : DEADLINE_S - SECONDS - 60 ))
-        run_step tests "${TESTS_S:-420}" "$OUT/tests.log" \
-          bash -c "$(declare -f parallel_gpu_tests); parallel_gpu_tests $OUT/gpu_tests $per_file"
+        tdir=$(mktemp -d /tmp/gpu_tests.XXXXXX)
+        gpu_test_chunks "$tdir"
+        per_chunk=$(( ${TESTS_S:-420} < DEADLINE_S - SECONDS - 40 ? ${TESTS_S:-420} - 20 : DEADLINE_S - SECONDS - 60 ))
+        run_step tests "${TESTS_S:-420}" "$tdir/runner.log" \
+          bash -c "$(declare -f run_gpu_chunks); run_gpu_chunks $tdir $per_chunk"
+        gpu_test_report "$tdir" >"$OUT/tests.log"
       else
         echo "tests: pytest is not importable here (carry its wheel in .whl/)" | tee "$OUT/tests.log"
         rc[tests]=skipped
