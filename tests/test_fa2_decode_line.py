@@ -3,11 +3,11 @@ the kernel cuts the requests' pages, end to end as kv_indptr numbers them, into 
 item group (requests of equal length into `line_groups`' even count) and finds the requests of its
 piece itself; plan() builds nothing.
 
-CPU: the plan's choices and the pieces the kernel reads, and line plans under the Triton interpreter (fp16,
-e4m3) against the float64 oracle: empty requests anywhere, a request over many pieces, indptr not
-starting at 0, a refreshed plan. GPU (``-m gpu``): line plans (bf16 and fp8, d64/d128/d256) against
-the reference backend, the host-packed plans beside them, a refreshed line plan, a long request
-merged in the kernel and by the merge kernel.
+CPU: the plan's choices and the pieces the kernel reads, and line plans under the Triton
+interpreter (GQA and MHA, fp16 and e4m3) against the float64 oracle: empty requests anywhere, a
+request over many pieces, indptr not starting at 0, a refreshed plan. GPU (``-m gpu``): line plans
+(bf16 and fp8, d64/d128/d256, MHA d128) against the reference backend, the host-packed plans beside
+them, a refreshed line plan, a long request merged in the kernel and by the merge kernel.
 """
 from __future__ import annotations
 
@@ -117,8 +117,10 @@ def test_line_plans_on_the_h200():
 @pytest.mark.parametrize("fused, features", [
     (True, {}), (False, {}), (True, dict(sinks=True)), (False, dict(q_len_per_req=2, mask_mode="causal")),
     (True, dict(page_size=1)), (False, dict(page_size=64)), (True, dict(kv_dtype=torch.float8_e4m3fn)),
-    (False, dict(kv_layout="HND")), (True, dict(gap=48)), (False, dict(page_size=1, gap=5))],
-    ids=["fused", "merge-kernel", "sinks", "qlen2", "page1", "page64", "e4m3", "HND", "gap", "gap-page1"])
+    (False, dict(kv_layout="HND")), (True, dict(gap=48)), (False, dict(page_size=1, gap=5)),
+    (True, dict(num_qo_heads=2)), (False, dict(num_qo_heads=2, kv_dtype=torch.float8_e4m3fn))],
+    ids=["fused", "merge-kernel", "sinks", "qlen2", "page1", "page64", "e4m3", "HND", "gap", "gap-page1", "mha",
+         "mha-e4m3"])
 def test_line_plan_matches_the_oracle(fused, features):
     """17 requests past one wave, two empty, in 16 pieces the kernel finds, against the oracle;
     the empty rows exactly 0 and -inf. ``gap``: line_segment_tokens."""
@@ -218,6 +220,18 @@ def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim, line):
     into whole waves of pieces, found by the kernel (line) or laid out by the host."""
     plan = _gpu_mixed_plan(160, [5, 100], kv, head_dim, draw=10, seed=75, config={"wave_pack_line": line})
     assert plan.line == line and plan.direct == line and (plan.items > 1) != line
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
+def test_gpu_mha_mixed_lengths_past_a_wave(kv):
+    """MHA 32/32 d128: 64 requests of the mix (two empty) past one wave, packed by the kernel (the
+    default since session 29) and by the host (wave_pack_line false)."""
+    for line in (True, False):
+        plan = _gpu_mixed_plan(64, [9, 40], kv, 128, draw=13, seed=86, kv_heads=32,
+                               config=None if line else {"wave_pack_line": False})
+        assert plan.line == line and (plan.items > 1) != line
 
 
 def _gpu_case(lens, kv: str, seed: int):

@@ -34,9 +34,9 @@ def _layout(plan) -> tuple:
 def test_graph_line_plans_on_the_h200():
     """bf16 and fp8 d128 graph plans of 128 and 256 requests take the line for mixed and equal
     lengths alike, in the eager mixed plans' pieces, with the same layout, merged in the kernel
-    (fused_merge_max_chunks 0: the merge kernel); a refresh only swaps the tables. So do MHA graph
-    plans (host packing eagerly) and plans with wave_pack_line false. Under one wave, with a
-    sliding window or with wave_pack_spread 0 they do not (the graph's direct split)."""
+    (fused_merge_max_chunks 0: the merge kernel); a refresh only swaps the tables. So do MHA plans
+    (eager too) and graph plans with wave_pack_line false (eagerly the host packs). Under one wave,
+    with a sliding window or with wave_pack_spread 0 they do not (the graph's direct split)."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
     mixed = np.random.default_rng(20261202).integers(1, 8192, 256)
     for kv, batch, groups in ((F16, 128, 66), (torch.float8_e4m3fn, 128, 132), (F16, 256, 132)):
@@ -56,8 +56,9 @@ def test_graph_line_plans_on_the_h200():
         assert _h200_plan(mixed[:batch].tolist(), kv, {"wave_pack_line": False}, graph=True)[0].line
         off, _ = _h200_plan(mixed[:batch].tolist(), kv, {"wave_pack_spread": 0}, graph=True)
         assert not off.line and off.direct
-        mha = _h200_plan(mixed[:batch].tolist(), kv, kv_heads=32)[0]
-        assert not mha.line and mha.items > 1  # eager MHA: the host packs
+        assert _h200_plan(mixed[:batch].tolist(), kv, kv_heads=32)[0].line  # eager MHA too (session 29)
+        host = _h200_plan(mixed[:batch].tolist(), kv, {"wave_pack_line": False}, kv_heads=32)[0]
+        assert not host.line and host.items > 1
         assert _h200_plan(mixed[:batch].tolist(), kv, graph=True, kv_heads=32)[0].line
         window, _ = _h200_plan(mixed[:batch].tolist(), kv, graph=True, window_left=1000)
         assert not window.line and window.direct

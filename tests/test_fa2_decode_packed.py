@@ -263,15 +263,17 @@ def _assert_empty_rows(case, rows) -> None:
         assert torch.all(case.inputs.out[b] == 0) and torch.all(case.inputs.lse[b] == float("-inf"))
 
 
-def _gpu_mixed_plan(batch: int, empty: list, kv: str, head_dim: int, draw: int, seed: int, config=None):
-    """A plan of the defaults (32/8 heads; ``config``: overrides) run on ``batch`` lengths drawn
-    from 1 .. 8191 (as the bench's ``:var`` rows; generator seed ``draw``; the ``empty`` requests
-    without tokens), the case's data from ``seed``, checked against the reference backend."""
+def _gpu_mixed_plan(batch: int, empty: list, kv: str, head_dim: int, draw: int, seed: int, config=None,
+                    kv_heads: int = 8):
+    """A plan of the defaults (32/``kv_heads`` heads; ``config``: overrides) run on ``batch``
+    lengths drawn from 1 .. 8191 (as the bench's ``:var`` rows; generator seed ``draw``; the
+    ``empty`` requests without tokens), the case's data from ``seed``, checked against the
+    reference backend."""
     fp8 = kv == "e4m3"
     lens = np.random.default_rng(draw).integers(1, 8192, batch)
     lens[empty] = 0
     case = _case(lens.tolist(), device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                 num_qo_heads=32, num_kv_heads=8, head_dim_qk=head_dim, k_scale=0.8 if fp8 else None,
+                 num_qo_heads=32, num_kv_heads=kv_heads, head_dim_qk=head_dim, k_scale=0.8 if fp8 else None,
                  v_scale=1.5 if fp8 else None, seed=seed)
     ref_out, ref_lse = reference_backend_result(case)
     plan = run_fa2_decode(case, config)

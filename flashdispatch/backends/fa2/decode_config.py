@@ -182,12 +182,12 @@ class DecodeConfig:
     piece per item group, so plan() lays out and uploads nothing (a direct plan's host time) and a
     re-plan of the same batch size only swaps the tables. False: the host lays out the segments
     (`decode_split.packed_segments`, up to pack_items to a program) and uploads their work rows
-    (394-736 us of plan() on the GPU host against the line's 165-208, session 25). On by default for
-    GQA with pages of more than one token (fp8 d128 GQA at any page size), where the H200 measured
-    it within about 2 % of the host's packing or above (32/8, sessions 25-26, TB/s host -> line:
-    bf16 d128 128x4096:var 4.37 -> 4.32, 512x1024:var 4.19 -> 4.11, fp8 d128 256x1024:var 3.37 ->
-    3.49, bf16 d256 4.07 -> 4.38; the others in docs/perf-notes.md). Off for MHA (32/32 64x2048:var
-    4.15 -> 4.12, 32x4096:var 4.17 -> 4.13). Under CUDA graphs, where the host cannot pack, a plan
+    (394-736 us of plan() on the GPU host against the line's 165-208, session 25). On wherever the
+    defaults pack: the H200 measured it within about 2 % of the host's packing or above (sessions
+    25-26, TB/s host -> line: 32/8 bf16 d128 128x4096:var 4.37 -> 4.32, 512x1024:var 4.19 -> 4.11,
+    fp8 d128 256x1024:var 3.37 -> 3.49, bf16 d256 4.07 -> 4.38; MHA 32/32 since session 29, for the
+    host time (a re-plan 150-340 -> 5-11 us, dev CPU): 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17
+    -> 4.13; the others in docs/perf-notes.md). Under CUDA graphs, where the host cannot pack, a plan
     that packs takes the line whatever this flag and the lengths (the captured grid replays any
     later ones): mixed lengths read up to 1.6x the graph's own split, equal ones 0-3 % less
     (docs/perf-notes.md, sessions 27-28; wave_pack_spread 0: no packing).
@@ -380,7 +380,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
             # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
             # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items)
-            few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=gqa) if d == 128
+            few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True) if d == 128
                    else {**mixed, **line})
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
@@ -400,12 +400,12 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         return DecodeConfig(block_n=128, direct_table=gqa, wave_slots=3 if gqa and d == 128 else 0,
                             wave_split_ctas=24)
     # 16-bit d128 (page > 1) packs few programs, up to 4 to a program, under a work fill of 0.65
-    # (DecodeConfig.pack_items); GQA past one wave in the kernel, with the page numbers loaded a
-    # step ahead there (DecodeConfig.line_page_prefetch)
+    # (DecodeConfig.pack_items); past one wave in the kernel (wave_pack_line), GQA with the page
+    # numbers loaded a step ahead there (DecodeConfig.line_page_prefetch; MHA read less with it)
     pack = dict(pack_items=4, pack_fill=0.65) if d == 128 else {}
     if not gqa and d <= 128:
         return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24,
-                            split_chunk_tokens=24, **pack)
+                            split_chunk_tokens=24, wave_pack_line=d == 128, **pack)
     if d <= 64:
         # 128 x 3 (H200 32/8, session 21, TB/s 64 x 2 -> 128 x 3: 1x32768 1.99 -> 2.11, 16x8192 3.12 ->
         # 3.27, 64x4096 3.43 -> 3.82, 256x1024 3.78 -> 3.74, 256x4096 4.15 -> 4.16)
