@@ -212,26 +212,16 @@ def test_refreshed_line_plan_and_where_the_host_packs():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("head_dim", [128, 64, 256])
+@pytest.mark.parametrize("head_dim, kv_heads", [(128, 8), (64, 8), (256, 8), (128, 32)],
+                         ids=["128", "64", "256", "mha-128"])
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
 @pytest.mark.parametrize("line", [True, False], ids=["line", "host"])
-def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim, line):
-    """160 requests of a serving batch's mix (two empty) past one wave: the GQA defaults pack them
-    into whole waves of pieces, found by the kernel (line) or laid out by the host."""
-    plan = _gpu_mixed_plan(160, [5, 100], kv, head_dim, draw=10, seed=75, config={"wave_pack_line": line})
+def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim, kv_heads, line):
+    """160 requests of a serving batch's mix (two empty) past one wave: the defaults (GQA 32/8 and
+    MHA 32/32) pack them into whole waves of pieces, found by the kernel (line) or laid out by the host."""
+    plan = _gpu_mixed_plan(160, [5, 100], kv, head_dim, draw=10, seed=75, config={"wave_pack_line": line},
+                           kv_heads=kv_heads)
     assert plan.line == line and plan.direct == line and (plan.items > 1) != line
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
-def test_gpu_mha_mixed_lengths_past_a_wave(kv):
-    """MHA 32/32 d128: 64 requests of the mix (two empty) past one wave, packed by the kernel (the
-    default since session 29) and by the host (wave_pack_line false)."""
-    for line in (True, False):
-        plan = _gpu_mixed_plan(64, [9, 40], kv, 128, draw=13, seed=86, kv_heads=32,
-                               config=None if line else {"wave_pack_line": False})
-        assert plan.line == line and (plan.items > 1) != line
 
 
 def _gpu_case(lens, kv: str, seed: int):

@@ -186,7 +186,7 @@ class DecodeConfig:
     defaults pack: the H200 measured it within about 2 % of the host's packing or above (sessions
     25-26, TB/s host -> line: 32/8 bf16 d128 128x4096:var 4.37 -> 4.32, 512x1024:var 4.19 -> 4.11,
     fp8 d128 256x1024:var 3.37 -> 3.49, bf16 d256 4.07 -> 4.38; MHA 32/32 since session 29, for the
-    host time (a re-plan 150-340 -> 5-11 us, dev CPU): 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17
+    host time (plan() 166-351 -> 4.5-8.7 us a re-plan, dev CPU): 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17
     -> 4.13; the others in docs/perf-notes.md). Under CUDA graphs, where the host cannot pack, a plan
     that packs takes the line whatever this flag and the lengths (the captured grid replays any
     later ones): mixed lengths read up to 1.6x the graph's own split, equal ones 0-3 % less
@@ -402,10 +402,10 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     # 16-bit d128 (page > 1) packs few programs, up to 4 to a program, under a work fill of 0.65
     # (DecodeConfig.pack_items); past one wave in the kernel (wave_pack_line), GQA with the page
     # numbers loaded a step ahead there (DecodeConfig.line_page_prefetch; MHA read less with it)
-    pack = dict(pack_items=4, pack_fill=0.65) if d == 128 else {}
+    pack = dict(pack_items=4, pack_fill=0.65, wave_pack_line=True) if d == 128 else {}
     if not gqa and d <= 128:
         return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24,
-                            split_chunk_tokens=24, wave_pack_line=d == 128, **pack)
+                            split_chunk_tokens=24, **pack)
     if d <= 64:
         # 128 x 3 (H200 32/8, session 21, TB/s 64 x 2 -> 128 x 3: 1x32768 1.99 -> 2.11, 16x8192 3.12 ->
         # 3.27, 64x4096 3.43 -> 3.82, 256x1024 3.78 -> 3.74, 256x4096 4.15 -> 4.16)
@@ -420,8 +420,7 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
-                            wave_split_slots=4 if group == 4 else 0, wave_pack_line=True, line_page_prefetch=True,
-                            **pack)
+                            wave_split_slots=4 if group == 4 else 0, line_page_prefetch=True, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16, **mixed, **line)
 
