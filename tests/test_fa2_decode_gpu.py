@@ -300,7 +300,8 @@ def test_wave_tiles_by_batch(kv_dtype, layout, features):
     `wave_choice` gives each wave tile (and does not split for waves) run it and match the
     reference, NHD, and HND with a window and sinks."""
     from flashdispatch.backends.fa2.decode_split import split_target
-    from flashdispatch.backends.fa2.decode_config import default_config, wave_choice
+    from flashdispatch.backends.fa2.decode_config import default_config
+    from flashdispatch.backends.fa2.decode_waves import wave_choice
     from flashdispatch.dispatch.problem import Problem
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = default_config(Problem("decode", torch.bfloat16, kv_dtype, torch.bfloat16, 32, 8, 128, 128, page_size=16))

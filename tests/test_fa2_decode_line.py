@@ -210,6 +210,38 @@ def test_refreshed_line_plan_and_where_the_host_packs():
     assert not host.line and host.items > 1
 
 
+@interpreted
+@pytest.mark.parametrize("fused, features", [(True, {}), (False, {}), (True, dict(kv_dtype=torch.float8_e4m3fn)),
+                                             (False, dict(page_size=1)), (True, dict(num_qo_heads=2))],
+                         ids=["fused", "merge-kernel", "e4m3", "page1", "mha"])
+def test_few_programs_line_plan_and_its_refresh(fused, features):
+    """Under one wave (7 requests x 2 KV heads on the interpreter's 8 SMs x 4), a plan that packs
+    goes on the line with few_pack_line (16 pieces, empty requests among them) and matches the
+    oracle; refreshed for other lengths that pack it runs them right, for equal ones (which do not
+    pack) it plans afresh; a sliding window packs on the host."""
+    config = _config(fused, few_pack_line=True, pack_fill=0.8)  # (equal requests fill 0.875 of 16 pieces)
+    case = _case([300, 0, 20, 23, 251, 0, 190], seed=63, **features)
+    ref_out, ref_lse = case.oracle()
+    plan = run_fa2_decode(case, config)
+    assert plan.line and plan.n_work == 16 and (plan._merge is None) == fused
+    tol = 8e-2 if case.problem.kv_dtype == torch.float8_e4m3fn else 4e-3
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
+    _assert_empty_rows(case, (1, 5))
+    later = _case([7, 280, 0, 260, 15, 30, 9], seed=64, **features)
+    ref_out, ref_lse = later.oracle()
+    later.params.workspace = case.params.workspace
+    again = plan.refreshed(later.device, later.params)
+    assert again is not None and again.line
+    later.inputs.out.fill_(float("nan"))
+    again.run(later.inputs)
+    assert_close(later.inputs.out, later.inputs.lse, ref_out, ref_lse, tol)
+    equal = _case([192] * 7, seed=65, **features)
+    assert plan.refreshed(equal.device, equal.params) is None
+    assert not run_fa2_decode(equal, config).line
+    window = run_fa2_decode(_case([300, 0, 20, 23, 251, 0, 190], seed=66, window_left=150, **features), config)
+    assert not window.line and window.items > 1
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("head_dim, kv_heads", [(128, 8), (64, 8), (256, 8), (128, 32)],
@@ -222,6 +254,19 @@ def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim, kv_heads, line):
     plan = _gpu_mixed_plan(160, [5, 100], kv, head_dim, draw=10, seed=75, config={"wave_pack_line": line},
                            kv_heads=kv_heads)
     assert plan.line == line and plan.direct == line and (plan.items > 1) != line
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim, kv_heads, batch", [(128, 8, 48), (64, 8, 48), (256, 8, 48), (128, 32, 14)],
+                         ids=["128", "64", "256", "mha-128"])
+@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
+def test_gpu_few_programs_line(kv, head_dim, kv_heads, batch):
+    """A serving batch's mix under one wave (48 requests, MHA 14; two empty) on the line with
+    few_pack_line, against the reference backend."""
+    plan = _gpu_mixed_plan(batch, [3, batch - 5], kv, head_dim, draw=12, seed=83, config={"few_pack_line": True},
+                           kv_heads=kv_heads)
+    assert plan.line and plan.direct
 
 
 def _gpu_case(lens, kv: str, seed: int):

@@ -71,27 +71,29 @@ def _graph_case(lens, seed: int, heads: tuple[int, int]):
 
 
 @interpreted
-@pytest.mark.parametrize("fused, heads", [(True, (8, 2)), (False, (8, 2)), (True, (2, 2))],
-                         ids=["fused", "merge-kernel", "mha-wave_pack_line-false"])
-def test_graph_line_plan_replays_later_lengths(fused, heads):
-    """17 requests past one wave (8/2 heads d64, fp16; MHA 2/2 with wave_pack_line false): a graph
-    plan made for mixed lengths and run after re-plans of equal lengths, of one request over most
-    pieces among short and empty ones, and of mixed lengths again (on the wrapper's fixed buffers,
-    as a captured graph replays it) gives each re-plan's own result, which matches the oracle; a
-    refresh of it does too."""
+@pytest.mark.parametrize("fused, heads, batch", [(True, (8, 2), 17), (False, (8, 2), 17), (True, (2, 2), 17),
+                                                 (True, (8, 2), 9), (False, (2, 2), 9)],
+                         ids=["fused", "merge-kernel", "mha-wave_pack_line-false", "few", "few-mha-merge-kernel"])
+def test_graph_line_plan_replays_later_lengths(fused, heads, batch):
+    """17 requests past one wave (8/2 heads d64, fp16; MHA 2/2 with wave_pack_line false), and 9
+    under it (graph_few_line): a graph plan made for mixed lengths and run after re-plans of equal
+    lengths, of one request over most pieces among short and empty ones, and of mixed lengths
+    again (on the wrapper's fixed buffers, as a captured graph replays it) gives each re-plan's own
+    result, which matches the oracle; a refresh of it does too."""
     from test_fa2_decode import WORKSPACE_BYTES, _check, _GraphBuffers
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     iws = torch.zeros(1 << 20, dtype=torch.uint8)
-    bufs = _GraphBuffers(slots=600, batch=17)
-    config = {**LINE, "fused_merge_max_chunks": 64 if fused else 0, "wave_pack_line": heads[0] != heads[1]}
+    bufs = _GraphBuffers(slots=600, batch=batch)
+    config = {**LINE, "fused_merge_max_chunks": 64 if fused else 0, "wave_pack_line": heads[0] != heads[1],
+              "graph_few_line": batch < 17}
     rng = np.random.default_rng(90)
-    mixed = rng.integers(1, 300, 17)
-    mixed[[2, 9]] = 0
+    mixed = rng.integers(1, 300, batch)
+    mixed[[2, 6]] = 0
     first = bufs.adopt(_graph_case(mixed.tolist(), seed=91, heads=heads))
     captured = _check(first, workspace=ws, int_workspace=iws, config=config)
     assert captured.line and captured.fused_merge == fused and captured.n_work == 16
-    long_one = [0, 3, 1200, 7, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 11, 0]
-    for seed, lens in ((92, [150] * 17), (93, long_one), (94, rng.integers(0, 300, 17).tolist())):
+    long_one = [0, 3, 1200, 7, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 11, 0][-batch:]
+    for seed, lens in ((92, [150] * batch), (93, long_one), (94, rng.integers(0, 300, batch).tolist())):
         case = bufs.adopt(_graph_case(lens, seed=seed, heads=heads))
         plan = _check(case, workspace=ws, int_workspace=iws, config=config)
         assert plan.line and _layout(plan) == _layout(captured)
@@ -149,24 +151,27 @@ def test_graph_wrapper_past_one_wave_replays_the_line():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kv, kv_heads", [(torch.bfloat16, 8), (torch.float8_e4m3fn, 8), (torch.bfloat16, 32)],
-                         ids=["bf16", "fp8kv", "mha"])
-def test_gpu_graph_line_replays_later_lengths(kv, kv_heads):
+@pytest.mark.parametrize("kv, kv_heads, batch", [
+    (torch.bfloat16, 8, 256), (torch.float8_e4m3fn, 8, 256), (torch.bfloat16, 32, 256),
+    (torch.bfloat16, 8, 48), (torch.float8_e4m3fn, 8, 48), (torch.bfloat16, 32, 12)],
+    ids=["bf16", "fp8kv", "mha", "bf16-few", "fp8kv-few", "mha-few"])
+def test_gpu_graph_line_replays_later_lengths(kv, kv_heads, batch):
     """A graph captured on a line plan of 256 mixed requests (32/8 heads d128, MHA 32/32; two
-    empty), replayed after re-plans to 256 equal requests (cut into the line's even groups) and
-    to a mix with one request of 60000 tokens: each replay gives the re-plan's reference result
-    (poisoned out/lse, new q)."""
+    empty), or of a batch under one wave (graph_few_line), replayed after re-plans to equal
+    requests (256: cut into the line's even groups) and to a mix with one request of 60000
+    tokens: each replay gives the re-plan's reference result (poisoned out/lse, new q)."""
     from test_fa2_decode_gpu import _assert_replay_is_replanned, _captured, _case, _fp8_scales, _replanned
-    lens = np.random.default_rng(95).integers(1, 8192, 256)
-    lens[[4, 100]] = 0
+    config = {"graph_few_line": True}
+    lens = np.random.default_rng(95).integers(1, 8192, batch)
+    lens[[4, batch - 3]] = 0
     case = _case(lens.tolist(), num_qo_heads=32, num_kv_heads=kv_heads, kv_dtype=kv, use_cuda_graph=True,
                  extra_pages=12000, seed=96, **_fp8_scales(kv))
-    plan, graph = _captured(case, 128 << 10)
-    assert plan.line and 256 % plan.line_even_groups == 0  # (MHA: every group)
-    long_one = np.random.default_rng(97).integers(1, 4096, 256)
-    long_one[[0, 255]] = 0
-    long_one[128] = 60000
-    for later in ([2048] * 256, long_one.tolist()):
-        replanned, prm_b = _replanned(case, later)
+    plan, graph = _captured(case, 128 << 10, config)
+    assert plan.line and (batch % plan.line_even_groups == 0 or batch < 256)  # (MHA: every group)
+    long_one = np.random.default_rng(97).integers(1, 4096, batch)
+    long_one[[0, batch - 1]] = 0
+    long_one[batch // 2] = 60000
+    for later in ([2048] * batch, long_one.tolist()):
+        replanned, prm_b = _replanned(case, later, config)
         assert replanned.line and _layout(replanned) == _layout(plan)
         _assert_replay_is_replanned(case, graph, prm_b)

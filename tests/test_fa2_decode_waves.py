@@ -57,7 +57,8 @@ def test_wave_tile_choice_and_config():
     16: 1280 programs 4.32 with 64 x 2 against 3.28 with 32 x 2, 1584 4.47 with 64 x 3, 2112 4.53
     with 32 x 2); the fp8 and bf16 d128 defaults carry tiles, d64 and explicit tiles do not; bad
     tiles are refused."""
-    from flashdispatch.backends.fa2.decode_config import DecodeConfig, apply_overrides, default_config, wave_choice
+    from flashdispatch.backends.fa2.decode_config import DecodeConfig, apply_overrides, default_config
+    from flashdispatch.backends.fa2.decode_waves import wave_choice
     from flashdispatch.dispatch.problem import Problem
 
     def config(heads, d=128, kv=torch.float8_e4m3fn):
@@ -225,7 +226,8 @@ def test_wave_split_choice_on_the_h200():
     programs-per-SM figure, and one partly filled wave of shorter requests than
     lone_wave_split_tokens (fp8 160x2048: 3.46 whole, 3.26 in 4; 160x3072 3.58 whole, 3.69 in
     4): no split."""
-    from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config, wave_split_choice
+    from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config
+    from flashdispatch.backends.fa2.decode_waves import wave_split_choice
     from flashdispatch.dispatch.problem import Problem
 
     def chunks(batch, tokens=4096, d=128, page=16, kv=F16, heads=(32, 8), overrides=None):
@@ -247,8 +249,8 @@ def test_wave_split_ceiling():
     """`wave_split_ceiling` bounds `wave_split_choice`'s prediction at every mean length, and a plan
     whose best tile reads at least that much (bf16 256 requests: 2048 programs) neither splits
     nor reads the mean length, at plan() or at its refresh."""
-    from flashdispatch.backends.fa2.decode_config import (default_config, wave_choice, wave_split_ceiling,
-                                                          wave_split_choice)
+    from flashdispatch.backends.fa2.decode_config import default_config
+    from flashdispatch.backends.fa2.decode_waves import wave_choice, wave_split_ceiling, wave_split_choice
     from flashdispatch.dispatch.problem import Problem
     for kv in (F16, torch.float8_e4m3fn):
         cfg = default_config(Problem("decode", F16, kv, F16, 32, 8, 128, 128, page_size=16))

@@ -57,13 +57,13 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, shared_per_block,
                       triton_fp8_kv_reasons)
-from .decode_config import (for_cuda_graph, line_variant, resolve_config, wave_choice, wave_split_ceiling,
-                            wave_split_config, with_split_block, with_tile, without_waves)
+from .decode_config import for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile, without_waves
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
                            few_programs_target, line_groups, may_wave_pack, mean_tokens, packs_these_waves,
                            never_split, packed_segments, policy_tokens, split_target, wave_pack_groups, work_fill)
 from .decode_variant import kernel_constants, plain_variant, row_block
+from .decode_waves import wave_choice, wave_split_ceiling, wave_split_config
 from .decode_work import work_array
 from .decode_workspace import carve_partials, counters_offset, int_workspace_ints, partial_bytes, workspace_bytes
 from .launch import BoundKernel, SpecKeys, bind
@@ -102,17 +102,18 @@ class DecodePlan:
         programs = params.batch_size * self.units
         few = programs < sm_count * cfg.ctas_per_sm
         # past one wave of programs, lengths spread wide pack too (`DecodeConfig.wave_pack_spread`)
-        wave_pack = (cfg, sm_count) if (not few and policy_splits and cfg.pack_items > 1 and cfg.wave_pack_spread > 0
-                                        and packs_these_waves(cfg, programs, sm_count)) else None
+        packing = policy_splits and cfg.pack_items > 1 and cfg.wave_pack_spread > 0
+        wave_pack = (cfg, sm_count) if packing and not few and packs_these_waves(cfg, programs, sm_count) else None
         self.batch = params.batch_size
         if p.use_cuda_graph:  # a captured grid replays any later lengths: the kernel's line whatever these are
-            line = self._line_groups(params, wave_pack) if wave_pack else None
+            graph_line = wave_pack is not None or few and packing and cfg.graph_few_line  # (`line_groups`)
+            line = self._line_groups(params, (cfg, sm_count)) if graph_line else None
             self._wave_pack, packs = None, line is not None
             cfg = cfg if line else for_cuda_graph(cfg)  # (the line runs as the eager line does)
         else:
             self._wave_pack = wave_pack
             packs = wave_pack is not None and self._may_wave_pack(params)
-            line = self._line_groups(params, wave_pack) if packs else None  # the kernel's own packing
+            line = self._line_groups(params, wave_pack) if packs and cfg.wave_pack_line else None  # the kernel's own packing
         lengths = effective_lengths(params, p, self.q_len) if packs and not line else None
         if line:
             wave_packed = (line[0] * self.units, None)
@@ -177,7 +178,7 @@ class DecodePlan:
         if not self.direct or params.batch_size != self.batch:
             return None
         if self.line:  # the same pieces (a function of the batch size and workspace): only the tables change
-            if not self.problem.use_cuda_graph and not self._may_wave_pack(params):
+            if not self.problem.use_cuda_graph and not self._line_packs(device, params):
                 return None
             return self._with_tables(params, 0)
         if self._wave_pack and self._may_wave_pack(params):
@@ -260,6 +261,11 @@ class DecodePlan:
         p, cfg = self.problem, self.config
         if packed is None:
             lens, lo, eff, splits, chunk = self._partition(device, params, lengths)
+            line = self._few_line(device, eff, chunk, params) if not splits else None
+            if line is not None:
+                self.config = line_variant(cfg)
+                self._place_direct(params, run_device, line=line)
+                return
             packed = None if splits else self._packed(eff, chunk, params)
         else:  # (the policy's chunks do not apply)
             (lens, lo, eff), splits, chunk = lengths, 0, None
@@ -281,16 +287,33 @@ class DecodePlan:
         self.n_work, self.n_merge, self.max_chunks, self.items = work.n_work, work.n_merge, work.max_chunks, work.items
         self._place(work.meta, work.n_work, work.n_partial, params, run_device)
 
+    def _few_packs(self, eff: np.ndarray, chunk: np.ndarray | None) -> bool:
+        """Whether an eager few-programs plan packs its requests (whole, or in chunks of ``chunk``
+        tokens): they keep its target's programs less than `DecodeConfig.pack_fill` busy (`work_fill`)."""
+        return self._may_pack and work_fill(eff, chunk, self.split_target // self.units) < self.config.pack_fill
+
+    def _few_line(self, device: Device, eff: np.ndarray, chunk: np.ndarray | None,
+                  params: AttentionParams) -> tuple[int, int] | None:
+        """`_line_groups` of an eager few-programs plan that packs (`_few_packs`) and leaves the
+        pieces to the kernel (`DecodeConfig.few_pack_line`), else None."""
+        if not self.config.few_pack_line or not self._few_packs(eff, chunk):
+            return None
+        return self._line_groups(params, (self.config, device.sm_count or 8))
+
+    def _line_packs(self, device: Device, params: AttentionParams) -> bool:
+        """Whether these requests still pack as this eager line plan's did: past one wave
+        `_may_wave_pack`, under it `_few_packs`."""
+        if self._wave_pack is not None:
+            return self._may_wave_pack(params)
+        _, _, eff, _, chunk = self._partition(device, params, effective_lengths(params, self.problem, self.q_len))
+        return self._few_packs(eff, chunk)
+
     def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> PackedSplit | None:
-        """`decode_split.packed_segments` of a few-programs plan whose requests (whole, or in
-        chunks of ``chunk`` tokens) keep its target's programs less than `DecodeConfig.pack_fill`
-        busy (`work_fill`), else None (also where the workspace cannot hold its partials: packing
-        is a speed-up)."""
-        if not self._may_pack:
+        """`decode_split.packed_segments` of a few-programs plan whose requests pack (`_few_packs`),
+        else None (also where the workspace cannot hold its partials: packing is a speed-up)."""
+        if not self._few_packs(eff, chunk):
             return None
         cfg, groups = self.config, self.split_target // self.units
-        if work_fill(eff, chunk, groups) >= cfg.pack_fill:
-            return None
         packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
         return packed if packed is not None and self._holds(packed, params) else None
 
@@ -310,14 +333,13 @@ class DecodePlan:
         return None
 
     def _line_groups(self, params: AttentionParams, wave_pack: tuple) -> tuple[int, int] | None:
-        """The item groups of a plan past one wave (``wave_pack``: its (config, SM count)), whose
-        requests may pack (`_may_wave_pack`, checked by the caller; under CUDA graphs any), that
-        leaves the packing to the kernel (`DecodeConfig.wave_pack_line`; under CUDA graphs, where
-        the host cannot pack, any): without a sliding window (the line counts whole requests'
+        """The item groups of a plan (``wave_pack``: its (config, SM count)) that leaves the packing
+        to the kernel (the caller checks that it may: `DecodeConfig.wave_pack_line`,
+        few_pack_line, graph_few_line): without a sliding window (the line counts whole requests'
         pages) and with room in the workspace for a partial per group and request, `line_groups`;
         else None."""
         cfg, sm_count = wave_pack
-        if not (cfg.wave_pack_line or self.problem.use_cuda_graph) or self.problem.window_left >= 0:
+        if self.problem.window_left >= 0:
             return None
         groups = line_groups(self.batch, cfg, sm_count, self.units)
         return groups if self._partial_bytes(groups[0] + self.batch) <= workspace_bytes(params) else None

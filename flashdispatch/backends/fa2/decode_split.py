@@ -1,5 +1,5 @@
 """fa2 decode's split-KV policy on the host: the tokens each request's chunks hold, and how many
-programs a plan aims for (the few-programs target and the wave split, decode_config.py's wave
+programs a plan aims for (the few-programs target and the wave split, decode_waves.py's wave
 model). decode.py partitions with these; the kernel's own split (`DecodeConfig.direct_table`)
 repeats `chunk_tokens`' arithmetic on the device."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 
 from ...dispatch.problem import Problem
 from ..base import AttentionParams
-from .decode_config import DecodeConfig, wave_choice, wave_split_choice
+from .decode_config import DecodeConfig
+from .decode_waves import wave_choice, wave_split_choice
 
 
 def balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
