@@ -276,11 +276,14 @@ def test_split_ctas_per_sm_sets_the_few_programs_target(batch, kv_len, chunks):
         assert (-(-eff // chunk) == chunks).all() and batch * 8 * chunks <= 1056
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
-def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
+@pytest.mark.parametrize("graph, config", [(False, None), (True, {"graph_few_line": False}), (True, None)],
+                         ids=["eager", "cuda_graph-own-split", "cuda_graph-line"])
+def test_fp8_few_programs_run_the_split_block_at_its_wave(graph, config):
     """fp8 GQA d128 on a described H200: 16 x 8192 (128 programs) splits into 8 chunks of the
-    32 x 3 split block (1024 programs: one wave at 8 per SM); a CUDA-graph grid keeps the 64 x 3
-    tile in 4 chunk slots (512 programs: DecodeConfig.split_ctas_per_sm is for eager plans)."""
+    32 x 3 split block (1024 programs: one wave at 8 per SM); a CUDA-graph grid of its own split
+    keeps the 64 x 3 tile in 4 chunk slots (512 programs: DecodeConfig.split_ctas_per_sm is for
+    eager plans); the default graph plan (DecodeConfig.graph_few_line) is a line of the split
+    block's wave (132 pieces x 8 programs)."""
     from flashdispatch.planned import paged_params
     h200 = Device("cuda", 0, (9, 0), "H200", 132, described=True)
     batch, pages = 16, 512
@@ -291,7 +294,10 @@ def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
                           dtype=torch.int32), torch.full((batch,), 16, dtype=torch.int32), torch.device("cpu"),
                           qo_lens_host=[1] * batch, workspace=torch.empty(64 << 20, dtype=torch.uint8), sm_scale=0.1,
                           int_workspace=torch.empty(8 << 20, dtype=torch.uint8) if graph else None)
-    plan = plan_decode(problem, h200, params)
+    plan = plan_decode(problem, h200, params, config)
+    if graph and config is None:
+        assert plan.line and (plan.config.block_n, plan.config.num_stages, plan.n_work) == (32, 3, 132)
+        return
     assert (plan.config.block_n, plan.config.num_stages) == ((64, 3) if graph else (32, 3))
     assert plan.split_slots == (4 if graph else 8) and plan.n_work * plan.units == (512 if graph else 1024)
 
@@ -303,7 +309,7 @@ def test_fp8_few_programs_run_the_split_block_at_its_wave(graph):
     ("split_ctas_per_sm", (-1, 2.0)), ("pack_items", (0, 5, 2.0)), ("pack_fill", (0, 1.5, True, "x")),
     ("wave_pack_spread", (-1, True, "x")), ("wave_pack_load", (0, 0.1, None)), ("wave_pack_max_waves", (-1, "4")),
     ("line_segment_tokens", (-1, 1.5, True, 4097)), ("line_page_prefetch", (1, "yes")), ("wave_pack_line", (0,)),
-    ("line_align_fill", (0, 1.1, None)),
+    ("line_align_fill", (0, 1.1, None)), ("few_pack_line", (0, "yes")), ("graph_few_line", (1, None)),
 ])
 def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):
     """Every size knob is checked where the config is built (a constructor call, the environment's

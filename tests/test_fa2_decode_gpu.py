@@ -142,8 +142,8 @@ def _assert_replay_is_replanned(case, graph, prm_b):
     ids=["gqa", "d64", "d256-fp8kv", "mha-fp8kv"])
 def test_cuda_graph_replay_after_replan(head_dim, kv_heads, kv_dtype):
     """Capture on one plan, re-plan (same batch size, other lengths and pages, same buffers),
-    replay: the result is the new plan's. The d128 GQA defaults, and the d64, fp8 d256 and fp8
-    MHA ones (their own tiles and splits)."""
+    replay: the result is the new plan's. The d128 GQA and fp8 MHA defaults (on the line under
+    one wave, `DecodeConfig.graph_few_line`), the d64 and fp8 d256 ones (their own tiles and split)."""
     case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=400, seed=4, head_dim_qk=head_dim,
                  num_kv_heads=kv_heads, kv_dtype=kv_dtype, **_fp8_scales(kv_dtype))
     _, graph = _captured(case, 2048)
@@ -166,6 +166,7 @@ def test_batch_invariance_fixed_split():
 # --- fused split-KV merge (DecodeConfig.fused_merge_max_chunks): `pytest -m gpu -k fused` -----
 FUSED = {"fused_merge_max_chunks": 1 << 16}   # fused whatever the chunk count
 UNFUSED = {"fused_merge_max_chunks": 0}  # split plans merge in the second kernel
+OWN_SPLIT = {"graph_few_line": False}  # graph plans under one wave split each request themselves (not the line)
 
 
 def _fp8_scales(kv_dtype) -> dict:
@@ -217,11 +218,11 @@ def test_fused_merge_cuda_graph_replay_after_replans():
     buffers: the counters stay at their address and are zeroed by the plan), replay three times
     back to back after each: the new plan's result every time, counters back to 0."""
     case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=2000, seed=8)
-    plan, graph = _captured(case, 4096, FUSED)
+    plan, graph = _captured(case, 4096, {**FUSED, **OWN_SPLIT})
     assert plan.fused_merge
     inputs = case.inputs
     for lens in ([3000, 17, 900, 1], [20000, 0, 16, 7000]):
-        replan, prm_b = _replanned(case, lens, FUSED)
+        replan, prm_b = _replanned(case, lens, {**FUSED, **OWN_SPLIT})
         assert replan.counters.data_ptr() == plan.counters.data_ptr()
         inputs.q.copy_(torch.randn_like(inputs.q))
         ref_out, ref_lse = reference_backend_result(dataclasses.replace(case, params=prm_b))
@@ -403,9 +404,9 @@ def test_pdl_merge_cuda_graph_replay_after_replan():
     """A captured plan with the merge kernel (programmatic dependent launch on sm90+), re-planned
     for other lengths and replayed: the new plan's result."""
     case = _case([100, 30000, 0, 64], use_cuda_graph=True, extra_pages=2000, seed=9)
-    plan, graph = _captured(case, 4096, UNFUSED)
+    plan, graph = _captured(case, 4096, {**UNFUSED, **OWN_SPLIT})
     assert plan.n_merge and not plan.fused_merge
     assert plan.pdl == (torch.cuda.get_device_capability() >= (9, 0))
-    replan, prm_b = _replanned(case, [3000, 17, 20000, 1], UNFUSED)
+    replan, prm_b = _replanned(case, [3000, 17, 20000, 1], {**UNFUSED, **OWN_SPLIT})
     assert (replan.pdl, replan.n_merge) == (plan.pdl, plan.n_merge)  # the captured launches still fit
     _assert_replay_is_replanned(case, graph, prm_b)

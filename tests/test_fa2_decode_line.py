@@ -5,9 +5,10 @@ piece itself; plan() builds nothing.
 
 CPU: the plan's choices and the pieces the kernel reads, and line plans under the Triton
 interpreter (GQA and MHA, fp16 and e4m3) against the float64 oracle: empty requests anywhere, a
-request over many pieces, indptr not starting at 0, a refreshed plan. GPU (``-m gpu``): line plans
-(bf16 and fp8, d64/d128/d256, MHA d128) against the reference backend, the host-packed plans beside
-them, a refreshed line plan, a long request merged in the kernel and by the merge kernel.
+request over many pieces, indptr not starting at 0, a refreshed plan; plans under one wave on the
+line (`DecodeConfig.few_pack_line`). GPU (``-m gpu``): line plans (bf16 and fp8, d64/d128/d256,
+MHA d128) against the reference backend, past one wave beside the host-packed plans and under it,
+a refreshed line plan, a long request merged in the kernel and by the merge kernel.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""fa2 decode's line under CUDA graphs: past one wave, a graph plan of a `DecodeConfig.wave_pack_line`
-config leaves the packing to the kernel whatever the lengths, so a graph captured on one batch
-replays any later lengths of the same batch size packed (mixed or equal, empty requests, one
-request over most pieces).
+"""fa2 decode's line under CUDA graphs: past one wave, a graph plan of a config that packs leaves
+the packing to the kernel whatever the lengths (under one wave too with
+`DecodeConfig.graph_few_line`, the d128 defaults), so a graph captured on one batch replays any
+later lengths of the same batch size packed (mixed or equal, empty requests, one request over
+most pieces).
 
 CPU: the plans' layout on a described H200 (no launch), graph plans under the Triton interpreter
 re-planned in place against the float64 oracle, and a graph-mode wrapper of the public API. GPU
@@ -35,8 +36,9 @@ def test_graph_line_plans_on_the_h200():
     """bf16 and fp8 d128 graph plans of 128 and 256 requests take the line for mixed and equal
     lengths alike, in the eager mixed plans' pieces, with the same layout, merged in the kernel
     (fused_merge_max_chunks 0: the merge kernel); a refresh only swaps the tables. So do MHA plans
-    (eager too) and graph plans with wave_pack_line false (eagerly the host packs). Under one wave,
-    with a sliding window or with wave_pack_spread 0 they do not (the graph's direct split)."""
+    (eager too) and graph plans with wave_pack_line false (eagerly the host packs). With a sliding
+    window or with wave_pack_spread 0 they do not (the graph's direct split); under one wave they do
+    where graph_few_line says and there is more than one request."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
     mixed = np.random.default_rng(20261202).integers(1, 8192, 256)
     for kv, batch, groups in ((F16, 128, 66), (torch.float8_e4m3fn, 128, 132), (F16, 256, 132)):
@@ -62,7 +64,16 @@ def test_graph_line_plans_on_the_h200():
         assert _h200_plan(mixed[:batch].tolist(), kv, graph=True, kv_heads=32)[0].line
         window, _ = _h200_plan(mixed[:batch].tolist(), kv, graph=True, window_left=1000)
         assert not window.line and window.direct
-    assert not _h200_plan(mixed[:64].tolist(), graph=True)[0].line  # 64 x 8 programs: under one wave
+    # under one wave (64 x 8 programs), d128 graph plans of more than one request take the line too
+    # (graph_few_line), in one wave of pieces; eager ones of lengths that pack only with few_pack_line
+    for kv, groups in ((F16, 66), (torch.float8_e4m3fn, 132)):
+        few = _h200_plan(mixed[:64].tolist(), kv, graph=True)[0]
+        assert few.line and few.n_work == groups
+        assert few.refreshed(_H200, _h200_plan([4096] * 64, kv, graph=True)[1]).line
+        assert not _h200_plan(mixed[:64].tolist(), kv, {"graph_few_line": False}, graph=True)[0].line
+        assert not _h200_plan([60000], kv, graph=True)[0].line  # one request: nothing to pack
+        assert not _h200_plan(mixed[:48].tolist(), kv)[0].line
+        assert _h200_plan(mixed[:48].tolist(), kv, {"few_pack_line": True})[0].line
 
 
 def _graph_case(lens, seed: int, heads: tuple[int, int]):
@@ -156,22 +167,21 @@ def test_graph_wrapper_past_one_wave_replays_the_line():
     (torch.bfloat16, 8, 48), (torch.float8_e4m3fn, 8, 48), (torch.bfloat16, 32, 12)],
     ids=["bf16", "fp8kv", "mha", "bf16-few", "fp8kv-few", "mha-few"])
 def test_gpu_graph_line_replays_later_lengths(kv, kv_heads, batch):
-    """A graph captured on a line plan of 256 mixed requests (32/8 heads d128, MHA 32/32; two
-    empty), or of a batch under one wave (graph_few_line), replayed after re-plans to equal
-    requests (256: cut into the line's even groups) and to a mix with one request of 60000
+    """A graph captured on a line plan of the defaults, of 256 mixed requests (32/8 heads d128,
+    MHA 32/32; two empty) or of a batch under one wave (graph_few_line), replayed after re-plans to
+    equal requests (256: cut into the line's even groups) and to a mix with one request of 60000
     tokens: each replay gives the re-plan's reference result (poisoned out/lse, new q)."""
     from test_fa2_decode_gpu import _assert_replay_is_replanned, _captured, _case, _fp8_scales, _replanned
-    config = {"graph_few_line": True}
     lens = np.random.default_rng(95).integers(1, 8192, batch)
     lens[[4, batch - 3]] = 0
     case = _case(lens.tolist(), num_qo_heads=32, num_kv_heads=kv_heads, kv_dtype=kv, use_cuda_graph=True,
                  extra_pages=12000, seed=96, **_fp8_scales(kv))
-    plan, graph = _captured(case, 128 << 10, config)
+    plan, graph = _captured(case, 128 << 10)
     assert plan.line and (batch % plan.line_even_groups == 0 or batch < 256)  # (MHA: every group)
     long_one = np.random.default_rng(97).integers(1, 4096, batch)
     long_one[[0, batch - 1]] = 0
     long_one[batch // 2] = 60000
     for later in ([2048] * batch, long_one.tolist()):
-        replanned, prm_b = _replanned(case, later, config)
+        replanned, prm_b = _replanned(case, later)
         assert replanned.line and _layout(replanned) == _layout(plan)
         _assert_replay_is_replanned(case, graph, prm_b)

@@ -29,16 +29,17 @@ so a graph captured once replays correctly after a later plan() of the same batc
 `DecodeConfig.direct_table` there are no plan arrays: the kernel reads the wrapper's fixed
 indptr / last_page_len buffers and splits each request into the slots itself; its merge rows and
 counters take the work array layout's places in the int workspace. Past one wave, a config that
-packs (`DecodeConfig.pack_items`) takes the line whatever the lengths: its pieces are a function
-of the batch size too.
+packs (`DecodeConfig.pack_items`) takes the line whatever the lengths, and under one wave too with
+`DecodeConfig.graph_few_line` (d128): its pieces are a function of the batch size too.
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
-`DecodeConfig.wave_pack_line` (most GQA defaults) the kernel cuts the pages as kv_indptr numbers
+`DecodeConfig.wave_pack_line` (every default that packs) the kernel cuts the pages as kv_indptr numbers
 them into the plan's number of pieces (requests of equal length into the largest count that
 holds them whole, `decode_split.line_groups`) and finds its own (decode_kernel.py's LINE): such a plan
 builds nothing, and a re-plan of the same batch size only swaps the tables. Otherwise the host
 lays the requests' tokens end to end and uploads the work rows of equal pieces
-(`decode_split.packed_segments`).
+(`decode_split.packed_segments`). Under one wave the host packs too (`DecodeConfig.pack_items`),
+or with `DecodeConfig.few_pack_line` the kernel does, as on the line.
 
 Tuning: `DecodeConfig` (decode_config.py) fields can be overridden per plan
 (``plan_decode(..., config={...})``) or through
@@ -106,14 +107,15 @@ class DecodePlan:
         wave_pack = (cfg, sm_count) if packing and not few and packs_these_waves(cfg, programs, sm_count) else None
         self.batch = params.batch_size
         if p.use_cuda_graph:  # a captured grid replays any later lengths: the kernel's line whatever these are
-            graph_line = wave_pack is not None or few and packing and cfg.graph_few_line  # (`line_groups`)
+            # under one wave too (`DecodeConfig.graph_few_line`), where there are requests to pack
+            graph_line = wave_pack is not None or few and packing and cfg.graph_few_line and self.batch > 1
             line = self._line_groups(params, (cfg, sm_count)) if graph_line else None
             self._wave_pack, packs = None, line is not None
             cfg = cfg if line else for_cuda_graph(cfg)  # (the line runs as the eager line does)
         else:
             self._wave_pack = wave_pack
             packs = wave_pack is not None and self._may_wave_pack(params)
-            line = self._line_groups(params, wave_pack) if packs and cfg.wave_pack_line else None  # the kernel's own packing
+            line = self._line_groups(params, wave_pack) if packs and cfg.wave_pack_line else None  # kernel packs
         lengths = effective_lengths(params, p, self.q_len) if packs and not line else None
         if line:
             wave_packed = (line[0] * self.units, None)

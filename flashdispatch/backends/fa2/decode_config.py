@@ -193,11 +193,16 @@ class DecodeConfig:
     few_pack_line: an eager plan of fewer than ctas_per_sm x SMs programs that packs (pack_items)
     leaves the pieces to the kernel as wave_pack_line does past one wave (plan() lays out and
     uploads nothing: H200 32/8 d128, session 30, 48x4096:var plan() 620 us against FlashInfer's 132).
-    graph_few_line: a CUDA-graph plan of fewer than ctas_per_sm x SMs programs whose config packs
-    (pack_items > 1, wave_pack_spread > 0) takes the line too, in one wave of the few-programs
-    target's pieces: the graph's own split (at most its chunk slots per request, a function of the
-    batch size) leaves a long request of a mixed batch running after the others (H200 32/8 d128,
-    session 30: 48x4096:var 2.50 TB/s under graphs against 4.04 eager, host-packed).
+    Off everywhere: its kernel time beside the host's packing has not been measured yet.
+    graph_few_line: a CUDA-graph plan of fewer than ctas_per_sm x SMs programs of more than one
+    request whose config packs (pack_items > 1, wave_pack_spread > 0) takes the line too, in one
+    wave of the few-programs target's pieces: the graph's own split (at most its chunk slots per
+    request, a function of the batch size alone) leaves a long request of a mixed batch running
+    after the others. On for d128 (H200 32/8, session 30, graphs, TB/s own split -> line): mixed
+    48x4096:var 2.50 -> 3.91-3.98, 32x4096:var 2.72 -> 3.63-3.67, 16x8192:var 2.89 -> 3.67-3.73,
+    8x8192:var 2.61 -> 2.99, fp8 48x4096:var 1.73 -> 3.35, 16x8192:var 1.92 -> 3.00-3.07, MHA
+    12x4096:var 2.67 -> 3.82; equal lengths lose 2-8 % (2x16384 2.70 -> 2.49-2.55, 16x8192 3.85 ->
+    3.72-3.76, 64x4096 4.18 -> 4.11-4.18) except fp8 48x4096 3.00 -> 3.36.
     line_align_fill: requests whose pages sum to batch x the first's (equal ones) are cut into the
     largest piece count down to this fraction of the line's that divides the batch
     (`decode_split.line_groups`; 1.0: the line's own). H200 32/8 graphs, session 28, TB/s 1.0 ->
@@ -388,9 +393,10 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # few programs: split into a wave of the 32 x 3 tile (8 per SM; DecodeConfig.split_ctas_per_sm,
             # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
             # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
-            # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items)
-            few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True) if d == 128
-                   else {**mixed, **line})
+            # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items);
+            # under CUDA graphs on the line (DecodeConfig.graph_few_line)
+            few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, graph_few_line=True)
+                   if d == 128 else {**mixed, **line})
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
@@ -410,8 +416,9 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
                             wave_split_ctas=24)
     # 16-bit d128 (page > 1) packs few programs, up to 4 to a program, under a work fill of 0.65
     # (DecodeConfig.pack_items); past one wave in the kernel (wave_pack_line), GQA with the page
-    # numbers loaded a step ahead there (DecodeConfig.line_page_prefetch; MHA read less with it)
-    pack = dict(pack_items=4, pack_fill=0.65, wave_pack_line=True) if d == 128 else {}
+    # numbers loaded a step ahead there (DecodeConfig.line_page_prefetch; MHA read less with it);
+    # under CUDA graphs on the line below one wave too (graph_few_line)
+    pack = dict(pack_items=4, pack_fill=0.65, wave_pack_line=True, graph_few_line=True) if d == 128 else {}
     if not gqa and d <= 128:
         return DecodeConfig(block_n=64, num_stages=3, wave_slots=4 if d == 128 else 0, wave_split_ctas=24,
                             split_chunk_tokens=24, **pack)
