@@ -58,7 +58,8 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, shared_per_block,
                       triton_fp8_kv_reasons)
-from .decode_config import for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile, without_waves
+from .decode_config import (DecodeConfig, for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
+                            without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
                            few_programs_target, line_groups, may_wave_pack, mean_tokens, packs_these_waves,
@@ -109,13 +110,13 @@ class DecodePlan:
         if p.use_cuda_graph:  # a captured grid replays any later lengths: the kernel's line whatever these are
             # under one wave too (`DecodeConfig.graph_few_line`), where there are requests to pack
             graph_line = wave_pack is not None or few and packing and cfg.graph_few_line and self.batch > 1
-            line = self._line_groups(params, (cfg, sm_count)) if graph_line else None
+            line = self._line_groups(params, cfg, sm_count) if graph_line else None
             self._wave_pack, packs = None, line is not None
             cfg = cfg if line else for_cuda_graph(cfg)  # (the line runs as the eager line does)
         else:
             self._wave_pack = wave_pack
             packs = wave_pack is not None and self._may_wave_pack(params)
-            line = self._line_groups(params, wave_pack) if packs and cfg.wave_pack_line else None  # kernel packs
+            line = self._line_groups(params, cfg, sm_count) if packs and cfg.wave_pack_line else None  # kernel packs
         lengths = effective_lengths(params, p, self.q_len) if packs and not line else None
         if line:
             wave_packed = (line[0] * self.units, None)
@@ -300,7 +301,7 @@ class DecodePlan:
         pieces to the kernel (`DecodeConfig.few_pack_line`), else None."""
         if not self.config.few_pack_line or not self._few_packs(eff, chunk):
             return None
-        return self._line_groups(params, (self.config, device.sm_count or 8))
+        return self._line_groups(params, self.config, device.sm_count or 8)
 
     def _line_packs(self, device: Device, params: AttentionParams) -> bool:
         """Whether these requests still pack as this eager line plan's did: past one wave
@@ -334,13 +335,12 @@ class DecodePlan:
                 return (groups * self.units, packed) if self._holds(packed, params) else None
         return None
 
-    def _line_groups(self, params: AttentionParams, wave_pack: tuple) -> tuple[int, int] | None:
-        """The item groups of a plan (``wave_pack``: its (config, SM count)) that leaves the packing
+    def _line_groups(self, params: AttentionParams, cfg: DecodeConfig, sm_count: int) -> tuple[int, int] | None:
+        """The item groups of a plan of config ``cfg`` on ``sm_count`` SMs that leaves the packing
         to the kernel (the caller checks that it may: `DecodeConfig.wave_pack_line`,
         few_pack_line, graph_few_line): without a sliding window (the line counts whole requests'
         pages) and with room in the workspace for a partial per group and request, `line_groups`;
         else None."""
-        cfg, sm_count = wave_pack
         if self.problem.window_left >= 0:
             return None
         groups = line_groups(self.batch, cfg, sm_count, self.units)
