@@ -72,7 +72,8 @@ gpu_test_chunks() {
 run_gpu_chunks() {
   local dir=$1 limit=$2
   find "$dir" -name '*.ids' | sort -V | xargs -P "${JOBS:-12}" -I{} bash -c '
-    timeout -k 5 "$1" "$PY" -m pytest -m gpu -p no:cacheprovider --maxfail=15 --durations=3 -rfE $(cat "$2") \
+    mapfile -t ids <"$2"  # one id per line: ids may hold spaces
+    timeout -k 5 "$1" "$PY" -m pytest -m gpu -p no:cacheprovider --maxfail=15 --durations=3 -rfE "${ids[@]}" \
       >"${2%.ids}.log" 2>&1
     echo "exit $?" >>"${2%.ids}.log"' _ "$limit" {}
 }

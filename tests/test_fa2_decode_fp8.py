@@ -201,7 +201,7 @@ def test_gpu_features(feature):
 @pytest.mark.parametrize("config", [dict(block_n=64, num_warps=8, num_stages=3), dict(block_n=32, k_rows=True),
                                     dict(block_n=128, num_warps=8, num_stages=2), dict(swap_ab=False),
                                     dict(block_n=32, num_stages=2), dict(num_warps=2, block_n=64)],
-                         ids=lambda c: str(c))
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_gpu_block_configs(config):
     case = _case([1, 129, 2000], device="cuda", q_dtype=torch.bfloat16, k_scale=0.8, v_scale=1.5, seed=5)
     _check_gpu(case, {**FP16, **config}, fixed_split_size=4)
