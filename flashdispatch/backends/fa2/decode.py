@@ -297,9 +297,9 @@ class DecodePlan:
 
     def _few_line(self, device: Device, eff: np.ndarray, chunk: np.ndarray | None,
                   params: AttentionParams) -> tuple[int, int] | None:
-        """`_line_groups` of an eager few-programs plan that packs (`_few_packs`) and leaves the
-        pieces to the kernel (`DecodeConfig.few_pack_line`), else None."""
-        if not self.config.few_pack_line or not self._few_packs(eff, chunk):
+        """`_line_groups` of an eager few-programs plan of more than one request that packs
+        (`_few_packs`) and leaves the pieces to the kernel (`DecodeConfig.few_pack_line`), else None."""
+        if not self.config.few_pack_line or len(eff) < 2 or not self._few_packs(eff, chunk):
             return None
         return self._line_groups(params, self.config, device.sm_count or 8)
 

@@ -190,10 +190,14 @@ class DecodeConfig:
     that packs takes the line whatever this flag and the lengths (the captured grid replays any
     later ones): mixed lengths read up to 1.6x the graph's own split, equal ones 0-3 % less
     (docs/perf-notes.md, sessions 27-28; wave_pack_spread 0: no packing).
-    few_pack_line: an eager plan of fewer than ctas_per_sm x SMs programs that packs (pack_items)
-    leaves the pieces to the kernel as wave_pack_line does past one wave (plan() lays out and
-    uploads nothing: H200 32/8 d128, session 30, 48x4096:var plan() 620 us against FlashInfer's 132).
-    Off everywhere: its kernel time beside the host's packing has not been measured yet.
+    few_pack_line: an eager plan of fewer than ctas_per_sm x SMs programs of more than one request
+    that packs (pack_items) leaves the pieces to the kernel as wave_pack_line does past one wave
+    (plan() lays out and uploads nothing: 105-195 us against the host's 300-680, H200 session 31).
+    On for fp8 d128 (H200 32/8 and 32/32, session 31, eager, TB/s host -> line: 48x4096:var
+    3.28 -> 3.33-3.34, 64x2048:var 3.00 -> 3.06, 16x8192:var 2.97 -> 3.00, 48x4096 3.30-3.33 ->
+    3.33-3.36, 4x8192:var 1.41 -> 1.38-1.39, MHA 4x8192:var 2.73 -> 2.89); off for 16-bit, which
+    reads 0-2 % less on it (36x4096 3.91 -> 3.85, 48x4096:var 4.03-4.05 -> 3.99). A single
+    request stays off the line (fp8 1x32768 1.95 -> 1.51 on it).
     graph_few_line: a CUDA-graph plan of fewer than ctas_per_sm x SMs programs of more than one
     request whose config packs (pack_items > 1, wave_pack_spread > 0) takes the line too, in one
     wave of the few-programs target's pieces: the graph's own split (at most its chunk slots per
@@ -393,10 +397,10 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # few programs: split into a wave of the 32 x 3 tile (8 per SM; DecodeConfig.split_ctas_per_sm,
             # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
             # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
-            # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items);
-            # under CUDA graphs on the line (DecodeConfig.graph_few_line)
-            few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, graph_few_line=True)
-                   if d == 128 else {**mixed, **line})
+            # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items),
+            # on the kernel's line (DecodeConfig.few_pack_line; under CUDA graphs graph_few_line)
+            few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, few_pack_line=True,
+                        graph_few_line=True) if d == 128 else {**mixed, **line})
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
