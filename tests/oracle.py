@@ -338,17 +338,19 @@ def make_paged_case(op: str = "prefill_paged", *, kv_lens: list[int], qo_lens: l
     kv_indptr, indices, last, num_pages = _page_table(gen, kv_lens, page_size, extra_pages, shuffle_pages)
     kv_dtype = f["kv_dtype"] or f["q_dtype"]
     dqk, dvo = f["head_dim_qk"], f["head_dim_vo"] or f["head_dim_qk"]
+    # each cast to the KV dtype as it is drawn: the GPU tests' caches hold GBs (160 MHA requests
+    # of ~4K tokens: 21 GB as float32, which a stack of float32 k and v doubled)
     k, v = (_paged_cache(gen, kv_indptr, indices, kv_lens, page_size, num_pages, f["num_kv_heads"], d,
-                         poison_unused) for d in (dqk, dvo))
+                         poison_unused).to(kv_dtype) for d in (dqk, dvo))
     if kv_layout == "HND":
         k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
     if kv_storage == "5d":
         if dqk != dvo:
             raise ValueError("a 5-D cache needs head_dim_qk == head_dim_vo; use kv_storage='tuple'")
-        cache = torch.stack([k, v], 1).to(kv_dtype).to(device)
+        cache = torch.stack([k, v], 1).to(device)
         k, v = cache[:, 0], cache[:, 1]
     elif kv_storage == "tuple":
-        k, v = k.to(kv_dtype).to(device), v.to(kv_dtype).to(device)
+        k, v = k.to(device), v.to(device)
     else:
         raise ValueError(f"kv_storage={kv_storage!r} not in {{'5d', 'tuple'}}")
     return _attention_case(op, gen, device, qo_lens, kv_lens, PagedKV(k, v, kv_layout), page_size,

@@ -69,7 +69,7 @@ def test_every_request_is_read_once_per_piece_it_touches(seed, gap_tokens):
     lens[-2:] = 0 if seed % 3 == 0 else lens[-2:]  # and at its end
     plan, params = _h200_plan(lens.tolist(), config={**ON, "line_segment_tokens": gap_tokens})
     assert plan.line and plan.direct and plan.line_gap == -(-gap_tokens // 16)
-    seen = _kernel_segments(lens.tolist(), 16, plan.n_work, plan.line_gap)
+    seen = _kernel_segments(lens.tolist(), 16, plan.line_groups, plan.line_gap)
     slots = set()
     for r, pieces in enumerate(seen):
         assert pieces == list(range(pieces[0], pieces[0] + len(pieces))) and len(pieces) >= 1, r
@@ -81,35 +81,35 @@ def test_every_request_is_read_once_per_piece_it_touches(seed, gap_tokens):
     if gap_tokens:  # the pieces' pages fall as their segments rise
         pages = np.array([-(-n // 16) for n in lens])
         at = np.cumsum(pages) - pages + plan.line_gap * np.arange(1, len(lens) + 1)  # first pages' positions
-        width = max(-(-int(pages.sum() + plan.line_gap * len(lens)) // plan.n_work), 1)
+        width = max(-(-int(pages.sum() + plan.line_gap * len(lens)) // plan.line_groups), 1)
         held = [np.clip(np.minimum(at + pages, g * width + width) - np.maximum(at, g * width), 0, None).sum()
-                for g in range(plan.n_work - 1)]
-        segments = [sum(g in pieces for pieces in seen) for g in range(plan.n_work - 1)]
+                for g in range(plan.line_groups - 1)]
+        segments = [sum(g in pieces for pieces in seen) for g in range(plan.line_groups - 1)]
         assert np.corrcoef(segments, held)[0, 1] < -0.5
 
 
 def test_line_plans_on_the_h200():
     """Mixed lengths past one wave on the H200 are packed by the kernel (the bf16 and fp8 d128
-    defaults): bf16 128 requests in 66 pieces, fp8 in 132, 256 bf16 in 132 (requests of equal
-    length in 64, 128 and 128: `line_groups`), on the split block with the page numbers loaded a
+    defaults): in one wave of pieces, bf16 128 or 256 requests in 66, fp8 in 132 (requests of
+    equal length in 64, 128 and 64: `line_groups`), on the split block with the page numbers loaded a
     step ahead (line_page_prefetch), merged in the kernel (a request over ~30 pieces too); with
     wave_pack_line false, on the host. A line plan re-planned for other mixed lengths keeps its
     pieces (only the tables change), for equal lengths plans afresh (the direct table)."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
     lens = np.random.default_rng(20261201).integers(1, 8192, 256).tolist()
     for kv, batch, block_n, groups, even in ((F16, 128, 64, 66, 64), (torch.float8_e4m3fn, 128, 32, 132, 128),
-                                            (F16, 256, 64, 132, 128)):
+                                            (F16, 256, 64, 66, 64)):
         plan, params = _h200_plan(lens[:batch], kv)
         got = (plan.line, plan.direct, plan.config.block_n, plan.n_work, plan.items, plan.fused_merge)
         assert got == (True, True, block_n, groups, 1, True), (kv, batch)
-        assert plan.line_even_groups == even and plan._plan_scalars[-1] == even
+        assert (plan.line_groups, plan.line_even_groups) == (groups, even) == plan._plan_scalars[-2:]
         assert plan.config.page_prefetch and plan.line_gap == 4  # line_segment_tokens 64, page 16
         assert plan._grid == (groups * 8,) and plan._consts["LINE"] and plan.n_merge == batch
         other = plan.refreshed(_H200, _h200_plan(lens[-batch:], kv)[1])
         assert other is not None and other.line and other.n_work == groups
         assert plan.refreshed(_H200, _h200_plan([4096] * batch, kv)[1]) is None
-    long_one, _ = _h200_plan(lens[:255] + [131072])  # over ~30 of 132 pieces: still merged in the kernel
-    assert long_one.line and long_one.fused_merge and long_one._merge is None and long_one.max_chunks == 132
+    long_one, _ = _h200_plan(lens[:255] + [131072])  # over ~8 of 66 pieces: still merged in the kernel
+    assert long_one.line and long_one.fused_merge and long_one._merge is None and long_one.max_chunks == 66
     host, _ = _h200_plan(lens[:128], config={"wave_pack_line": False})
     assert (host.line, host.direct, host.items, host.config.page_prefetch) == (False, False, 4, False)
 
@@ -151,7 +151,7 @@ def test_line_plan_edge_cases(fused, gap):
     case = _case(lens, seed=76)
     ref_out, ref_lse = case.oracle()
     plan = run_fa2_decode(case, _config(fused, line_segment_tokens=gap))
-    spans = _kernel_segments(lens, 16, plan.n_work, plan.line_gap)
+    spans = _kernel_segments(lens, 16, plan.line_groups, plan.line_gap)
     assert plan.line and max(map(len, spans)) == (12 if gap else 13)  # (the gaps widen the pieces)
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
     _assert_empty_rows(case, [b for b, n in enumerate(lens) if n == 0])
@@ -178,7 +178,7 @@ def test_line_plan_of_equal_requests(fused):
         ref_out, ref_lse = case.oracle()
         plan = run_fa2_decode(case, _config(fused, wave_pack_spread=1.0, line_align_fill=0.5))
         assert plan.line and (plan.n_work, plan.line_even_groups) == (16, 12)
-        spans = _kernel_segments(lens, 16, plan.n_work, plan.line_gap, plan.line_even_groups)
+        spans = _kernel_segments(lens, 16, plan.line_groups, plan.line_gap, plan.line_even_groups)
         assert sorted({g for s in spans for g in s}) == list(range(12))
         assert max(map(len, spans)) == (1 if seed == 81 else 2)
         assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)

@@ -34,14 +34,15 @@ def _layout(plan) -> tuple:
 
 def test_graph_line_plans_on_the_h200():
     """bf16 and fp8 d128 graph plans of 128 and 256 requests take the line for mixed and equal
-    lengths alike, in the eager mixed plans' pieces, with the same layout, merged in the kernel
+    lengths alike, with the eager mixed plans' config and one layout (a grid of the larger of
+    one wave of mixed pieces and about two equal requests to a piece: 256 bf16 in 128), merged in the kernel
     (fused_merge_max_chunks 0: the merge kernel); a refresh only swaps the tables. So do MHA plans
     (eager too) and graph plans with wave_pack_line false (eagerly the host packs). With a sliding
     window or with wave_pack_spread 0 they do not (the graph's direct split); under one wave they do
     where graph_few_line says and there is more than one request."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
     mixed = np.random.default_rng(20261202).integers(1, 8192, 256)
-    for kv, batch, groups in ((F16, 128, 66), (torch.float8_e4m3fn, 128, 132), (F16, 256, 132)):
+    for kv, batch, groups in ((F16, 128, 66), (torch.float8_e4m3fn, 128, 132), (F16, 256, 128)):
         eager, _ = _h200_plan(mixed[:batch].tolist(), kv)
         plans = [_h200_plan(lens, kv, graph=True)[0]
                  for lens in (mixed[:batch].tolist(), [4096] * batch, [0] * (batch - 1) + [60000])]
@@ -86,14 +87,16 @@ def _graph_case(lens, seed: int, heads: tuple[int, int]):
 
 @interpreted
 @pytest.mark.parametrize("fused, heads, batch", [(True, (8, 2), 17), (False, (8, 2), 17), (True, (2, 2), 17),
-                                                 (True, (8, 2), 9), (False, (2, 2), 9)],
-                         ids=["fused", "merge-kernel", "mha-wave_pack_line-false", "few", "few-mha-merge-kernel"])
+                                                 (True, (8, 2), 9), (False, (2, 2), 9), (False, (8, 2), 40)],
+                         ids=["fused", "merge-kernel", "mha-wave_pack_line-false", "few", "few-mha-merge-kernel",
+                              "idle-groups"])
 def test_graph_line_plan_replays_later_lengths(fused, heads, batch):
-    """17 requests past one wave (8/2 heads d64, fp16; MHA 2/2 with wave_pack_line false), and 9
-    under it (graph_few_line): a graph plan made for mixed lengths and run after re-plans of equal
-    lengths, of one request over most pieces among short and empty ones, and of mixed lengths
-    again (on the wrapper's fixed buffers, as a captured graph replays it) gives each re-plan's own
-    result, which matches the oracle; a refresh of it does too."""
+    """17 requests past one wave (8/2 heads d64, fp16; MHA 2/2 with wave_pack_line false), 9
+    under it (graph_few_line), and 40 past two, whose grid of 32 equal pieces leaves half its
+    groups idle for mixed lengths (one wave, `line_groups`): a graph plan made for mixed lengths
+    and run after re-plans of equal lengths, of one request over most pieces among short and empty
+    ones, and of mixed lengths again (on the wrapper's fixed buffers, as a captured graph replays
+    it) gives each re-plan's own result, which matches the oracle; a refresh of it does too."""
     from test_fa2_decode import WORKSPACE_BYTES, _check, _GraphBuffers
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     iws = torch.zeros(1 << 20, dtype=torch.uint8)
@@ -105,8 +108,9 @@ def test_graph_line_plan_replays_later_lengths(fused, heads, batch):
     mixed[[2, 6]] = 0
     first = bufs.adopt(_graph_case(mixed.tolist(), seed=91, heads=heads))
     captured = _check(first, workspace=ws, int_workspace=iws, config=config)
-    assert captured.line and captured.fused_merge == fused and captured.n_work == 16
-    long_one = [0, 3, 1200, 7, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 11, 0][-batch:]
+    assert captured.line and captured.fused_merge == fused and captured.line_groups == 16
+    assert captured.n_work == (32 if batch == 40 else 16)
+    long_one = ([0, 3, 1200, 7, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 11, 0] + [4, 0, 2, 9] * 6)[:max(batch, 17)][-batch:]
     for seed, lens in ((92, [150] * batch), (93, long_one), (94, rng.integers(0, 300, batch).tolist())):
         case = bufs.adopt(_graph_case(lens, seed=seed, heads=heads))
         plan = _check(case, workspace=ws, int_workspace=iws, config=config)

@@ -34,8 +34,8 @@ packs (`DecodeConfig.pack_items`) takes the line whatever the lengths, and under
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
 `DecodeConfig.wave_pack_line` (every default that packs) the kernel cuts the pages as kv_indptr numbers
-them into the plan's number of pieces (requests of equal length into the largest count that
-holds them whole, `decode_split.line_groups`) and finds its own (decode_kernel.py's LINE): such a plan
+them into one wave of pieces (`DecodeConfig.line_waves`; requests of equal length into the
+largest count that holds them whole, `decode_split.line_groups`) and finds its own (decode_kernel.py's LINE): such a plan
 builds nothing, and a re-plan of the same batch size only swaps the tables. Otherwise the host
 lays the requests' tokens end to end and uploads the work rows of equal pieces
 (`decode_split.packed_segments`). Under one wave the host packs too (`DecodeConfig.pack_items`),
@@ -159,8 +159,8 @@ class DecodePlan:
         # work rows per program (`DecodeConfig.pack_items`): a few-programs split may pack
         self.items, self._may_pack = 1, few and policy_splits and not p.use_cuda_graph and cfg.pack_items > 1
         self.kernel_max_splits = cfg.max_splits  # the kernel's cap on its own split's chunks
-        # the kernel's line_gap (`DecodeConfig.line_segment_tokens`) and even groups (`line_groups`)
-        self.line, self.line_gap, self.line_even_groups = False, 0, 0
+        # the kernel's line_gap (`DecodeConfig.line_segment_tokens`), mixed and even groups (`line_groups`)
+        self.line, self.line_gap, self.line_groups, self.line_even_groups = False, 0, 0, 0
         if line:
             self._place_direct(params, run_device, line=line)
         elif p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
@@ -335,7 +335,8 @@ class DecodePlan:
                 return (groups * self.units, packed) if self._holds(packed, params) else None
         return None
 
-    def _line_groups(self, params: AttentionParams, cfg: DecodeConfig, sm_count: int) -> tuple[int, int] | None:
+    def _line_groups(self, params: AttentionParams, cfg: DecodeConfig,
+                     sm_count: int) -> tuple[int, int, int] | None:
         """The item groups of a plan of config ``cfg`` on ``sm_count`` SMs that leaves the packing
         to the kernel (the caller checks that it may: `DecodeConfig.wave_pack_line`,
         few_pack_line, graph_few_line): without a sliding window (the line counts whole requests'
@@ -343,7 +344,7 @@ class DecodePlan:
         else None."""
         if self.problem.window_left >= 0:
             return None
-        groups = line_groups(self.batch, cfg, sm_count, self.units)
+        groups = line_groups(self.batch, cfg, sm_count, self.units, self.problem.use_cuda_graph)
         return groups if self._partial_bytes(groups[0] + self.batch) <= workspace_bytes(params) else None
 
     def _merge_choice(self) -> tuple[int, bool]:
@@ -384,14 +385,14 @@ class DecodePlan:
         self._place_direct(params, run_device, self.config.min_chunk_tokens if slots > 1 else 0, slots)
 
     def _place_direct(self, params: AttentionParams, run_device: torch.device, split_tokens: int = 0,
-                      split_slots: int = 1, line: tuple[int, int] | None = None) -> None:
+                      split_slots: int = 1, line: tuple[int, int, int] | None = None) -> None:
         """`DecodeConfig.direct_table`: the kernel reads kv_indptr / last_page_len (on the run
         device: a host one is uploaded here, with the API's other host arrays) for its request.
         ``split_slots`` > 1: each request has that many work items (chunk slots) and the kernel
         splits it as `chunk_tokens` would (see `_direct_split`); its partials take slots
-        request x split_slots + chunk. ``line``: (groups, even groups) of `line_groups`: that many
-        work items, each a piece of the requests' pages end to end (`DecodeConfig.wave_pack_line`),
-        partial slots piece + request.
+        request x split_slots + chunk. ``line``: (groups, mixed groups, even groups) of `line_groups`:
+        that many work items, as many of them as the lengths take each a piece of the requests'
+        pages end to end (`DecodeConfig.wave_pack_line`), partial slots piece + request.
         Split, the fused merge's counters are zeroed here once (the merging program resets its
         own), else the kernel writes the merge kernel's info row per request."""
         self.direct, self.line = True, line is not None
@@ -400,7 +401,7 @@ class DecodePlan:
         self.info = self.counters = None
         if split_slots > 1 or self.line:
             if self.line:
-                (self.n_work, self.line_even_groups), n_partial = line, line[0] + self.batch
+                (self.n_work, self.line_groups, self.line_even_groups), n_partial = line, line[0] + self.batch
                 self.line_gap = -(-self.config.line_segment_tokens // self.problem.page_size)  # in pages
             else:
                 self.n_work = n_partial = self.batch * split_slots
@@ -488,7 +489,7 @@ class DecodePlan:
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope,
                               self.split_tokens, self.split_slots, self.kernel_max_splits, self.batch, self.line_gap,
-                              self.line_even_groups)
+                              self.line_groups, self.line_even_groups)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:

@@ -174,8 +174,9 @@ class DecodeConfig:
     wave_pack_max_waves: packing past one wave only up to this many waves of programs (ctas_per_sm
     x SMs each; 0: any): bf16 d64 4 (H200 32/8, session 27, TB/s line -> unpacked at 7.8 waves:
     512x1024:var 3.62 -> 3.86, 512x2048:var 3.96 -> 3.98; at 3.9, 256x1024:var 3.41 both).
-    wave_pack_load: the mean requests' tokens to a piece that `wave_pack_groups` aims for (1.0,
-    twice the pieces, read the same or less: d128 fp8 256x1024:var 3.27 against 3.39).
+    wave_pack_load: the mean requests' tokens to a piece that `wave_pack_groups` aims for, where
+    the host packs (1.0, twice the pieces, read the same or less: d128 fp8 256x1024:var 3.27
+    against 3.39) and for requests of equal length on a CUDA-graph line (`line_groups`).
     wave_pack_line: a wave-packed plan without a sliding window leaves the pieces to the kernel
     (decode_kernel.py's LINE): the requests' pages end to end as kv_indptr numbers them, one equal
     piece per item group, so plan() lays out and uploads nothing (a direct plan's host time) and a
@@ -207,6 +208,14 @@ class DecodeConfig:
     8x8192:var 2.61 -> 2.99, fp8 48x4096:var 1.73 -> 3.35, 16x8192:var 1.92 -> 3.00-3.07, MHA
     12x4096:var 2.67 -> 3.82; equal lengths lose 2-8 % (2x16384 2.70 -> 2.49-2.55, 16x8192 3.85 ->
     3.72-3.76, 64x4096 4.18 -> 4.11-4.18) except fp8 48x4096 3.00 -> 3.36.
+    line_waves: the waves of the few-programs target's pieces (`few_programs_target` / units)
+    that the kernel cuts requests of mixed lengths into on the line (`decode_split.line_groups`):
+    one wave of long pieces ends together; more waves of shorter ones leave a last one partly
+    filled. H200 32/8 d128, session 32, eager, TB/s at wave_pack_load 2's count (2-4 waves past
+    132 requests) -> one wave: bf16 512x1024:var 4.10 -> 4.24, 1024x512:var 3.83 -> 4.11,
+    2048x512:var 3.86 -> 4.21 (two waves 4.19), 256x1024:var 3.96 -> 4.04, 128x4096:var 4.33 both;
+    fp8 512x1024:var 3.70 -> 3.81, 1024x512:var 3.40 -> 3.66; MHA 32/32 256x512:var 3.75 -> 3.95;
+    d64 256x1024:var 3.45 -> 3.61; d256 256x1024:var 4.21 -> 4.24 (docs/perf-notes.md).
     line_align_fill: requests whose pages sum to batch x the first's (equal ones) are cut into the
     largest piece count down to this fraction of the line's that divides the batch
     (`decode_split.line_groups`; 1.0: the line's own). H200 32/8 graphs, session 28, TB/s 1.0 ->
@@ -261,6 +270,7 @@ class DecodeConfig:
     wave_pack_spread: float = 1.5
     wave_pack_max_waves: float = 0.0
     wave_pack_load: float = 2.0
+    line_waves: int = 1
     wave_pack_line: bool = False
     line_segment_tokens: int = 64
     line_page_prefetch: bool = False
@@ -290,7 +300,7 @@ class DecodeConfig:
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
                           ("wave_split_ctas", 0), ("wave_split_slots", 0), ("split_chunk_tokens", 0),
-                          ("lone_wave_split_tokens", 0)):
+                          ("lone_wave_split_tokens", 0), ("line_waves", 1)):
             v = getattr(self, name)
             if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")

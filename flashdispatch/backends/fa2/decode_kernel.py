@@ -31,12 +31,13 @@ tokens laid end to end, one row per request it touches (idle rows return at once
 LINE (DecodeConfig.wave_pack_line; with DIRECT): a packed plan whose pieces the kernel finds itself.
 The requests' pages lie end to end as kv_indptr numbers them, each after a gap of ``line_gap`` pages
 that stands for the cost of one more segment (DecodeConfig.line_segment_tokens): request r's first
-page sits at position kv_indptr[r] - kv_indptr[0] + line_gap x (r + 1). The line is cut into one
-equal piece of positions per item group (piece = ceil((pages + line_gap x requests) / groups)), so a
-piece where many short requests start reads fewer pages. Where the pages are the batch x the first
-request's (requests of equal length, as a rule), the line is cut into ``line_even_groups`` pieces
-instead, a divisor of the batch where one lies close below the groups, so that no request of equal
-length is cut (decode_split.py's `line_groups`; the other groups find no request and end). A program
+page sits at position kv_indptr[r] - kv_indptr[0] + line_gap x (r + 1). The line is cut into
+``line_groups`` equal pieces of positions, one per item group (piece = ceil((pages + line_gap x
+requests) / line_groups)), so a piece where many short requests start reads fewer pages. Where the
+pages are the batch x the first request's (requests of equal length, as a rule), the line is cut
+into ``line_even_groups`` pieces instead, a divisor of the batch, so that no request of equal
+length is cut (decode_split.py's `line_groups`). The grid holds the larger count; the groups past
+the lengths' count end at once. A program
 runs, one after the other, every request its piece touches: the one begun before it (if any) and
 those whose first page lies in it (an empty request, in the piece where it stands; the last piece
 takes any at the end), found by counting the requests' positions below the piece's bounds
@@ -478,12 +479,12 @@ def _line_requests(indptr_ptr, n_requests, line_gap, piece_start, piece_end, BLO
 
 
 @triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests", "line_gap",
-                               "line_even_groups"])  # per plan
+                               "line_groups", "line_even_groups"])  # per plan
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
-    n_requests, line_gap, line_even_groups,
+    n_requests, line_gap, line_groups, line_even_groups,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -513,16 +514,19 @@ def decode_kernel(
     if LINE:  # this item group's piece of the line (module docstring)
         line_base = tl.load(work_ptr)
         pages = tl.load(work_ptr + n_requests) - line_base
-        # requests as long as the first (likely all equal): line_even_groups pieces, the others idle
+        # requests as long as the first (likely all equal): line_even_groups pieces, else
+        # line_groups; the groups past them idle
         even = pages == (tl.load(work_ptr + 1) - line_base) * n_requests
-        n_groups = tl.where(even, line_even_groups, tl.num_programs(0) // UNITS)
+        n_groups = tl.where(even, line_even_groups, line_groups)
         positions = pages + line_gap * n_requests
         piece = tl.maximum((positions + n_groups - 1) // n_groups, 1)
         piece_start = group * piece
         piece_end = piece_start + piece
-        first, end = _line_requests(work_ptr, n_requests, line_gap, piece_start, piece_end, LINE_BLOCK)
-        end = tl.where(group == n_groups - 1, n_requests, end)  # the last piece: any empty one at the end
-        end = tl.where(group < n_groups, end, first)
+        first = tl.zeros_like(group)
+        end = first
+        if group < n_groups:
+            first, end = _line_requests(work_ptr, n_requests, line_gap, piece_start, piece_end, LINE_BLOCK)
+            end = tl.where(group == n_groups - 1, n_requests, end)  # the last piece: any empty one at the end
         for req in range(first, end):
             _decode_item_call(
                 req, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,

@@ -106,15 +106,21 @@ def wave_pack_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int) -
     return waves * wave, (waves + 1) * wave
 
 
-def line_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int) -> tuple[int, int]:
-    """(item groups, even groups) of a line plan (`DecodeConfig.wave_pack_line`): the first of
-    `wave_pack_groups`, and the largest count from it down to line_align_fill x it that divides
-    the batch (else it), into which the kernel cuts requests as long as the first one: then each
-    piece holds whole requests, none cut across two (256 requests: 128 pieces of two each, where
-    132 would cut 124 of them; the other programs idle)."""
-    groups = wave_pack_groups(batch, cfg, sm_count, units)[0]
-    low = max(1, math.ceil(cfg.line_align_fill * groups))
-    return groups, next((g for g in range(groups, low - 1, -1) if batch % g == 0), groups)
+def line_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int, graph: bool) -> tuple[int, int, int]:
+    """(item groups, mixed groups, even groups) of a line plan (`DecodeConfig.wave_pack_line`).
+    The kernel cuts requests of mixed lengths into ``line_waves`` waves of the few-programs
+    target's pieces (`few_programs_target` / ``units``), and requests as long as the first one
+    into the largest count from ``top`` down to line_align_fill x it that divides the batch (else
+    ``top``): then each piece holds whole requests, none cut across two (256 requests: 128 pieces
+    of two each, where 132 would cut 124 of them). ``top`` is the first of `wave_pack_groups`
+    under CUDA graphs (a replay may bring either kind of lengths: equal ones read ~1 % more in
+    about two requests to a piece than in one wave), else the mixed count. The grid holds the
+    larger count; the programs past a count idle."""
+    mixed = cfg.line_waves * max(few_programs_target(cfg, sm_count) // max(units, 1), 1)
+    top = wave_pack_groups(batch, cfg, sm_count, units)[0] if graph else mixed
+    low = max(1, math.ceil(cfg.line_align_fill * top))
+    even = next((g for g in range(top, low - 1, -1) if batch % g == 0), top)
+    return max(mixed, even), mixed, even
 
 
 def never_split(batch: int, params: AttentionParams, target: int | None) -> bool:
