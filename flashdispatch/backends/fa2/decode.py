@@ -33,10 +33,11 @@ packs (`DecodeConfig.pack_items`) takes the line whatever the lengths, and under
 `DecodeConfig.graph_few_line` (d128): its pieces are a function of the batch size too.
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
-`DecodeConfig.wave_pack_line` (every default that packs) the kernel cuts the pages as kv_indptr numbers
-them into one wave of pieces (`DecodeConfig.line_waves`; requests of equal length into the
-largest count that holds them whole, `decode_split.line_groups`) and finds its own (decode_kernel.py's LINE): such a plan
-builds nothing, and a re-plan of the same batch size only swaps the tables. Otherwise the host
+`DecodeConfig.wave_pack_line` (every default that packs) the kernel cuts the pages as kv_indptr
+numbers them into one wave of pieces (`DecodeConfig.line_waves`; requests of equal length into the
+largest count that holds them whole, `decode_split.line_groups`) and finds its own
+(decode_kernel.py's LINE): such a plan builds nothing, and a re-plan of the same batch size only
+swaps the tables. Otherwise the host
 lays the requests' tokens end to end and uploads the work rows of equal pieces
 (`decode_split.packed_segments`). Under one wave the host packs too (`DecodeConfig.pack_items`),
 or with `DecodeConfig.few_pack_line` the kernel does, as on the line.

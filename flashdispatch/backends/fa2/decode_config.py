@@ -217,8 +217,8 @@ class DecodeConfig:
     fp8 512x1024:var 3.70 -> 3.81, 1024x512:var 3.40 -> 3.66; MHA 32/32 256x512:var 3.75 -> 3.95;
     d64 256x1024:var 3.45 -> 3.61; d256 256x1024:var 4.21 -> 4.24 (docs/perf-notes.md).
     line_align_fill: requests whose pages sum to batch x the first's (equal ones) are cut into the
-    largest piece count down to this fraction of the line's that divides the batch
-    (`decode_split.line_groups`; 1.0: the line's own). H200 32/8 graphs, session 28, TB/s 1.0 ->
+    largest piece count down to this fraction of `decode_split.line_groups`' top count that
+    divides the batch (1.0: that count). H200 32/8 graphs, session 28, TB/s 1.0 ->
     0.9: 256x1024 4.02 -> 4.14, 512x1024 4.17 -> 4.30, d64 3.49 -> 3.66; mixed lengths unchanged.
     line_segment_tokens: what one more segment costs a line program, in tokens' worth of reading
     (the kernel's ``line_gap``, rounded up to whole pages): the line puts this gap before each

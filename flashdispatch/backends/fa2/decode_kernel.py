@@ -35,18 +35,17 @@ page sits at position kv_indptr[r] - kv_indptr[0] + line_gap x (r + 1). The line
 ``line_groups`` equal pieces of positions, one per item group (piece = ceil((pages + line_gap x
 requests) / line_groups)), so a piece where many short requests start reads fewer pages. Where the
 pages are the batch x the first request's (requests of equal length, as a rule), the line is cut
-into ``line_even_groups`` pieces instead, a divisor of the batch, so that no request of equal
-length is cut (decode_split.py's `line_groups`). The grid holds the larger count; the groups past
-the lengths' count end at once. A program
-runs, one after the other, every request its piece touches: the one begun before it (if any) and
-those whose first page lies in it (an empty request, in the piece where it stands; the last piece
-takes any at the end), found by counting the requests' positions below the piece's bounds
-(`_line_requests`). A request on s pieces from piece f is split into s segments whose partials take
-slots f + request .. f + request + s - 1 (two segments never share a slot: a request's segments come
-after its predecessors' on the line), and its first segment's program writes the merge info row (out
-row, f + request, s) as DIRECT_SPLIT does, or merges in place with the fused merge. plan() builds
-nothing, and the grid (groups x units) depends on the batch size alone. Each request is a call of
-the item body, not inlined (`_decode_item_call`).
+into ``line_even_groups`` pieces instead, a divisor of the batch, so that no request of equal length
+is cut (decode_split.py's `line_groups`). The grid holds the larger count; the groups past the
+lengths' count end at once. A program runs, one after the other, every request its piece touches:
+the one begun before it (if any) and those whose first page lies in it (an empty request, in the
+piece where it stands; the last piece takes any at the end), found by counting the requests'
+positions below the piece's bounds (`_line_requests`). A request on s pieces from piece f is split
+into s segments whose partials take slots f + request .. f + request + s - 1 (two segments never
+share a slot: a request's segments come after its predecessors' on the line), and its first
+segment's program writes the merge info row (out row, f + request, s) as DIRECT_SPLIT does, or
+merges in place with the fused merge. plan() builds nothing, and the grid (groups x units) depends
+on the batch size alone. Each request is a call of the item body, not inlined (`_decode_item_call`).
 
 FUSED_MERGE (DecodeConfig.fused_merge_max_chunks): no second kernel merges the partials. Each
 program of a split work item, once its partial rows are stored, passes a CTA barrier (every
