@@ -92,7 +92,7 @@ def test_line_plans_on_the_h200():
     """Mixed lengths past one wave on the H200 are packed by the kernel (the bf16 and fp8 d128
     defaults): in one wave of pieces, bf16 128 or 256 requests in 66, fp8 in 132 (requests of
     equal length in 64, 128 and 64: `line_groups`), on the split block with the page numbers loaded a
-    step ahead (line_page_prefetch), merged in the kernel (a request over ~30 pieces too); with
+    step ahead (line_page_prefetch), merged in the kernel (a request over ~8 pieces too); with
     wave_pack_line false, on the host. A line plan re-planned for other mixed lengths keeps its
     pieces (only the tables change), for equal lengths plans afresh (the direct table)."""
     from test_fa2_decode_waves import F16, _H200, _h200_plan
