@@ -96,27 +96,32 @@ def packs_these_waves(cfg: DecodeConfig, programs: int, sm_count: int) -> bool:
     return not cfg.wave_pack_max_waves or programs <= cfg.wave_pack_max_waves * cfg.ctas_per_sm * sm_count
 
 
+def wave_pieces(cfg: DecodeConfig, sm_count: int, units: int) -> int:
+    """Work items (pieces) in one wave of the few-programs target's programs, ``units`` each."""
+    return max(few_programs_target(cfg, sm_count) // max(units, 1), 1)
+
+
 def wave_pack_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int) -> tuple[int, int]:
     """The work items (pieces) that a packed plan past one wave tries, in order
-    (`DecodeConfig.wave_pack_spread`): whole waves of the few-programs target's items
-    (`few_programs_target` / ``units``), as many as give each piece about ``wave_pack_load``
-    requests' tokens, then one wave more (fewer requests to a piece, where the first crowds one)."""
-    wave = max(few_programs_target(cfg, sm_count) // max(units, 1), 1)
+    (`DecodeConfig.wave_pack_spread`): whole waves of pieces (`wave_pieces`), as many as give each
+    piece about ``wave_pack_load`` requests' tokens, then one wave more (fewer requests to a piece,
+    where the first crowds one)."""
+    wave = wave_pieces(cfg, sm_count, units)
     waves = max(1, math.ceil(batch / (cfg.wave_pack_load * wave)))
     return waves * wave, (waves + 1) * wave
 
 
 def line_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int, graph: bool) -> tuple[int, int, int]:
-    """(item groups, mixed groups, even groups) of a line plan (`DecodeConfig.wave_pack_line`).
-    The kernel cuts requests of mixed lengths into ``line_waves`` waves of the few-programs
-    target's pieces (`few_programs_target` / ``units``), and requests as long as the first one
-    into the largest count from ``top`` down to line_align_fill x it that divides the batch (else
-    ``top``): then each piece holds whole requests, none cut across two (256 requests: 128 pieces
-    of two each, where 132 would cut 124 of them). ``top`` is the first of `wave_pack_groups`
-    under CUDA graphs (a replay may bring either kind of lengths: equal ones read ~1 % more in
-    about two requests to a piece than in one wave), else the mixed count. The grid holds the
-    larger count; the programs past a count idle."""
-    mixed = cfg.line_waves * max(few_programs_target(cfg, sm_count) // max(units, 1), 1)
+    """(item groups, mixed groups, even groups) of a line plan (`DecodeConfig.wave_pack_line`). The
+    kernel cuts requests of mixed lengths into ``line_waves`` waves of pieces (`wave_pieces`),
+    and requests as long as the first one into the largest count from ``top`` down to
+    line_align_fill x it that divides the batch (else ``top``): then each piece holds whole
+    requests, none cut across two (256 requests: 128 pieces of two each, where 132 would cut 124
+    of them). ``top`` is the first of `wave_pack_groups` under CUDA graphs (a replay may bring
+    either kind of lengths: equal ones read ~1 % more in about two requests to a piece than in
+    one wave), else the mixed count. The grid holds the larger count; the programs past a count
+    idle."""
+    mixed = cfg.line_waves * wave_pieces(cfg, sm_count, units)
     top = wave_pack_groups(batch, cfg, sm_count, units)[0] if graph else mixed
     low = max(1, math.ceil(cfg.line_align_fill * top))
     even = next((g for g in range(top, low - 1, -1) if batch % g == 0), top)
