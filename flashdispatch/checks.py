@@ -155,6 +155,9 @@ CHECK_INPUTS_ENV = "FLASHDISPATCH_CHECK_INPUTS"
 - unset (or any value but "0"/"1"): the wrappers' plan() checks the page indices it uses
   (`page_indices_checked`: their (min, max), one reduction on the device, read with the lengths
   plan() reads anyway); the plan-less cuDNN entry points check no device value (no host sync).
+  A decode plan() whose indptr and last_page_len are on the host, with a backend that clamps
+  page indices (fa2), does not wait for that reduction: the check ends at a later run() or
+  plan() (`BatchDecodeWithPagedKVCacheWrapper._finish_page_check`).
 - "0": no check at all: plan() skips the page-index check too, and an index outside the cache
   is read as it is, as in FlashInfer (for callers who guarantee valid indices).
 - "1": the page-index check, and the plan-less cuDNN entry points read back their lengths, block

@@ -85,13 +85,10 @@ def _summary_launcher(used_on_device: bool, per_program: int):
                 num_warps=4)
 
 
-def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None,
-                       used_host: int | None) -> tuple[np.ndarray, tuple[int, int] | None]:
-    """The 1-D int32 ``tensors`` (one device, at most `MAX_TENSORS`) concatenated on the host,
-    and the (min, max) of the used ``indices`` (the first ``used_host``, or ``tensors[0][-1]``
-    read on the device when ``used_host`` is None; None when no index is used or ``indices`` is
-    None). One kernel launch and one wait; on the CPU (tests) the kernel runs in Triton's
-    interpreter."""
+def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, used_host: int | None,
+                    buf: torch.Tensor | None) -> tuple[torch.Tensor, list[int], int, int]:
+    """Launch `index_summary_kernel` (see `read_index_tensors`) into ``buf`` (None: this thread's
+    staging buffer); returns (buffer, tensor sizes, their total, programs)."""
     if len(tensors) > MAX_TENSORS or (used_host is None and not tensors):
         raise ValueError(f"read_index_tensors: 1 to {MAX_TENSORS} tensors (the first an indptr when "
                          f"used_host is None), got {len(tensors)}")
@@ -102,7 +99,8 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     n = sum(sizes)
     num_indices = 0 if indices is None else indices.numel()
     programs = max(1, -(-num_indices // _PER_PROGRAM))
-    buf = _staging.get(device, n + 2 * programs)
+    if buf is None:
+        buf = _staging.get(device, n + 2 * programs)
     first = tensors[0] if tensors else indices  # a device tensor first: the launch goes to its GPU
     args = []
     for i in range(MAX_TENSORS):
@@ -113,6 +111,22 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     pointers = args[0:6:2] + args[6:10:3]
     spec = (*[(t.dtype, t.data_ptr() & 15 == 0) for t in pointers], max(n, num_indices, used_host or 0) > _I32_MAX)
     _summary_launcher(used_host is None, _PER_PROGRAM).launch_with_spec(spec, (programs,), args)
+    return buf, sizes, n, programs
+
+
+def _minmax(host: np.ndarray, n: int, programs: int) -> tuple[int, int]:
+    return int(host[n:n + programs].min()), int(host[n + programs:n + 2 * programs].max())
+
+
+def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None,
+                       used_host: int | None) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """The 1-D int32 ``tensors`` (one device, at most `MAX_TENSORS`) concatenated on the host,
+    and the (min, max) of the used ``indices`` (the first ``used_host``, or ``tensors[0][-1]``
+    read on the device when ``used_host`` is None; None when no index is used or ``indices`` is
+    None). One kernel launch and one wait; on the CPU (tests) the kernel runs in Triton's
+    interpreter."""
+    buf, sizes, n, programs = _launch_summary(tensors, indices, used_host, None)
+    device = (tensors[0] if tensors else indices).device
     if device.type == "cuda":
         # wait for the device's current stream, where the kernel went (an index, not None: without
         # one torch looks the current device up through is_available() and an environment read);
@@ -120,7 +134,47 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
         torch.cuda.current_stream(device.index).synchronize()
     host = buf.numpy()
     flat = host[:n].copy()
+    num_indices = 0 if indices is None else indices.numel()
     count = int(flat[sizes[0] - 1]) if used_host is None else used_host
     if count <= 0 or count > num_indices:
         return flat, None  # nothing used, or too few indices (the caller's check says so)
-    return flat, (int(host[n:n + programs].min()), int(host[n + programs:n + 2 * programs].max()))
+    return flat, _minmax(host, n, programs)
+
+
+class IndexRangeReader:
+    """Reads the (min, max) of ``indices[:used]`` (a CUDA tensor, 0 < used <= its entries) without
+    waiting: `start` queues the reduction on the current stream into this reader's pinned buffer,
+    with an event after it; `done` asks whether it has run, `result` waits for it and ends it.
+    plan() with the lengths on the host thus reads no device value before it returns. One read
+    at a time: `start` needs the last one ended (a wrapper keeps one reader)."""
+
+    def __init__(self):
+        self.pending = False
+        self._buf: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._programs = 0
+
+    def start(self, indices: torch.Tensor, used: int) -> None:
+        if self.pending:
+            raise RuntimeError("IndexRangeReader.start: the last read has not ended (call result())")
+        programs = max(1, -(-indices.numel() // _PER_PROGRAM))
+        if self._buf is None or self._buf.numel() < 2 * programs:
+            self._buf = torch.empty(max(2 * programs, 64), dtype=torch.int32, pin_memory=True)
+            self._event = torch.cuda.Event()
+        _launch_summary([], indices, used, self._buf)
+        self._event.record(torch.cuda.current_stream(indices.device.index))
+        self._programs, self.pending = programs, True
+
+    def done(self) -> bool:
+        """Whether the queued reduction has run (never waits)."""
+        return self._event.query()
+
+    def result(self) -> tuple[int, int]:
+        """(min, max) of the used indices, after waiting for the reduction if it has not run yet."""
+        self._event.synchronize()
+        self.pending = False
+        return _minmax(self._buf.numpy(), 0, self._programs)
+
+    def __del__(self):
+        if self.pending:  # the GPU may still write the pinned buffer: not back to the allocator before
+            self._event.synchronize()

@@ -10,7 +10,9 @@ at the last shape (the N functions with the most own time). ``--host-indptr`` pa
 last_page_len as CPU tensors (indices stays on the GPU), as serving engines that build the
 batch's metadata on the host do: FlashInfer's plan then reads nothing from the device, ours
 still reads the used page indices' (min, max) for its page-index check. ``--cuda-graph`` times
-use_cuda_graph=True wrappers, run() as a graph replay.
+use_cuda_graph=True wrappers, run() as a graph replay. ``--busy-ms MS`` adds two columns: plan()
+issued right after a kernel of MS ms was queued (`host_overhead.busy_plan_us`): about the idle
+figure when plan() does not wait for the GPU, about MS ms when it does.
 
     python scripts/host_vs_flashinfer.py --shapes 256x1024,64x4096,1x32768
     python scripts/host_vs_flashinfer.py --ours fa2 --peer fa2-tc --rounds 9 --profile 25
@@ -32,7 +34,7 @@ from flashdispatch.bench.decode import (make_decode_data, parse_decode_shapes, p
                                         wrapper_job)
 from flashdispatch.bench.peers import import_flashinfer  # noqa: E402
 from flashdispatch.bench.timing import host_time_us  # noqa: E402
-from host_overhead import profile  # noqa: E402  (scripts/, the script's own folder)
+from host_overhead import busy_plan_us, profile  # noqa: E402  (scripts/, the script's own folder)
 
 
 def main(argv=None) -> None:
@@ -46,6 +48,8 @@ def main(argv=None) -> None:
     ap.add_argument("--host-indptr", action="store_true", help="indptr and last_page_len on the CPU")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="use_cuda_graph=True wrappers, run() a graph replay (as the bench's --cuda-graph)")
+    ap.add_argument("--busy-ms", type=float, default=0.0, metavar="MS",
+                    help="also time plan() queued behind an MS ms kernel (does it wait for the GPU?)")
     args = ap.parse_args(argv)
     fi, why = import_flashinfer()
     if fi is None:
@@ -53,7 +57,9 @@ def main(argv=None) -> None:
     where = ("host" if args.host_indptr else "device") + (", CUDA-graph wrappers" if args.cuda_graph else "")
     print(f"host us per call, median of {args.rounds} rounds x {args.calls} calls; ours fd:{args.ours}, "
           f"peer fi:{args.peer}; indptr on the {where}; torch {torch.__version__}, flashinfer {fi.__version__}")
-    print(f"{'shape':<12} {'plan ours':>9} {'plan fi':>8} {'ratio':>6} {'run ours':>9} {'run fi':>7} {'ratio':>6}")
+    busy_head = f" {'busy ours':>9} {'busy fi':>8}" if args.busy_ms else ""
+    print(f"{'shape':<12} {'plan ours':>9} {'plan fi':>8} {'ratio':>6} {'run ours':>9} {'run fi':>7} {'ratio':>6}"
+          + busy_head)
     ours = None
     for shape in parse_decode_shapes(args.shapes):
         data = make_decode_data(shape)
@@ -72,8 +78,12 @@ def main(argv=None) -> None:
             rounds["ro"].append(host_time_us(ours.run, args.calls))
             rounds["rf"].append(host_time_us(peer.run, args.calls))
         m = {key: statistics.median(values) for key, values in rounds.items()}
+        busy = ""
+        if args.busy_ms:
+            busy = "".join(f" {busy_plan_us(job.plan, args.calls, args.busy_ms):{w}.1f}"
+                           for job, w in ((ours, 9), (peer, 8)))
         print(f"{shape.label:<12} {m['po']:9.1f} {m['pf']:8.1f} {m['po'] / m['pf']:6.2f} "
-              f"{m['ro']:9.1f} {m['rf']:7.1f} {m['ro'] / m['rf']:6.2f}", flush=True)
+              f"{m['ro']:9.1f} {m['rf']:7.1f} {m['ro'] / m['rf']:6.2f}{busy}", flush=True)
     if args.profile and ours is not None:
         profile("our plan()", ours.plan, args.calls * 4, args.profile, torch.cuda.synchronize)
         profile("our run()", ours.run, args.calls * 4, args.profile, torch.cuda.synchronize)

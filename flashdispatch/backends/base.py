@@ -300,6 +300,14 @@ class Backend:
         again; a backend that derives little from the mask refreshes only that."""
         return self.plan(problem, device, params)
 
+    @classmethod
+    def clamps_page_indices(cls, problem: Problem) -> bool:
+        """Whether this backend's kernels for ``problem`` clamp every page index they read into the
+        cache, so an index the API has not checked yet cannot read outside it: plan() may then
+        check the page indices without waiting for the GPU (the error comes at a later call).
+        Here: no, plan() checks them before it returns."""
+        return False
+
     def run(self, plan: Any, inputs: AttentionInputs | MLAInputs) -> None:
         """Compute into inputs.out (and inputs.lse when not None)."""
         raise NotImplementedError(f"{self.name} has no run for this plan")

@@ -43,6 +43,11 @@ class FA2Backend(Backend):
         v = package_version("triton")
         return f"triton {v}" if v else None
 
+    @classmethod
+    def clamps_page_indices(cls, problem) -> bool:
+        """Decode: its kernel clamps each page index to the cache's pages."""
+        return problem.op == "decode"
+
     def plan(self, problem, device, params: AttentionParams):
         if problem.op == "decode":
             return plan_decode(problem, device, params)

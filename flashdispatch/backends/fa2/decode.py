@@ -528,7 +528,8 @@ class DecodePlan:
         ls = lse.stride() if write_lse else (0, 0)
         args = (q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, last, kv_indices,
                 slopes,
-                sinks, q_t, k_t, v_t, qk_scale, v_scale, *self._plan_scalars, qs[0], qs[1], os_[0], os_[1], *ls,
+                sinks, q_t, k_t, v_t, qk_scale, v_scale, *self._plan_scalars, k.shape[0], qs[0], qs[1], os_[0], os_[1],
+                *ls,
                 ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
         # Triton's specialisation of these arguments, kept per call kind: the plan's own tensors
         # are fixed, the scalars' types too; what varies is keyed here (all pointers 16-byte

@@ -4,7 +4,10 @@ One program = one work item (a request's chunk of tokens) x one KV head x one bl
 query rows. The rows are every (q row, query head) pair that reads this KV head
 (``q_len_per_req * group`` of them, padded to at least 16 for the tensor cores), so each
 KV byte is read once per chunk. Tokens are visited BLOCK_N at a time across pages, with a
-page-table lookup per token row; Triton pipelines the gathers (num_stages). K is loaded
+page-table lookup per token row, each page index clamped to the cache's ``num_pages`` (as
+unsigned: a negative one too), so an index the API has not checked yet (a deferred check, or
+FLASHDISPATCH_CHECK_INPUTS=0) never reads outside the cache; Triton pipelines the gathers
+(num_stages). K is loaded
 either as K^T tiles [HEAD_DIM, BLOCK_N] or, with K_ROWS, as [BLOCK_N, HEAD_DIM] rows transposed
 in registers (a different shared-memory path; see DecodeConfig.k_rows).
 
@@ -185,6 +188,7 @@ def _decode_item(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
+    last_page,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -352,10 +356,11 @@ def _decode_item(
         t = start + offs_n
         tc = tl.minimum(t, tok_end - 1)  # clamped: loads stay in bounds, scores masked below
         if PAGE_PREFETCH:
-            page = page_next.to(tl.int64)
+            page = tl.minimum(page_next.to(tl.uint32), last_page).to(tl.int64)
             page_next = tl.load(kv_indices_ptr + page_base + page_of(tl.minimum(t + BLOCK_N, tok_end - 1), PAGE))
         else:
-            page = tl.load(kv_indices_ptr + page_base + page_of(tc, PAGE)).to(tl.int64)
+            page = tl.minimum(tl.load(kv_indices_ptr + page_base + page_of(tc, PAGE)).to(tl.uint32), last_page)
+            page = page.to(tl.int64)
         in_page = slot_in_page(tc, PAGE)
         k_off = page * stride_kp + in_page * stride_ks
         v_off = page * stride_vp + in_page * stride_vs
@@ -478,12 +483,12 @@ def _line_requests(indptr_ptr, n_requests, line_gap, piece_start, piece_end, BLO
 
 
 @triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests", "line_gap",
-                               "line_groups", "line_even_groups"])  # per plan
+                               "line_groups", "line_even_groups", "num_pages"])  # per plan and cache
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
-    n_requests, line_gap, line_groups, line_even_groups,
+    n_requests, line_gap, line_groups, line_even_groups, num_pages,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -509,6 +514,9 @@ def decode_kernel(
         unit = tl.program_id(0) // n_groups
         group = tl.program_id(0) % n_groups
     tl.static_assert(ITEMS == 1 or not DIRECT, "the direct table is one item per program")
+    # the cache's last page: every page index read is clamped to [0, last_page] (as unsigned, so a
+    # negative one clamps too), so no index the API could not check reads outside the cache
+    last_page = (num_pages - 1).to(tl.uint32)
     tl.static_assert(not LINE or (DIRECT and not DIRECT_SPLIT), "the line is read from the direct table")
     if LINE:  # this item group's piece of the line (module docstring)
         line_base = tl.load(work_ptr)
@@ -531,8 +539,9 @@ def decode_kernel(
                 req, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
                 counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
                 v_scale_ptr, qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens,
-                split_slots, max_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_kp,
-                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS, PAGE,
+                split_slots, max_splits, last_page, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS,
+                PAGE,
                 HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
                 K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
                 MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, LINE, piece_start, piece_end, piece,
@@ -543,8 +552,9 @@ def decode_kernel(
                 group * ITEMS + i, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
                 counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
                 v_scale_ptr, qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens,
-                split_slots, max_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_kp,
-                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS, PAGE,
+                split_slots, max_splits, last_page, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS,
+                PAGE,
                 HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
                 K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
                 MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, False, 0, 0, 1, 0, 0, group)
