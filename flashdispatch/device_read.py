@@ -1,7 +1,9 @@
 """plan()'s one read of device values: small index tensors (indptr, last_page_len, ...) and the
 (min, max) of the used page indices, gathered by one kernel into a pinned host buffer and read
 after one stream wait. On the H200's host this took a batch-256 read from ~91 us (empty + cat +
-aminmax + a blocking copy) to ~38 us (docs/perf-notes.md, "API host overhead").
+aminmax + a blocking copy) to ~38 us (docs/perf-notes.md, "API host overhead"). `IndexRangeReader`
+queues the same kernel for the page indices alone and does not wait (a decode plan() whose
+lengths are on the host).
 """
 from __future__ import annotations
 
@@ -85,6 +87,11 @@ def _summary_launcher(used_on_device: bool, per_program: int):
                 num_warps=4)
 
 
+def _summary_programs(num_indices: int) -> int:
+    """Programs of `index_summary_kernel` over ``num_indices`` page indices (at least one)."""
+    return max(1, -(-num_indices // _PER_PROGRAM))
+
+
 def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, used_host: int | None,
                     buf: torch.Tensor | None) -> tuple[torch.Tensor, list[int], int, int]:
     """Launch `index_summary_kernel` (see `read_index_tensors`) into ``buf`` (None: this thread's
@@ -98,7 +105,7 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
     sizes = [t.numel() for t in tensors] + [0] * (MAX_TENSORS - len(tensors))
     n = sum(sizes)
     num_indices = 0 if indices is None else indices.numel()
-    programs = max(1, -(-num_indices // _PER_PROGRAM))
+    programs = _summary_programs(num_indices)
     if buf is None:
         buf = _staging.get(device, n + 2 * programs)
     first = tensors[0] if tensors else indices  # a device tensor first: the launch goes to its GPU
@@ -157,7 +164,7 @@ class IndexRangeReader:
     def start(self, indices: torch.Tensor, used: int) -> None:
         if self.pending:
             raise RuntimeError("IndexRangeReader.start: the last read has not ended (call result())")
-        programs = max(1, -(-indices.numel() // _PER_PROGRAM))
+        programs = _summary_programs(indices.numel())
         if self._buf is None or self._buf.numel() < 2 * programs:
             self._buf = torch.empty(max(2 * programs, 64), dtype=torch.int32, pin_memory=True)
             self._event = torch.cuda.Event()

@@ -9,7 +9,8 @@ a device sync, as the bench's host columns). ``--profile N`` adds a cProfile of 
 at the last shape (the N functions with the most own time). ``--host-indptr`` passes indptr and
 last_page_len as CPU tensors (indices stays on the GPU), as serving engines that build the
 batch's metadata on the host do: FlashInfer's plan then reads nothing from the device, ours
-still reads the used page indices' (min, max) for its page-index check. ``--cuda-graph`` times
+still reduces the used page indices to their (min, max) for its page-index check (with fa2
+queued without a wait, the check ending at a later run() or plan()). ``--cuda-graph`` times
 use_cuda_graph=True wrappers, run() as a graph replay. ``--busy-ms MS`` adds two columns: plan()
 issued right after a kernel of MS ms was queued (`host_overhead.busy_plan_us`): about the idle
 figure when plan() does not wait for the GPU, about MS ms when it does.
