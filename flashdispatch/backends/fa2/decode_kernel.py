@@ -349,15 +349,19 @@ def _decode_item(
 
     k_head = k_ptr + hk * stride_kh
     v_head = v_ptr + hk * stride_vh
-    if PAGE_PREFETCH:  # the first tile's pages, clamped as in the loop (nothing to read when empty)
+    # PAGE_PREFETCH: page numbers clamped as they are loaded, a step ahead (at their use instead, fp8
+    # read 0.7-2.5 % less on the H200: session 34); the first tile's (nothing to read when empty)
+    if PAGE_PREFETCH:
         page_next = tl.load(kv_indices_ptr + page_base + tl.minimum(tok_start + offs_n, tok_end - 1) // PAGE,
                             mask=(offs_n * 0 + tok_start) < tok_end, other=0)
+        page_next = tl.minimum(page_next.to(tl.uint32), last_page)
     for start in range(tok_start, tok_end, BLOCK_N):
         t = start + offs_n
         tc = tl.minimum(t, tok_end - 1)  # clamped: loads stay in bounds, scores masked below
         if PAGE_PREFETCH:
-            page = tl.minimum(page_next.to(tl.uint32), last_page).to(tl.int64)
+            page = page_next.to(tl.int64)
             page_next = tl.load(kv_indices_ptr + page_base + page_of(tl.minimum(t + BLOCK_N, tok_end - 1), PAGE))
+            page_next = tl.minimum(page_next.to(tl.uint32), last_page)
         else:
             page = tl.minimum(tl.load(kv_indices_ptr + page_base + page_of(tc, PAGE)).to(tl.uint32), last_page)
             page = page.to(tl.int64)
