@@ -349,8 +349,9 @@ def _decode_item(
 
     k_head = k_ptr + hk * stride_kh
     v_head = v_ptr + hk * stride_vh
-    # PAGE_PREFETCH: page numbers clamped as they are loaded, a step ahead (at their use instead, fp8
-    # read 0.7-2.5 % less on the H200: session 34); the first tile's (nothing to read when empty)
+    # PAGE_PREFETCH: page numbers clamped as they are loaded, a step ahead (clamped at their use
+    # instead, fp8 read 1.6-2.6 % less on the H200: perf-notes, session 34); here the first tile's
+    # (nothing to read when empty)
     if PAGE_PREFETCH:
         page_next = tl.load(kv_indices_ptr + page_base + tl.minimum(tok_start + offs_n, tok_end - 1) // PAGE,
                             mask=(offs_n * 0 + tok_start) < tok_end, other=0)
