@@ -1,11 +1,14 @@
 """Page indices the API has not checked: the fa2 decode kernel clamps each one into the cache, and
 a decode plan() with its lengths on the host checks the indices on the GPU without waiting
 (`BatchDecodeWithPagedKVCacheWrapper._finish_page_check`)."""
+import json
+
 import pytest
 import torch
 
 import flashdispatch as fd
 from flashdispatch import checks
+from flashdispatch.backends.fa2.decode_config import CONFIG_ENV
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 64, 8
 
@@ -47,10 +50,13 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_fa2_decode_clamps_page_indices_outside_the_cache(monkeypatch):
+@pytest.mark.parametrize("page_prefetch", [False, True])
+def test_fa2_decode_clamps_page_indices_outside_the_cache(monkeypatch, page_prefetch):
     """With the check off, indices past the cache and negative ones read the cache's last page:
-    fa2 equals the reference run on the clamped indices (no read outside the cache)."""
+    fa2 equals the reference run on the clamped indices (no read outside the cache). Both page
+    loads: at the tile's use, and a tile ahead (`DecodeConfig.page_prefetch`, the default on GPUs)."""
     monkeypatch.setenv(checks.CHECK_INPUTS_ENV, "0")
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"page_prefetch": page_prefetch}))
     pages = 12
     indptr, indices, last, q, cache = case(0, [9, 17, 30], pages, "cpu")
     bad = indices.clone()
