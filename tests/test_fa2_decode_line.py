@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from flashdispatch.backends.common import TRITON_INTERPRETED
+from flashdispatch.backends.fa2 import decode_variant
 
 from oracle import assert_close, reference_backend_result, run_fa2_decode
 from test_fa2_decode_packed import CPU_PACK, _assert_empty_rows, _case, _gpu_mixed_plan, needs_cuda
@@ -162,6 +163,27 @@ def test_line_plan_edge_cases(fused, gap):
     plan = run_fa2_decode(shifted, _config(fused, line_segment_tokens=gap))
     assert plan.line
     assert_close(shifted.inputs.out, shifted.inputs.lse, ref_out, ref_lse, 4e-3)
+
+
+@interpreted
+@pytest.mark.parametrize("block", [4, 8], ids=["block4", "block8"])
+def test_line_counts_requests_over_several_blocks(monkeypatch, block):
+    """The kernel counts the requests on each piece LINE_BLOCK at a time (256 by default: one block
+    for the batches the CPU tests run): with 4 and 8 to a block (17 requests: 5 and 3 blocks, the
+    last partly filled), a request running into a piece from an earlier block and empty ones side
+    by side, against the oracle."""
+    monkeypatch.setattr(decode_variant, "LINE_BLOCK", block)
+    decode_variant.kernel_constants.cache_clear()
+    try:
+        lens = [0, 0, 1200, 7, 0, 0, 9, 5, 3, 40, 2, 1, 6, 8, 30, 0, 0]
+        case = _case(lens, seed=83)
+        ref_out, ref_lse = case.oracle()
+        plan = run_fa2_decode(case, _config(True, line_segment_tokens=16))
+        assert plan.line and plan._consts["LINE_BLOCK"] == block
+        assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+        _assert_empty_rows(case, [b for b, n in enumerate(lens) if n == 0])
+    finally:
+        decode_variant.kernel_constants.cache_clear()
 
 
 @interpreted
