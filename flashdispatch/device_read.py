@@ -116,8 +116,14 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
     # Triton specialises this kernel on its pointers' dtypes and 16-byte alignment and its ints'
     # widths alone (every int is do_not_specialize): that key, shorter to work out than spec_key's
     pointers = args[0:6:2] + args[6:10:3]
-    spec = (*[(t.dtype, t.data_ptr() & 15 == 0) for t in pointers], max(n, num_indices, used_host or 0) > _I32_MAX)
-    _summary_launcher(used_host is None, _PER_PROGRAM).launch_with_spec(spec, (programs,), args)
+    at = [t.data_ptr() for t in pointers]
+    spec = (*[(t.dtype, a & 15 == 0) for t, a in zip(pointers, at)], max(n, num_indices, used_host or 0) > _I32_MAX)
+    launcher = _summary_launcher(used_host is None, _PER_PROGRAM)
+    # the device tensors as their addresses once the kernel is kept (BoundKernel.launch_addresses);
+    # the host buffer as a tensor: Triton maps pinned host memory to its device address
+    addressed = (at[0], args[1], at[1], args[3], at[2], args[5], at[3], *args[7:])
+    if device.type != "cuda" or not launcher.launch_addresses(spec, device.index, (programs,), addressed):
+        launcher.launch_with_spec(spec, (programs,), args)
     return buf, sizes, n, programs
 
 

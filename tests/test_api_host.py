@@ -155,6 +155,34 @@ def test_cuda_tables_read_waits_for_the_current_stream():
     assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
 
 
+@pytest.mark.gpu
+def test_cuda_tables_read_again_by_address(monkeypatch):
+    """Repeated reads launch the kept kernel with the device tensors as their addresses
+    (BoundKernel.launch_addresses) and read the same, the plan's one read and the deferred
+    page-index reader alike."""
+    from flashdispatch import device_read
+    from flashdispatch.backends.fa2.launch import BoundKernel
+    addressed = []
+    original = BoundKernel.launch_addresses
+
+    def counting(self, *args):
+        addressed.append(original(self, *args))
+        return addressed[-1]
+
+    monkeypatch.setattr(BoundKernel, "launch_addresses", counting)
+    indptr, indices, last = table([5, 17, 0, 33], 8)
+    want, want_minmax = checks.host_arrays([indptr, last], indices)
+    dev = [t.cuda() for t in (indptr, last, indices)]
+    for _ in range(3):
+        got, got_minmax = checks.host_arrays(dev[:2], dev[2])
+        assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
+    reader = device_read.IndexRangeReader()
+    for _ in range(3):
+        reader.start(dev[2], int(indptr[-1]))
+        assert reader.result() == want_minmax
+    assert addressed.count(True) >= 4, addressed
+
+
 def test_check_inputs_0_skips_the_page_index_range_check(monkeypatch):
     indptr, indices, last = table([5, 17], 8)
     indices[1] = -3

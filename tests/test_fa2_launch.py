@@ -49,8 +49,10 @@ def test_key_separates_what_triton_specializes_on():
 def test_spec_keys_work_a_key_out_once_per_call_kind_up_to_the_limit():
     keys = SpecKeys(limit=2)
     x = torch.randn(4)
+    assert keys.known("a") is None
     first = keys.get("a", (x, 16))
     assert first == spec_key((x, 16)) and keys.get("a", (x, 3)) is first  # the caller's kind decides
+    assert keys.known("a") is first
     assert keys.get("b", (x, 3)) == spec_key((x, 3))
     assert keys.get("c", (x, 1)) == spec_key((x, 1))  # a third kind: the kept ones are dropped
     assert keys.get("a", (x, 3)) == spec_key((x, 3))
@@ -222,6 +224,36 @@ def test_device_knobs_hooks_and_globals_force_the_normal_path(fake_cuda, monkeyp
     assert jit.kinds()[-1] == "normal"
 
 
+def test_addresses_launch_only_a_kept_kernel(fake_cuda, monkeypatch):
+    """launch_addresses launches the kernel kept for a key with the arguments as given (tensors as
+    their addresses), then the constexprs, on the device's stream; where no direct launch is
+    ready it launches nothing and returns False (the caller then launches the tensors)."""
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=64))
+    x, y = torch.randn(64), torch.randn(64)
+    key = spec_key((x, y, 32, 0.5))
+    addressed = (x.data_ptr(), y.data_ptr(), 48, 0.25)
+    assert not bound.launch_addresses(key, 0, (2,), addressed)  # nothing compiled yet
+    bound((1,), x, y, 32, 0.5)
+    assert bound.launch_addresses(key, 0, (2, 3), addressed)
+    assert jit.kinds() == ["normal", "direct"]
+    g0, g1, g2, stream, function, metadata, launch_meta, enter, exit_, *args = jit.log[1][1]
+    assert (g0, g1, g2, stream, launch_meta, enter, exit_) == (2, 3, 1, 77, None, None, None)
+    assert args == [*addressed, 64, False]
+    assert not bound.launch_addresses(key, 1, (2,), addressed)  # not the current device
+    assert not bound.launch_addresses(spec_key((x.half(), y, 32, 0.5)), 0, (2,), addressed)  # no such kernel
+
+    def hook(metadata):
+        pass
+
+    jit.fn.pre_run_hooks.append(hook)
+    assert not bound.launch_addresses(key, 0, (2,), addressed)
+    jit.fn.pre_run_hooks.clear()
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
+    assert not bound.launch_addresses(key, 0, (2,), addressed)
+    assert jit.kinds() == ["normal", "direct"]
+
+
 def test_unknown_argument_types_and_uncached_results(fake_cuda):
     import numpy as np
     jit = FakeJit()
@@ -316,6 +348,20 @@ def _normal_path_counter(monkeypatch, fn) -> list:
     return calls
 
 
+def _address_launch_counter(monkeypatch) -> list:
+    """One (kernel name, launched) entry per BoundKernel.launch_addresses call."""
+    calls = []
+    original = BoundKernel.launch_addresses
+
+    def counting(self, *args):
+        launched = original(self, *args)
+        calls.append((self.fn.__name__, launched))
+        return launched
+
+    monkeypatch.setattr(BoundKernel, "launch_addresses", counting)
+    return calls
+
+
 def _run_twice(plan, inputs, monkeypatch, direct: bool):
     """Poison, run twice (the first may compile), return copies of (out, lse) of the second run."""
     monkeypatch.setattr(launch, "DIRECT_LAUNCH", direct)
@@ -380,7 +426,11 @@ def test_gpu_decode_bound_equals_plain(monkeypatch, fresh_launchers, fixed_split
     case.params.fixed_split_size = fixed_split
     plan = plan_decode(case.problem, case.device, case.params)
     assert plan.n_merge  # the merge launch is bound too
+    addressed = _address_launch_counter(monkeypatch)
     _check_bound_equals_plain(plan, case.inputs, monkeypatch, decode_kernel)
+    assert addressed.count(("decode_kernel", True)) >= 2  # repeated runs pass the tensors as addresses
+    if plan._merge is not None:
+        assert addressed.count(("_merge_decode_kernel", True)) >= 2
 
 
 @pytest.mark.gpu

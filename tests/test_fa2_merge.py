@@ -117,8 +117,9 @@ def test_decode_merge_column_blocks(head_dim, counts, with_lse):
 
 def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
     """`DecodeMerge` fixes the grid and works Triton's specialisation key out once per kind of call
-    (lse or not, out/lse strides), as `spec_key` would; a misaligned out gets none (worked out at
-    the launch)."""
+    (lse or not, out/lse strides), as `spec_key` would; a call of a kind whose key it has passes
+    the tensors as their addresses (the launcher's kept kernel); a misaligned out gets no key
+    (worked out at the launch)."""
     from flashdispatch.backends.fa2.launch import spec_key
     po, plse = torch.zeros(4, 1, 2, 64), torch.zeros(4, 1, 2)
     info = torch.zeros(2, 4, dtype=torch.int32)
@@ -128,7 +129,11 @@ def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
 
     class Recorder:
         def launch_with_spec(self, spec, grid, args):
-            calls.append((spec, args))
+            calls.append(("tensors", spec, args))
+
+        def launch_addresses(self, spec, device, grid, args):
+            calls.append(("addresses", spec, args))
+            return True  # as a launcher whose kernel for this key is kept
 
     merge._launchers = {False: Recorder(), True: Recorder()}
     out, lse = torch.empty(2, 2, 64), torch.empty(2, 2)
@@ -136,8 +141,10 @@ def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
     misaligned = torch.empty(2 * 2 * 64 + 1)[1:].view(2, 2, 64)
     for o, lse_arg in ((out, lse), (out, lse), (out, None), (wide, lse), (misaligned, lse)):
         merge(o, lse_arg)
-    specs = [spec for spec, _ in calls]
-    assert specs[0] is specs[1] and specs[0] == spec_key(calls[0][1])
-    assert specs[2] == spec_key(calls[2][1]) and specs[2] != specs[0]
-    assert specs[3] == spec_key(calls[3][1]) and calls[3][1][5:7] == (144, 72) and specs[3] != specs[0]
+    kinds, specs, args = zip(*calls)
+    assert kinds == ("tensors", "addresses", "tensors", "tensors", "tensors")
+    assert specs[0] is specs[1] and specs[0] == spec_key(args[0])
+    assert args[1] == (po.data_ptr(), plse.data_ptr(), out.data_ptr(), lse.data_ptr(), info.data_ptr(), 128, 64, 2, 1)
+    assert specs[2] == spec_key(args[2]) and specs[2] != specs[0]
+    assert specs[3] == spec_key(args[3]) and args[3][5:7] == (144, 72) and specs[3] != specs[0]
     assert specs[4] is None

@@ -492,6 +492,9 @@ class DecodePlan:
                               self.split_tokens, self.split_slots, self.kernel_max_splits, self.batch, self.line_gap,
                               self.line_groups, self.line_even_groups)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
+        # the tables' addresses, for launches that pass the tensors as ints (run()), on their GPU
+        self._table_addrs = tuple(t.data_ptr() for t in self._tables)
+        self._cuda_index = self.kv_indices.device.index if self.kv_indices.is_cuda else None
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
         write_lse, q_t, k_t, v_t = variant
@@ -522,25 +525,29 @@ class DecodePlan:
                 raise ValueError("the plan has sinks: run() needs inputs.sinks")
             sinks = dummy
         write_lse = lse is not None
-        po, plse, merge_info, counters, work, last, kv_indices, slopes = self._tables
+        lse_t = lse if write_lse else dummy
         variant = (write_lse, q_in, k_in, v_in)
         launch = self._launchers.get(variant) or self._bind(variant)
         ls = lse.stride() if write_lse else (0, 0)
-        args = (q, k, v, out, lse if write_lse else dummy, po, plse, merge_info, counters, work, last, kv_indices,
-                slopes,
-                sinks, q_t, k_t, v_t, qk_scale, v_scale, *self._plan_scalars, k.shape[0], qs[0], qs[1], os_[0], os_[1],
-                *ls,
-                ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+        inputs_at = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_t.data_ptr())
+        scales_at = (sinks.data_ptr(), q_t.data_ptr(), k_t.data_ptr(), v_t.data_ptr())
+        scalars = (qk_scale, v_scale, *self._plan_scalars, k.shape[0], qs[0], qs[1], os_[0], os_[1], *ls,
+                   ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
         # Triton's specialisation of these arguments, kept per call kind: the plan's own tensors
         # are fixed, the scalars' types too; what varies is keyed here (all pointers 16-byte
-        # aligned, as nearly always; otherwise spec_key works it out for each call)
-        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | args[4].data_ptr()
-                   | sinks.data_ptr() | q_t.data_ptr() | k_t.data_ptr() | v_t.data_ptr()) & 15 == 0
-        spec = None
-        if aligned:
-            spec = self._specs.get((variant, qs, os_, ls, ks, vs, q.dtype, k.dtype, out.dtype, args[4].dtype,
-                                    sinks.dtype, q_t.dtype, k_t.dtype, v_t.dtype), args)
-        launch.launch_with_spec(spec, self._grid, args)
+        # aligned, as nearly always; otherwise spec_key works it out for each call). Once a kind's
+        # kernel is kept, the tensors go to it as their addresses (the API checked their device).
+        aligned = (inputs_at[0] | inputs_at[1] | inputs_at[2] | inputs_at[3] | inputs_at[4] | scales_at[0]
+                   | scales_at[1] | scales_at[2] | scales_at[3]) & 15 == 0
+        call = (variant, qs, os_, ls, ks, vs, q.dtype, k.dtype, out.dtype, lse_t.dtype, sinks.dtype, q_t.dtype,
+                k_t.dtype, v_t.dtype)
+        spec = self._specs.known(call) if aligned else None
+        if spec is None or not launch.launch_addresses(spec, self._cuda_index, self._grid,
+                                                       (*inputs_at, *self._table_addrs, *scales_at, *scalars)):
+            args = (q, k, v, out, lse_t, *self._tables, sinks, q_t, k_t, v_t, *scalars)
+            if aligned:
+                spec = self._specs.get(call, args)
+            launch.launch_with_spec(spec, self._grid, args)
         if self._merge is not None:
             self._merge(out, lse)
 

@@ -11,7 +11,12 @@ low-level launcher, the call `JITFunction.run` makes at its end (triton 3.6 runt
                launch_metadata, launch_enter_hook, launch_exit_hook, *every kernel argument)
 
 (constexpr arguments included: the CUDA launcher skips them). With no launch hooks, the metadata
-and both hooks are None, which the launcher skips too.
+and both hooks are None, which the launcher skips too. For each tensor argument that launcher
+calls ``data_ptr()`` and asks the driver whether the GPU can reach the memory
+(cuPointerGetAttribute); an int it passes on as it is. `BoundKernel.launch_addresses` launches a
+kept kernel with the tensors given as their addresses, for callers that hold them already and
+whose tensors' device the API has checked (decode run(): 17 pointers; on the H200's host run()
+went from 1.15 to 0.99-1.08x FlashInfer's, docs/perf-notes.md).
 
 What Triton 3.6 specializes on (native_specialize_impl, specialize.cc): a tensor's dtype and
 whether its data_ptr() is a multiple of 16; an int's value == 1 (it becomes a constexpr), its
@@ -83,6 +88,10 @@ class SpecKeys:
     def __init__(self, limit: int = 64):
         self.limit = limit
         self._keys: dict = {}
+
+    def known(self, call) -> tuple | None:
+        """The key kept for ``call``, or None when none is (then `get` works it out)."""
+        return self._keys.get(call)
 
     def get(self, call, args: tuple) -> tuple | None:
         """The key of ``args``, worked out once per ``call``."""
@@ -214,14 +223,38 @@ class BoundKernel:
         key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, key)
         hit = self._kernels.get(key)
         if hit is not None and _direct_allowed(self.fn):
-            run, function, metadata = hit
-            n = len(grid)
-            run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, current_stream(device), function,
-                metadata, None, None, None, *args, *self._tail)
+            self._run(hit, current_stream(device), grid, args)
             return
         kernel = self.fn[grid](*args, **self._kwargs)
         if hit is None and len(args) == self._num_runtime and getattr(kernel, "packed_metadata", None) is not None:
             self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+    def _run(self, hit: tuple, stream: int, grid: tuple, args: tuple) -> None:
+        run, function, metadata = hit
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, metadata, None, None, None,
+            *args, *self._tail)
+
+    def launch_addresses(self, spec: tuple, device: int, grid: tuple, args: tuple) -> bool:
+        """Launch the kernel kept for ``spec`` (the `spec_key` of the same arguments as tensors) on
+        CUDA device ``device`` with ``args`` whose tensors are given as their addresses (ints,
+        ``data_ptr()``), which Triton's launcher passes on as they are: a tensor costs it a
+        ``data_ptr()`` call and a driver query (cuPointerGetAttribute) each, the query being also
+        its check that the memory is the GPU's. The caller vouches for that instead: every address
+        must be of memory on ``device``. Returns False, having launched nothing, when no direct
+        launch is ready (no kernel compiled for this key on that device yet, ``device`` not the
+        current one, a launch hook set, ...): the caller then launches the tensors
+        (`launch_with_spec`)."""
+        if not (self._direct and DIRECT_LAUNCH) or self._calls is None:
+            return False
+        current_device, current_stream = self._calls
+        if device != current_device():
+            return False
+        hit = self._kernels.get((device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, spec))
+        if hit is None or not _direct_allowed(self.fn):
+            return False
+        self._run(hit, current_stream(device), grid, args)
+        return True
 
     def cached_kernels(self) -> int:
         """How many compiled kernels this launcher launches directly (all devices)."""

@@ -184,17 +184,27 @@ class DecodeMerge:
         self._launchers = {write_lse: _decode_merge_launcher(num_heads, head_dim, q_len, write_lse, pdl)
                            for write_lse in (False, True)}
         self._specs = SpecKeys()
+        self._po_at, self._plse_at, self._info_at = po.data_ptr(), plse.data_ptr(), info.data_ptr()
+        self._cuda_index = po.device.index if po.is_cuda else None
 
     def __call__(self, out, lse) -> None:
         write_lse = lse is not None
         os_ = out.stride()
         ls = lse.stride() if write_lse else (0, 0)
-        po, plse, info = self.po, self.plse, self.info
-        args = (po, plse, out, lse if write_lse else plse, info, os_[0], os_[1], *ls)
-        spec = None
-        if (po.data_ptr() | plse.data_ptr() | out.data_ptr() | args[3].data_ptr() | info.data_ptr()) & 15 == 0:
-            spec = self._specs.get((write_lse, out.dtype, args[3].dtype, os_, ls), args)
-        self._launchers[write_lse].launch_with_spec(spec, self.grid, args)
+        lse_t = lse if write_lse else self.plse
+        out_at, lse_at = out.data_ptr(), lse_t.data_ptr()
+        launch = self._launchers[write_lse]
+        call = (write_lse, out.dtype, lse_t.dtype, os_, ls)
+        aligned = (self._po_at | self._plse_at | out_at | lse_at | self._info_at) & 15 == 0
+        # a kept kernel gets the tensors as addresses (decode.py's run(): BoundKernel.launch_addresses)
+        spec = self._specs.known(call) if aligned else None
+        if spec is None or not launch.launch_addresses(
+                spec, self._cuda_index, self.grid, (self._po_at, self._plse_at, out_at, lse_at, self._info_at,
+                                                    os_[0], os_[1], *ls)):
+            args = (self.po, self.plse, out, lse_t, self.info, os_[0], os_[1], *ls)
+            if aligned:
+                spec = self._specs.get(call, args)
+            launch.launch_with_spec(spec, self.grid, args)
 
 
 @functools.lru_cache(maxsize=None)
