@@ -1,10 +1,11 @@
 """The bound Triton launcher (flashdispatch/backends/fa2/launch.py).
 
 CPU: the specialization key against Triton's own native_specialize_impl, the direct/normal path
-choice with a JITFunction whose compile-and-launch is faked (a recording CompiledKernel), the
-interpreter path on a real kernel. GPU (``-m gpu``): bound launches give bitwise the plain
-launch's output for decode (with split-KV merge) and prefill, a misaligned view takes the normal
-path and is still right, and CUDA-graph capture/replay of bound launches equals eager.
+choice and the launch by address (`launch_addresses`) with a JITFunction whose compile-and-launch
+is faked (a recording CompiledKernel), the interpreter path on a real kernel. GPU (``-m gpu``):
+bound launches give bitwise the plain launch's output for decode (with split-KV merge; repeated
+runs launch by address) and prefill, a misaligned view takes the normal path and is still right,
+and CUDA-graph capture/replay of bound launches equals eager.
 """
 from __future__ import annotations
 
