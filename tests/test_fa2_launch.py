@@ -255,6 +255,22 @@ def test_addresses_launch_only_a_kept_kernel(fake_cuda, monkeypatch):
     assert jit.kinds() == ["normal", "direct"]
 
 
+def test_launch_kept_keys_a_call_kind_once_then_launches_by_address(fake_cuda):
+    """launch_kept: a new call kind launches the tensors with its key worked out and kept, a known
+    one by address; no kind (None: a misaligned pointer) launches the tensors without a key."""
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=64))
+    specs = SpecKeys()
+    x, y = torch.randn(64), torch.randn(64)
+    tensors, addressed = (x, y, 32, 0.5), (x.data_ptr(), y.data_ptr(), 32, 0.5)
+    for _ in range(2):
+        launch.launch_kept(bound, specs, "kind", 0, (1,), addressed, tensors)
+    assert jit.kinds() == ["normal", "direct"] and jit.log[1][1][9:] == (*addressed, 64, False)
+    assert specs.known("kind") == spec_key(tensors)
+    launch.launch_kept(bound, specs, None, 0, (1,), addressed, tensors)
+    assert jit.kinds()[-1] == "direct" and jit.log[-1][1][9:] == (*tensors, 64, False)  # keyed at the launch
+
+
 def test_unknown_argument_types_and_uncached_results(fake_cuda):
     import numpy as np
     jit = FakeJit()

@@ -69,7 +69,7 @@ from .decode_variant import kernel_constants, plain_variant, row_block
 from .decode_waves import wave_choice, wave_split_ceiling, wave_split_config
 from .decode_work import work_array
 from .decode_workspace import carve_partials, counters_offset, int_workspace_ints, partial_bytes, workspace_bytes
-from .launch import BoundKernel, SpecKeys, bind
+from .launch import BoundKernel, SpecKeys, bind, launch_kept
 from .merge import MERGE_INFO_COLS, DecodeMerge
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -541,13 +541,9 @@ class DecodePlan:
                    | scales_at[1] | scales_at[2] | scales_at[3]) & 15 == 0
         call = (variant, qs, os_, ls, ks, vs, q.dtype, k.dtype, out.dtype, lse_t.dtype, sinks.dtype, q_t.dtype,
                 k_t.dtype, v_t.dtype)
-        spec = self._specs.known(call) if aligned else None
-        if spec is None or not launch.launch_addresses(spec, self._cuda_index, self._grid,
-                                                       (*inputs_at, *self._table_addrs, *scales_at, *scalars)):
-            args = (q, k, v, out, lse_t, *self._tables, sinks, q_t, k_t, v_t, *scalars)
-            if aligned:
-                spec = self._specs.get(call, args)
-            launch.launch_with_spec(spec, self._grid, args)
+        launch_kept(launch, self._specs, call if aligned else None, self._cuda_index, self._grid,
+                    (*inputs_at, *self._table_addrs, *scales_at, *scalars),
+                    (q, k, v, out, lse_t, *self._tables, sinks, q_t, k_t, v_t, *scalars))
         if self._merge is not None:
             self._merge(out, lse)
 

@@ -261,6 +261,19 @@ class BoundKernel:
         return len(self._kernels)
 
 
+def launch_kept(launch: BoundKernel, specs: SpecKeys, call, device: int | None, grid: tuple, addressed: tuple,
+                args: tuple) -> None:
+    """Launch ``args`` (with tensors) of the call kind ``call`` (None: no key may be kept, e.g. a
+    pointer off 16-byte alignment): by address (`BoundKernel.launch_addresses` with ``addressed``,
+    the same arguments with each tensor as its ``data_ptr()``) when ``specs`` holds the kind's key
+    and ``launch`` keeps its kernel on CUDA device ``device``, else with the tensors and that key
+    (worked out now for a new kind; see `SpecKeys`)."""
+    spec = None if call is None else specs.known(call)
+    if spec is not None and launch.launch_addresses(spec, device, grid, addressed):
+        return
+    launch.launch_with_spec(None if call is None else specs.get(call, args), grid, args)
+
+
 _BOUND: dict = {}
 
 

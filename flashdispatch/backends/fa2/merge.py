@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_wait
 from ...dispatch.caps import Caps
 from ..base import MergeInputs
 from ..common import TRITON_INTERPRETED
-from .launch import BoundKernel, SpecKeys, bind
+from .launch import BoundKernel, SpecKeys, bind, launch_kept
 
 MERGE_CAPS = Caps(
     ops=frozenset({"merge"}),
@@ -193,18 +193,11 @@ class DecodeMerge:
         ls = lse.stride() if write_lse else (0, 0)
         lse_t = lse if write_lse else self.plse
         out_at, lse_at = out.data_ptr(), lse_t.data_ptr()
-        launch = self._launchers[write_lse]
-        call = (write_lse, out.dtype, lse_t.dtype, os_, ls)
         aligned = (self._po_at | self._plse_at | out_at | lse_at | self._info_at) & 15 == 0
-        # a kept kernel gets the tensors as addresses (decode.py's run(): BoundKernel.launch_addresses)
-        spec = self._specs.known(call) if aligned else None
-        if spec is None or not launch.launch_addresses(
-                spec, self._cuda_index, self.grid, (self._po_at, self._plse_at, out_at, lse_at, self._info_at,
-                                                    os_[0], os_[1], *ls)):
-            args = (self.po, self.plse, out, lse_t, self.info, os_[0], os_[1], *ls)
-            if aligned:
-                spec = self._specs.get(call, args)
-            launch.launch_with_spec(spec, self.grid, args)
+        launch_kept(self._launchers[write_lse], self._specs,
+                    (write_lse, out.dtype, lse_t.dtype, os_, ls) if aligned else None, self._cuda_index, self.grid,
+                    (self._po_at, self._plse_at, out_at, lse_at, self._info_at, os_[0], os_[1], *ls),
+                    (self.po, self.plse, out, lse_t, self.info, os_[0], os_[1], *ls))
 
 
 @functools.lru_cache(maxsize=None)
