@@ -288,8 +288,7 @@ def check_page_indices(num_indices: int, used: int, minmax: tuple[int, int] | No
 def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_cache") -> PagedKV:
     """Split a 5-D [pages, 2, ...] cache or a (k, v) tuple of 4-D tensors into a `PagedKV`."""
     if isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
-        k, v = paged_kv_cache.unbind(1)
-        return PagedKV(k, v, kv_layout)
+        return PagedKV.of_combined(paged_kv_cache, kv_layout)
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"{name} as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} items")

@@ -135,10 +135,17 @@ def _check_q(planned: PlannedAttention, q) -> None:
 
 def _check_paged(planned: PlannedAttention, kv: PagedKV) -> None:
     p, dev = planned.problem, planned.torch_device
-    k, v = kv.k, kv.v
-    if not (kv.layout == p.kv_layout and k.shape[1:] == planned.k_tail and v.shape[1:] == planned.v_tail
-            and k.dtype == p.kv_dtype and v.dtype == p.kv_dtype and k.device == dev and v.device == dev
-            and k.stride(-1) == 1 and v.stride(-1) == 1 and planned.max_page_index < k.shape[0]):
+    c = kv.combined
+    if c is not None:  # a 5-D [pages, 2, ...] cache: its two views are alike
+        s = c.shape
+        fits = (kv.layout == p.kv_layout and (s[2], s[3], s[4]) == planned.k_tail == planned.v_tail
+                and c.dtype == p.kv_dtype and c.device == dev and c.stride(-1) == 1 and planned.max_page_index < s[0])
+    else:
+        k, v = kv.k, kv.v
+        fits = (kv.layout == p.kv_layout and k.shape[1:] == planned.k_tail and v.shape[1:] == planned.v_tail
+                and k.dtype == p.kv_dtype and v.dtype == p.kv_dtype and k.device == dev and v.device == dev
+                and k.stride(-1) == 1 and v.stride(-1) == 1 and planned.max_page_index < k.shape[0])
+    if not fits:
         checks.check_paged_kv(kv, num_kv_heads=p.num_kv_heads, page_size=p.page_size, head_dim_qk=p.head_dim_qk,
                               head_dim_vo=p.head_dim_vo, dtype=p.kv_dtype, device=dev,
                               max_page_index=planned.max_page_index)

@@ -112,6 +112,31 @@ def test_run_fast_path_falls_back_to_the_explaining_checks():
     assert torch.equal(w.run(q, (k, v)), w.run(q, cache))  # a (k, v) tuple takes the same path
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_combined_cache_reads_as_its_two_views(layout, dtype):
+    """A 5-D cache (here every other page of a larger one, HND as a transposed view) unpacks
+    without views made: k and v read as cache[:, 0] and cache[:, 1], and `PagedKV.addresses`
+    gives their addresses and strides from the 5-D tensor; once v is replaced, the pair's own."""
+    from flashdispatch.backends.base import PagedKV
+    big = torch.randn(12, 2, 16, 2, 8).to(dtype)
+    cache = (big.transpose(2, 3) if layout == "HND" else big)[::2]
+    kv = checks.unpack_paged_kv_cache(cache, layout)
+    assert isinstance(kv, PagedKV) and kv.combined is cache
+    assert (kv.num_pages, kv.dtype, kv.layout) == (6, dtype, layout)
+    want = cache[:, 0], cache[:, 1]
+    assert kv.addresses() == (want[0].data_ptr(), want[1].data_ptr(), want[0].stride(), want[1].stride())
+    for got, view in zip((kv.k, kv.v), want):
+        assert got.shape == view.shape and got.stride() == view.stride()
+        assert torch.equal(got.view(torch.uint8), view.view(torch.uint8))
+    two = PagedKV(*want, layout)
+    assert two.combined is None and two.addresses() == kv.addresses() and two.num_pages == 6
+    other = want[1].clone()
+    kv.v = other  # a replaced view: no longer one tensor
+    assert kv.combined is None and kv.addresses() == (want[0].data_ptr(), other.data_ptr(), want[0].stride(),
+                                                      other.stride())
+
+
 def test_host_overhead_script_runs():
     script = Path(__file__).resolve().parents[1] / "scripts" / "host_overhead.py"
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -263,11 +263,18 @@ def test_launch_kept_keys_a_call_kind_once_then_launches_by_address(fake_cuda):
     specs = SpecKeys()
     x, y = torch.randn(64), torch.randn(64)
     tensors, addressed = (x, y, 32, 0.5), (x.data_ptr(), y.data_ptr(), 32, 0.5)
+    asked = []
+
+    def tensors_asked():
+        asked.append(len(jit.log))
+        return tensors
+
     for _ in range(2):
-        launch.launch_kept(bound, specs, "kind", 0, (1,), addressed, tensors)
+        launch.launch_kept(bound, specs, "kind", 0, (1,), addressed, tensors_asked)
     assert jit.kinds() == ["normal", "direct"] and jit.log[1][1][9:] == (*addressed, 64, False)
+    assert asked == [0]  # the tensors only for the launch that is not by address
     assert specs.known("kind") == spec_key(tensors)
-    launch.launch_kept(bound, specs, None, 0, (1,), addressed, tensors)
+    launch.launch_kept(bound, specs, None, 0, (1,), addressed, tensors_asked)
     assert jit.kinds()[-1] == "direct" and jit.log[-1][1][9:] == (*tensors, 64, False)  # keyed at the launch
 
 
@@ -448,6 +455,38 @@ def test_gpu_decode_bound_equals_plain(monkeypatch, fresh_launchers, fixed_split
     assert addressed.count(("decode_kernel", True)) >= 2  # repeated runs pass the tensors as addresses
     if plan._merge is not None:
         assert addressed.count(("_merge_decode_kernel", True)) >= 2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gpu_decode_of_a_combined_cache_launches_without_views(monkeypatch, fresh_launchers, layout):
+    """A 5-D [pages, 2, ...] cache as the API passes it (`PagedKV.of_combined`): run() reads k's
+    and v's addresses and strides from the 5-D tensor, gives bitwise the run of its two views, and
+    once the kernel is kept launches by address without making the views (no unbind)."""
+    from oracle import make_paged_case
+    from flashdispatch.backends.base import PagedKV
+    from flashdispatch.backends.fa2.decode import plan_decode
+    case = make_paged_case("decode", kv_lens=[0, 17, 300, 2000, 5000], kv_layout=layout, device="cuda",
+                           poison_unused=False, num_qo_heads=8, num_kv_heads=2, head_dim_qk=128,
+                           q_dtype=torch.bfloat16, seed=3)
+    case.params.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    plan = plan_decode(case.problem, case.device, case.params)
+    combined = torch.stack((case.inputs.kv.k, case.inputs.kv.v), 1)
+    views = PagedKV(combined[:, 0], combined[:, 1], layout)
+    want = _run_twice(plan, dataclasses.replace(case.inputs, kv=views), monkeypatch, direct=True)
+    unbinds = []
+    original = torch.Tensor.unbind
+
+    def counting(self, *args, **kwargs):
+        unbinds.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "unbind", counting)
+    addressed = _address_launch_counter(monkeypatch)
+    kv = PagedKV.of_combined(combined, layout)
+    _assert_bitwise(_run_twice(plan, dataclasses.replace(case.inputs, kv=kv), monkeypatch, direct=True), want)
+    assert not unbinds and addressed.count(("decode_kernel", True)) == 2, (unbinds, addressed)
 
 
 @pytest.mark.gpu

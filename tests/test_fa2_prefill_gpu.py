@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from flashdispatch.backends.base import DEFAULT_TOLERANCE, AttentionParams
+from flashdispatch.backends.base import DEFAULT_TOLERANCE, AttentionParams, PagedKV
 from flashdispatch.backends.fa2.prefill import PREFILL_CAPS, plan_prefill
 from flashdispatch.dispatch.caps import check_caps
 from oracle import assert_close, make_paged_case, make_ragged_case, reference_plan_result
@@ -121,7 +121,7 @@ def test_cuda_graph_replay_after_replan(window_left):
 
     def run_inputs():
         return dataclasses.replace(first.inputs, q=bufs["q"], out=bufs["out"], lse=bufs["lse"],
-                                   kv=dataclasses.replace(first.inputs.kv, k=bufs["k"], v=bufs["v"]))
+                                   kv=PagedKV(bufs["k"], bufs["v"], first.inputs.kv.layout))
 
     plan = plan_prefill(first.problem, first.device, load(first))
     plan.run(run_inputs())  # compile outside the capture

@@ -28,18 +28,70 @@ from ..dispatch.reasons import Reason
 Scale = float | torch.Tensor | None
 
 
-@dataclass
 class PagedKV:
     """A paged cache as two 4-D views (any strides): NHD ``[pages, page_size, kv_heads, dim]``,
-    HND ``[pages, kv_heads, page_size, dim]``."""
+    HND ``[pages, kv_heads, page_size, dim]``.
 
-    k: torch.Tensor
-    v: torch.Tensor
-    layout: str
+    `PagedKV.of_combined` wraps FlashInfer's 5-D ``[pages, 2, ...]`` cache as ``combined`` and
+    makes the two views only when ``k`` or ``v`` is first read: a view costs about a microsecond
+    of run()'s host time, and the run() checks and fa2 decode read the 5-D tensor itself
+    (`addresses`)."""
+
+    __slots__ = ("_k", "_v", "layout", "combined")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, layout: str):
+        self._k, self._v, self.layout, self.combined = k, v, layout, None
+
+    @classmethod
+    def of_combined(cls, cache: torch.Tensor, layout: str) -> PagedKV:
+        """The k (``cache[:, 0]``) and v (``cache[:, 1]``) caches of a 5-D ``[pages, 2, ...]`` tensor."""
+        kv = cls.__new__(cls)
+        kv._k = kv._v = None
+        kv.layout, kv.combined = layout, cache
+        return kv
+
+    def _views(self) -> None:
+        if self._k is None:
+            self._k, self._v = self.combined.unbind(1)
+
+    @property
+    def k(self) -> torch.Tensor:
+        self._views()
+        return self._k
+
+    @k.setter
+    def k(self, value: torch.Tensor) -> None:
+        self._views()  # v stays the 5-D tensor's view; the pair is no longer one tensor
+        self._k, self.combined = value, None
+
+    @property
+    def v(self) -> torch.Tensor:
+        self._views()
+        return self._v
+
+    @v.setter
+    def v(self, value: torch.Tensor) -> None:
+        self._views()
+        self._v, self.combined = value, None
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[0]
+        return (self._k if self.combined is None else self.combined).shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The k cache's dtype (the API checks that v's is the same)."""
+        return (self._k if self.combined is None else self.combined).dtype
+
+    def addresses(self) -> tuple[int, int, tuple, tuple]:
+        """(k address, v address, k strides, v strides) of the two 4-D views, read from the 5-D
+        tensor when there is one (no view made)."""
+        c = self.combined
+        if c is None:
+            return self._k.data_ptr(), self._v.data_ptr(), self._k.stride(), self._v.stride()
+        s, at = c.stride(), c.data_ptr()
+        strides = (s[0], s[2], s[3], s[4])
+        return at, at + s[1] * c.dtype.itemsize, strides, strides
 
 
 @dataclass

@@ -508,8 +508,8 @@ class DecodePlan:
         if self.n_work == 0:
             return
         q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
-        k, v = kv.k, kv.v
-        ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()  # one call each: run() is host-bound
+        k_at, v_at, ks, vs = kv.addresses()  # (a 5-D cache: no views made)
+        qs, os_ = q.stride(), out.stride()  # one call each: run() is host-bound
         if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
             raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
         if kv.layout == "HND":
@@ -529,9 +529,9 @@ class DecodePlan:
         variant = (write_lse, q_in, k_in, v_in)
         launch = self._launchers.get(variant) or self._bind(variant)
         ls = lse.stride() if write_lse else (0, 0)
-        inputs_at = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_t.data_ptr())
+        inputs_at = (q.data_ptr(), k_at, v_at, out.data_ptr(), lse_t.data_ptr())
         scales_at = (sinks.data_ptr(), q_t.data_ptr(), k_t.data_ptr(), v_t.data_ptr())
-        scalars = (qk_scale, v_scale, *self._plan_scalars, k.shape[0], qs[0], qs[1], os_[0], os_[1], *ls,
+        scalars = (qk_scale, v_scale, *self._plan_scalars, kv.num_pages, qs[0], qs[1], os_[0], os_[1], *ls,
                    ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
         # Triton's specialisation of these arguments, kept per call kind: the plan's own tensors
         # are fixed, the scalars' types too; what varies is keyed here (all pointers 16-byte
@@ -539,11 +539,11 @@ class DecodePlan:
         # kernel is kept, the tensors go to it as their addresses (the API checked their device).
         aligned = (inputs_at[0] | inputs_at[1] | inputs_at[2] | inputs_at[3] | inputs_at[4] | scales_at[0]
                    | scales_at[1] | scales_at[2] | scales_at[3]) & 15 == 0
-        call = (variant, qs, os_, ls, ks, vs, q.dtype, k.dtype, out.dtype, lse_t.dtype, sinks.dtype, q_t.dtype,
+        call = (variant, qs, os_, ls, ks, vs, q.dtype, kv.dtype, out.dtype, lse_t.dtype, sinks.dtype, q_t.dtype,
                 k_t.dtype, v_t.dtype)
         launch_kept(launch, self._specs, call if aligned else None, self._cuda_index, self._grid,
                     (*inputs_at, *self._table_addrs, *scales_at, *scalars),
-                    (q, k, v, out, lse_t, *self._tables, sinks, q_t, k_t, v_t, *scalars))
+                    lambda: (q, kv.k, kv.v, out, lse_t, *self._tables, sinks, q_t, k_t, v_t, *scalars))
         if self._merge is not None:
             self._merge(out, lse)
 

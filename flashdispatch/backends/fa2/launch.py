@@ -39,6 +39,7 @@ through the normal path, to rule the bound launcher out or to time the plain lau
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import triton
@@ -262,15 +263,17 @@ class BoundKernel:
 
 
 def launch_kept(launch: BoundKernel, specs: SpecKeys, call, device: int | None, grid: tuple, addressed: tuple,
-                args: tuple) -> None:
-    """Launch ``args`` (with tensors) of the call kind ``call`` (None: no key may be kept, e.g. a
-    pointer off 16-byte alignment): by address (`BoundKernel.launch_addresses` with ``addressed``,
-    the same arguments with each tensor as its ``data_ptr()``) when ``specs`` holds the kind's key
-    and ``launch`` keeps its kernel on CUDA device ``device``, else with the tensors and that key
-    (worked out now for a new kind; see `SpecKeys`)."""
+                tensors: Callable[[], tuple]) -> None:
+    """Launch the arguments of the call kind ``call`` (None: no key may be kept, e.g. a pointer off
+    16-byte alignment): by address (`BoundKernel.launch_addresses` with ``addressed``, the
+    arguments with each tensor as its ``data_ptr()``) when ``specs`` holds the kind's key and
+    ``launch`` keeps its kernel on CUDA device ``device``, else with the tensors (``tensors()``:
+    the same arguments, called only then: a caller may make views for it) and that key (worked
+    out now for a new kind; see `SpecKeys`)."""
     spec = None if call is None else specs.known(call)
     if spec is not None and launch.launch_addresses(spec, device, grid, addressed):
         return
+    args = tensors()
     launch.launch_with_spec(None if call is None else specs.get(call, args), grid, args)
 
 

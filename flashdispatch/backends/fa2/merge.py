@@ -197,7 +197,7 @@ class DecodeMerge:
         launch_kept(self._launchers[write_lse], self._specs,
                     (write_lse, out.dtype, lse_t.dtype, os_, ls) if aligned else None, self._cuda_index, self.grid,
                     (self._po_at, self._plse_at, out_at, lse_at, self._info_at, os_[0], os_[1], *ls),
-                    (self.po, self.plse, out, lse_t, self.info, os_[0], os_[1], *ls))
+                    lambda: (self.po, self.plse, out, lse_t, self.info, os_[0], os_[1], *ls))
 
 
 @functools.lru_cache(maxsize=None)
