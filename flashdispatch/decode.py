@@ -300,7 +300,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                 self._graph_buffers, (indptr, indices[: a.used_pages], last),
                 ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")))
         params = paged_params(self._qo_indptr(batch, q_len), a.kv_lens_h, indptr, indices, last, self._device,
-                              qo_lens_host=[q_len] * batch, workspace=a.workspace,
+                              qo_lens_host=[q_len] * batch, kv_stats=(a.kv_total, a.kv_max), workspace=a.workspace,
                               int_workspace=self._int_workspace(key) if self._use_cuda_graph else None,
                               **scalars)
         workload = Workload(batch, batch * q_len, q_len if batch else 0, a.kv_total, a.kv_max)

@@ -227,9 +227,11 @@ def _upload_int32(device: torch.device, arrays) -> list[torch.Tensor]:
 
 
 def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv_indptr, kv_indices,
-                 kv_last_page_len, device, qo_lens_host: list[int], **kw) -> AttentionParams:
+                 kv_last_page_len, device, qo_lens_host: list[int], kv_stats: tuple[int, int] | None = None,
+                 **kw) -> AttentionParams:
     """AttentionParams for a paged problem from checked host arrays (int64 numpy) and the index
-    tensors. ``qo_indptr`` is a host array or an int32 tensor. The kv lengths, every host array
+    tensors. ``qo_indptr`` is a host array or an int32 tensor; ``kv_stats``, when the caller has
+    them, the (sum, max) of ``kv_lens_h`` (`AttentionParams.kv_lens_stats`). The kv lengths, every host array
     and every small host tensor (qo_indptr, kv_indptr, kv_last_page_len) are left `PENDING`, to
     go to ``device`` in one host->device transfer if the backend reads one of them
     (`DeviceIndex`); the page indices and a tensor on another device are moved now."""
@@ -237,8 +239,10 @@ def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv
     host = {name: a if isinstance(a, np.ndarray) else a.numpy() for name, a in small.items()
             if isinstance(a, np.ndarray) or (a is not None and a.is_cpu and a.device != device)}
     fields = {name: PENDING if name in host else on_device(t, device) for name, t in small.items()}
-    params = AttentionParams(kv_lens=PENDING, qo_lens_host=qo_lens_host, kv_lens_host=kv_lens_h.tolist(),
+    params = AttentionParams(kv_lens=PENDING, qo_lens_host=qo_lens_host, kv_lens_host=kv_lens_h,
                              kv_indices=on_device(kv_indices, device), **fields, **kw)
+    if kv_stats is not None:
+        params.set_kv_lens_stats(*kv_stats)
     params.defer_upload(functools.partial(_upload_pending, device, {"kv_lens": kv_lens_h, **host}))
     return params
 

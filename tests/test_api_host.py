@@ -449,6 +449,26 @@ def test_paged_params_uploads_host_arrays_once_when_first_read(monkeypatch):
     assert copies == [4] and params.kv_indices.device.type == "meta"
 
 
+def test_host_lengths_given_as_an_array_read_as_a_list():
+    """kv_lens_host given as an int64 array (paged_params) keeps it until read, then reads as a
+    list of ints; batch_size and kv_lens_stats need no list; given stats hold until the lengths
+    are set again."""
+    from flashdispatch.planned import paged_params
+    indptr, indices, last = table([5, 17, 0], 8)
+    kv_lens = np.array([5, 17, 0], dtype=np.int64)
+    params = paged_params(np.array([0, 1, 2, 3]), kv_lens, indptr, indices, last, torch.device("cpu"), [1, 1, 1],
+                          sm_scale=0.5)
+    assert params.batch_size == 3 and params.kv_lens_stats() == (22, 17)
+    assert params.kv_lens_array() is kv_lens and params.__dict__["_kv_lens_host"] is kv_lens
+    assert params.kv_lens_host == [5, 17, 0] and all(type(n) is int for n in params.kv_lens_host)
+    assert params.kv_lens_array().tolist() == [5, 17, 0] and params.kv_lens_array().dtype == np.int64
+    given = paged_params(np.array([0, 1, 2, 3]), kv_lens, indptr, indices, last, torch.device("cpu"), [1, 1, 1],
+                         kv_stats=(99, 98), sm_scale=0.5)
+    assert given.kv_lens_stats() == (99, 98)  # trusted as given: worked out by the caller
+    given.kv_lens_host = [1, 2]
+    assert given.kv_lens_stats() == (3, 2) and given.batch_size == 2
+
+
 def test_decode_variants_get_their_own_problem():
     indptr, indices, last = table([5, 17], 8)
     w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference")

@@ -337,6 +337,7 @@ def test_may_wave_pack_and_its_pieces():
     from dataclasses import replace
     from types import SimpleNamespace
 
+    from flashdispatch.backends.base import AttentionParams
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.backends.fa2.decode_split import line_groups, may_wave_pack, wave_pack_groups
     from flashdispatch.dispatch.problem import Problem
@@ -355,5 +356,10 @@ def test_may_wave_pack_and_its_pieces():
     assert line_groups(512, replace(bf16, line_waves=2), 132, 8, graph=False) == (132, 132, 128)
     for lens, window_left, ok in (([3000, 1000] * 64, -1, True), ([2000, 1000] * 64, -1, False),
                                   ([3000, 1000] * 64, 999, False), ([150, 50] * 64, -1, False)):
-        params, problem = SimpleNamespace(kv_lens_host=lens), SimpleNamespace(window_left=window_left)
+        params = AttentionParams(qo_indptr=None, kv_indptr=None, kv_lens=None, qo_lens_host=[1] * len(lens),
+                                 kv_lens_host=lens, sm_scale=1.0)
+        problem = SimpleNamespace(window_left=window_left)
+        assert may_wave_pack(params, problem, 1, bf16, 132, 8) == ok, (lens[:2], window_left)
+        params.kv_lens_host = np.array(lens)  # (the decode wrapper gives an array and its (sum, max))
+        params.set_kv_lens_stats(sum(lens), max(lens))
         assert may_wave_pack(params, problem, 1, bf16, 132, 8) == ok, (lens[:2], window_left)

@@ -19,6 +19,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..dispatch.caps import Caps, check_caps
@@ -133,6 +134,28 @@ class DeviceIndex:
         obj.__dict__[self.slot] = value
 
 
+class HostLengths:
+    """A field of `AttentionParams` holding per-request lengths on the host: read, a list of
+    ints; set, a list or a 1-D int64 numpy array, made a list when first read (a refreshed fa2
+    decode plan reads only their count and `AttentionParams.kv_lens_stats`: plan() is host-time
+    bound, and a list of 256 costs ~3 us)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:  # a required dataclass field
+            raise AttributeError(self.name)
+        value = obj.__dict__[self.slot]
+        if not isinstance(value, list):
+            value = obj.__dict__[self.slot] = value.tolist()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+        obj.__dict__.pop("_kv_stats", None)
+
+
 class _Pending:
     """The one value of a `DeviceIndex` field not uploaded yet (copies and pickles stay it)."""
 
@@ -170,7 +193,7 @@ class AttentionParams:
     kv_indptr: torch.Tensor = DeviceIndex()
     kv_lens: torch.Tensor = DeviceIndex()
     qo_lens_host: list[int]
-    kv_lens_host: list[int]
+    kv_lens_host: list[int] = HostLengths()
     sm_scale: float
     kv_indices: torch.Tensor | None = None
     kv_last_page_len: torch.Tensor | None = DeviceIndex(None)
@@ -185,7 +208,25 @@ class AttentionParams:
 
     @property
     def batch_size(self) -> int:
-        return len(self.kv_lens_host)
+        return len(self.__dict__["_kv_lens_host"])  # (list or array: `HostLengths`)
+
+    def kv_lens_array(self) -> np.ndarray:
+        """kv_lens_host as an int64 numpy array."""
+        value = self.__dict__["_kv_lens_host"]
+        return np.asarray(value, dtype=np.int64)
+
+    def kv_lens_stats(self) -> tuple[int, int]:
+        """(sum, max) of kv_lens_host (max 0 with no request), worked out once; a caller that
+        has them already may give them (`set_kv_lens_stats`)."""
+        stats = self.__dict__.get("_kv_stats")
+        if stats is None:
+            lens = self.kv_lens_array()
+            stats = self.__dict__["_kv_stats"] = (int(lens.sum()), int(lens.max(initial=0)))
+        return stats
+
+    def set_kv_lens_stats(self, total: int, longest: int) -> None:
+        """Give `kv_lens_stats` (the sum and max of kv_lens_host, as the caller worked them out)."""
+        self.__dict__["_kv_stats"] = (total, longest)
 
     def defer_upload(self, upload) -> None:
         """Let the `PENDING` index fields be filled by ``upload(self)`` when one is first read."""

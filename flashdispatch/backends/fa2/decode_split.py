@@ -55,39 +55,38 @@ def few_programs_target(cfg: DecodeConfig, sm_count: int) -> int:
 
 def effective_lengths(params: AttentionParams, problem: Problem, q_len: int) -> tuple:
     """(kv lengths, window starts, tokens from there) of ``params``' requests (int64 arrays)."""
-    lens = np.array(params.kv_lens_host, dtype=np.int64)
+    lens = params.kv_lens_array()
     if problem.window_left < 0:
         return lens, np.zeros(len(lens), np.int64), lens
     lo = np.maximum(lens - q_len - problem.window_left, 0)
     return lens, lo, lens - lo
 
 
-def window_tokens(params: AttentionParams, problem: Problem, q_len: int) -> list[int]:
-    """Each request's KV tokens from its window start, a Python list (`effective_lengths`' third
-    array; ~3x numpy's speed at these sizes: plan() and its refresh are host-time bound)."""
-    lens = params.kv_lens_host
+def window_stats(params: AttentionParams, problem: Problem, q_len: int) -> tuple[int, int]:
+    """(sum, max) of each request's KV tokens from its window start (without a window: `AttentionParams.kv_lens_stats`, which the
+    decode wrapper gives: no pass over the requests)."""
     if problem.window_left < 0:
-        return lens
-    cap = q_len + problem.window_left
-    return [min(n, cap) for n in lens]
+        return params.kv_lens_stats()
+    tokens = np.minimum(params.kv_lens_array(), q_len + problem.window_left)
+    return int(tokens.sum()), int(tokens.max(initial=0))
 
 
 def mean_tokens(params: AttentionParams, problem: Problem, q_len: int) -> float:
     """Mean KV tokens per request from its window start (0.0: none)."""
-    lens = window_tokens(params, problem, q_len)
-    return sum(lens) / len(lens) if lens else 0.0
+    batch = params.batch_size
+    return window_stats(params, problem, q_len)[0] / batch if batch else 0.0
 
 
 def may_wave_pack(params: AttentionParams, problem: Problem, q_len: int, cfg: DecodeConfig, sm_count: int,
                   units: int) -> bool:
     """Whether a plan past one wave may pack these requests (`DecodeConfig.wave_pack_spread`): its
     longest request holds at least wave_pack_spread x the mean tokens from the window start, and
-    the first pieces `wave_pack_groups` tries hold min_chunk_tokens (`window_tokens`)."""
-    lens = window_tokens(params, problem, q_len)
-    total = sum(lens)
-    if not total or max(lens) * len(lens) < cfg.wave_pack_spread * total:
+    the first pieces `wave_pack_groups` tries hold min_chunk_tokens (`window_stats`)."""
+    total, longest = window_stats(params, problem, q_len)
+    batch = params.batch_size
+    if not total or longest * batch < cfg.wave_pack_spread * total:
         return False
-    return total >= wave_pack_groups(len(lens), cfg, sm_count, units)[0] * cfg.min_chunk_tokens
+    return total >= wave_pack_groups(batch, cfg, sm_count, units)[0] * cfg.min_chunk_tokens
 
 
 def packs_these_waves(cfg: DecodeConfig, programs: int, sm_count: int) -> bool:
