@@ -63,8 +63,9 @@ def effective_lengths(params: AttentionParams, problem: Problem, q_len: int) -> 
 
 
 def window_stats(params: AttentionParams, problem: Problem, q_len: int) -> tuple[int, int]:
-    """(sum, max) of each request's KV tokens from its window start (without a window: `AttentionParams.kv_lens_stats`, which the
-    decode wrapper gives: no pass over the requests)."""
+    """(sum, max) of each request's KV tokens from its window start; without a window
+    `AttentionParams.kv_lens_stats`, which the decode wrapper gives (no pass over the requests:
+    plan() and its refresh are host-time bound)."""
     if problem.window_left < 0:
         return params.kv_lens_stats()
     tokens = np.minimum(params.kv_lens_array(), q_len + problem.window_left)
