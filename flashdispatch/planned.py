@@ -215,15 +215,10 @@ def device_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor
 
 def _upload_int32(device: torch.device, arrays) -> list[torch.Tensor]:
     """`device_int32` on a GPU: the arrays concatenated, uploaded once, split into views."""
-    flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-    flat = torch.from_numpy(flat.astype(np.int32)).to(device, non_blocking=True)
     if len(arrays) == 1:
-        return [flat]
-    views, offset = [], 0
-    for a in arrays:
-        views.append(flat[offset:offset + a.size])
-        offset += a.size
-    return views
+        return [torch.from_numpy(arrays[0].astype(np.int32)).to(device, non_blocking=True)]
+    flat = torch.from_numpy(np.concatenate(arrays, dtype=np.int32, casting="unsafe")).to(device, non_blocking=True)
+    return list(flat.split_with_sizes([a.size for a in arrays]))  # (one call: slicing is ~1 us a view)
 
 
 def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv_indptr, kv_indices,

@@ -181,6 +181,19 @@ def test_cuda_tables_read_waits_for_the_current_stream():
 
 
 @pytest.mark.gpu
+def test_current_stream_is_torchs_kept_per_handle():
+    """device_read.current_stream is torch's current stream, inside a side stream's block too,
+    one object per stream (kept: torch builds a new one at each call)."""
+    from flashdispatch.device_read import current_stream
+    main = current_stream(0)
+    assert main == torch.cuda.current_stream(0) and current_stream(0) is main
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current_stream(0) == side and current_stream(0) is current_stream(0)
+    assert current_stream(0) is main
+
+
+@pytest.mark.gpu
 def test_cuda_tables_read_again_by_address(monkeypatch):
     """Repeated reads launch the kept kernel with the device tensors as their addresses
     (BoundKernel.launch_addresses) and read the same, the plan's one read and the deferred

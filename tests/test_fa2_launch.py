@@ -121,7 +121,7 @@ class FakeJit:
 def fake_cuda(monkeypatch):
     """Device 0 with stream 77; ``state["device"]`` switches the current device."""
     state = {"device": 0}
-    monkeypatch.setattr(launch, "_cuda_calls", lambda: (lambda: state["device"], lambda dev: 77 + dev))
+    monkeypatch.setattr(launch, "cuda_calls", lambda: (lambda: state["device"], lambda dev: 77 + dev))
     monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
     return state
 
@@ -292,7 +292,7 @@ def test_unknown_argument_types_and_uncached_results(fake_cuda):
 
 
 def test_non_cuda_driver_disables_direct_launches(monkeypatch):
-    monkeypatch.setattr(launch, "_cuda_calls", lambda: None)
+    monkeypatch.setattr(launch, "cuda_calls", lambda: None)
     monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
     jit = FakeJit()
     bound = BoundKernel(jit.fn, dict(BLOCK=16))

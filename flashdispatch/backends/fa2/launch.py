@@ -109,7 +109,7 @@ def _version_verified() -> bool:
     return (major, minor) in VERIFIED_TRITON
 
 
-def _cuda_calls():
+def cuda_calls():
     """(current device, current stream of a device): the calls JITFunction.run makes, or None
     when the active Triton driver is not CUDA's (its launcher's call was not checked)."""
     from triton.backends.nvidia.driver import CudaDriver
@@ -208,7 +208,7 @@ class BoundKernel:
             self.fn[grid](*args, **self._kwargs)
             return
         if self._calls is None:
-            self._calls = _cuda_calls()
+            self._calls = cuda_calls()
             if self._calls is None:
                 self._direct = False
                 self.fn[grid](*args, **self._kwargs)
