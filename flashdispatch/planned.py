@@ -226,10 +226,10 @@ def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv
                  **kw) -> AttentionParams:
     """AttentionParams for a paged problem from checked host arrays (int64 numpy) and the index
     tensors. ``qo_indptr`` is a host array or an int32 tensor; ``kv_stats``, when the caller has
-    them, the (sum, max) of ``kv_lens_h`` (`AttentionParams.kv_lens_stats`). The kv lengths, every host array
-    and every small host tensor (qo_indptr, kv_indptr, kv_last_page_len) are left `PENDING`, to
-    go to ``device`` in one host->device transfer if the backend reads one of them
-    (`DeviceIndex`); the page indices and a tensor on another device are moved now."""
+    them, the (sum, max) of ``kv_lens_h`` (`AttentionParams.kv_lens_stats`). The kv lengths,
+    every host array and every small host tensor (qo_indptr, kv_indptr, kv_last_page_len) are
+    left `PENDING`, to go to ``device`` in one host->device transfer if the backend reads one of
+    them (`DeviceIndex`); the page indices and a tensor on another device are moved now."""
     small = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len}
     host = {name: a if isinstance(a, np.ndarray) else a.numpy() for name, a in small.items()
             if isinstance(a, np.ndarray) or (a is not None and a.is_cpu and a.device != device)}
