@@ -1,0 +1,130 @@
+"""The plan's device reads (`device_read`, `checks.host_arrays`): small index tensors and the used
+page indices' (min, max) in one kernel and one wait, as the host reads them; the current stream;
+repeated reads by address."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdispatch import checks
+from test_api_host import table
+
+
+@pytest.mark.parametrize("lens, garbage", [
+    ([5, 17, 0, 33], ()), ([5, 17, 0, 33], (-1, -7, 10 ** 6)), ([0, 0], ()), ([0, 0], (-3,)), ([], ()),
+])
+@pytest.mark.parametrize("on_host", [(False, False), (True, False), (False, True), (True, True)])
+def test_one_copy_reader_matches_host_reader(lens, garbage, on_host):
+    indptr, indices, last = table(lens, 8, garbage)
+    want, want_minmax = checks.host_arrays([indptr, last], indices)
+    got, got_minmax = checks.read_in_one_copy([indptr, last], on_host, indices)
+    assert all((g == w).all() and g.dtype == w.dtype for g, w in zip(got, want))
+    assert got_minmax == want_minmax
+    if int(indptr[-1]):
+        used = indices[: int(indptr[-1])]
+        assert want_minmax == (int(used.min()), int(used.max()))
+    else:
+        assert want_minmax is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["all", "indptr_on_host", "small_on_host"])
+@pytest.mark.parametrize("garbage", [(), (-1, 10 ** 6)])
+def test_cuda_tables_read_in_one_copy(where, garbage):
+    indptr, indices, last = table([5, 17, 0, 33], 8, garbage=garbage)
+    want, want_minmax = checks.host_arrays([indptr, last], indices)
+    dev_indptr = indptr if where != "all" else indptr.cuda()
+    dev_last = last if where == "small_on_host" else last.cuda()
+    got, got_minmax = checks.host_arrays([dev_indptr, dev_last], indices.cuda())
+    assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
+
+
+@pytest.mark.gpu
+def test_cuda_tables_read_waits_for_the_current_stream():
+    """The read's kernel and its wait go to the current stream: tables written on a side stream
+    behind a long kernel read as written, not as whatever the buffers held."""
+    indptr, indices, last = table([5, 17, 0, 33], 8)
+    want, want_minmax = checks.host_arrays([indptr, last], indices)
+    src = [t.cuda() for t in (indptr, last, indices)]
+    dev = [torch.zeros_like(t) for t in src]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time before the tables are written
+        for d, t in zip(dev, src):
+            d.copy_(t)
+        got, got_minmax = checks.host_arrays(dev[:2], dev[2])
+    assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
+
+
+@pytest.mark.gpu
+def test_current_stream_is_torchs_kept_per_handle():
+    """device_read.current_stream is torch's current stream, inside a side stream's block too,
+    one object per stream (kept: torch builds a new one at each call)."""
+    from flashdispatch.device_read import current_stream
+    main = current_stream(0)
+    assert main == torch.cuda.current_stream(0) and current_stream(0) is main
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current_stream(0) == side and current_stream(0) is current_stream(0)
+    assert current_stream(0) is main
+
+
+@pytest.mark.gpu
+def test_cuda_tables_read_again_by_address(monkeypatch):
+    """Repeated reads launch the kept kernel with the device tensors as their addresses
+    (BoundKernel.launch_addresses) and read the same, the plan's one read and the deferred
+    page-index reader alike."""
+    from flashdispatch import device_read
+    from flashdispatch.backends.fa2.launch import BoundKernel
+    addressed = []
+    original = BoundKernel.launch_addresses
+
+    def counting(self, *args):
+        addressed.append(original(self, *args))
+        return addressed[-1]
+
+    monkeypatch.setattr(BoundKernel, "launch_addresses", counting)
+    indptr, indices, last = table([5, 17, 0, 33], 8)
+    want, want_minmax = checks.host_arrays([indptr, last], indices)
+    dev = [t.cuda() for t in (indptr, last, indices)]
+    for _ in range(3):
+        got, got_minmax = checks.host_arrays(dev[:2], dev[2])
+        assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax
+    reader = device_read.IndexRangeReader()
+    for _ in range(3):
+        reader.start(dev[2], int(indptr[-1]))
+        assert reader.result() == want_minmax
+    assert addressed.count(True) >= 4, addressed
+
+
+@pytest.mark.parametrize("used", [0, 1, 2500, 4096, 5000])
+@pytest.mark.parametrize("used_on_device", [True, False])
+def test_device_read_reduces_only_the_used_indices_over_several_programs(monkeypatch, used, used_on_device):
+    """Index reads split over several programs (1024 indices each here) agree with numpy, count
+    only the first ``used`` indices, and report none when too few indices exist."""
+    from flashdispatch import device_read
+    monkeypatch.setattr(device_read, "_PER_PROGRAM", 1024)
+    g = torch.Generator().manual_seed(used)
+    indices = torch.randint(0, 10 ** 6, (4096,), generator=g, dtype=torch.int32)
+    indptr = torch.tensor([0, used // 2, used], dtype=torch.int32)
+    last = torch.randint(1, 17, (2,), generator=g, dtype=torch.int32)
+    tensors = [indptr, last] if used_on_device else [last]
+    flat, minmax = device_read.read_index_tensors(tensors, indices, None if used_on_device else used)
+    assert flat.tolist() == torch.cat(tensors).tolist()
+    if 0 < used <= indices.numel():
+        assert minmax == (int(indices[:used].min()), int(indices[:used].max()))
+    else:
+        assert minmax is None
+
+
+def test_strided_index_tensors_read_like_the_host():
+    """Index tensors that are strided views (a column of a table, every other page) read the
+    same through the device path as on the host."""
+    table_ = torch.tensor([[0, 5], [2, 1], [5, 7], [9, 3]], dtype=torch.int32)
+    indptr, last = table_[:, 0], table_[1:, 1]
+    indices = torch.arange(40, dtype=torch.int32).flip(0)[::4]
+    want, want_minmax = checks.host_arrays([indptr.contiguous(), last.contiguous()], indices.contiguous())
+    for on_host in [(False, False), (True, False), (False, True)]:
+        got, got_minmax = checks.read_in_one_copy([indptr, last], on_host, indices)
+        assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax, on_host
