@@ -167,9 +167,8 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     buf, sizes, n, programs = _launch_summary(tensors, indices, used_host, None)
     device = (tensors[0] if tensors else indices).device
     if device.type == "cuda":
-        # wait for the device's current stream, where the kernel went (an index, not None: without
-        # one torch looks the current device up through is_available() and an environment read);
-        # a stream wait, not an event: one CUDA call less
+        # wait for the device's current stream, where the kernel went (`current_stream`); a stream
+        # wait, not an event: one CUDA call less
         current_stream(device.index).synchronize()
     host = buf.numpy()
     flat = host[:n].copy()

@@ -211,7 +211,8 @@ class AttentionParams:
         return len(self.__dict__["_kv_lens_host"])  # (list or array: `HostLengths`)
 
     def kv_lens_array(self) -> np.ndarray:
-        """kv_lens_host as an int64 numpy array."""
+        """kv_lens_host as an int64 numpy array: the array given, itself, when one was (read it,
+        do not write it)."""
         value = self.__dict__["_kv_lens_host"]
         return np.asarray(value, dtype=np.int64)
 
