@@ -1,21 +1,25 @@
-"""Does a TMA page load with an L2 evict_first hint read a decode's paged KV faster under the
-bench's write flush (docs/perf-notes.md, session 13)? Reads a 1x32768-like NHD cache
-[2048 pages, 2, 16, 8, 128] bf16 in random page order, 8 heads x 64 chunks = 512 programs, each
-one head's K and V page tiles of its 32 pages, fed to dots as the decode's are:
-  ptr:  pointer loads of [16, 128] page tiles (Triton pipelines them as cp.async, no hint)
+"""Bare paged reads of a decode's KV cache: how fast can any kernel read it under the bench's
+write flush (docs/perf-notes.md, sessions 13, 14 and 38)? Reads an NHD cache [pages, 2, 16, 8,
+128] bf16 of ``--shapes`` (batch x kv_len: batch x kv_len / 16 pages in one random order), one
+program per (chunk, head) reading that head's K and V tiles of its chunk's pages, fed to dots as
+the decode's are:
+  ptr:  pointer loads, ``--block-pages`` pages of token rows a step (Triton pipelines them as
+        cp.async, no hint; ``--stages``)
   tma:  a 3-D descriptor [pages*32, 8, 128], block [16, 1, 128], one load per page tile
   tma+hint: the same with `.L2::cache_hint` + an evict_first policy added to its PTX (stages hook)
 Each variant in its own process (own Triton cache: the hook is not in Triton's cache key):
-  python scripts/paged_read_probe.py ptr|tma|tma+hint
-  TRITON_INTERPRET=1 python scripts/paged_read_probe.py ptr|tma --check-small   (CPU: the sums only)
+  python scripts/paged_read_probe.py ptr --shapes 16x8192,64x4096 --programs 512,1024 --block-pages 1,4
+  python scripts/paged_read_probe.py tma|tma+hint
+  TRITON_INTERPRET=1 python scripts/paged_read_probe.py ptr|tma --check-small --block-pages 1,2,4   (CPU)
 The hint is a PTX rewrite in a Triton stages hook, an experiment: nothing in flashdispatch uses it."""
+import argparse
 import os
 import re
 import statistics
 import sys
 import tempfile
 
-MODE = sys.argv[1]
+MODE = sys.argv[1] if len(sys.argv) > 1 else "ptr"
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix=f"fd_tma_{MODE.replace('+', '_')}_"))
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -44,18 +48,21 @@ if MODE == "tma+hint":
 
 
 @triton.jit
-def paged_ptr_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
-    """Program (chunk c, head h): out[pid] = the column sums of h's K and V rows over its pages."""
+def paged_ptr_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr):
+    """Program (chunk c, head h): out[pid] = the column sums of h's K and V rows over its pages,
+    BLOCK_PAGES pages a step (token rows gathered from their pages, as the decode's tiles are)."""
     pid = tl.program_id(0)
     h, c = pid % HEADS, pid // HEADS
-    rows = tl.arange(0, PAGE)[:, None] * (HEADS * D) + tl.arange(0, D)[None, :]
+    tokens = tl.arange(0, BLOCK_PAGES * PAGE)
+    within = (tokens % PAGE)[:, None] * (HEADS * D) + h * D + tl.arange(0, D)[None, :]
     acc = tl.zeros([PAGE, D], tl.float32)
-    for i in tl.range(c * per_prog, c * per_prog + per_prog, num_stages=3):
-        page = tl.load(idx_ptr + i).to(tl.int64)
-        base = cache_ptr + page * (2 * PAGE * HEADS * D) + h * D
-        k = tl.load(base + rows)
-        v = tl.load(base + PAGE * HEADS * D + rows)
-        ones = tl.full([PAGE, PAGE], 1.0, k.dtype)
+    for i in tl.range(c * per_prog, c * per_prog + per_prog, BLOCK_PAGES, num_stages=STAGES):
+        page = tl.load(idx_ptr + i + tokens // PAGE).to(tl.int64)
+        base = cache_ptr + page[:, None] * (2 * PAGE * HEADS * D) + within
+        k = tl.load(base)
+        v = tl.load(base + PAGE * HEADS * D)
+        ones = tl.full([PAGE, BLOCK_PAGES * PAGE], 1.0, k.dtype)
         acc = tl.dot(ones, k, acc)  # the tiles feed dots, as in the decode: Triton pipelines them
         acc = tl.dot(ones, v, acc)
     tl.store(out_ptr + pid * D + tl.arange(0, D), tl.sum(acc, 0) / PAGE)
@@ -80,39 +87,74 @@ def paged_tma_sum(cache_ptr, idx_ptr, out_ptr, per_prog, n_rows, HEADS: tl.const
     tl.store(out_ptr + pid * D + tl.arange(0, D), tl.sum(acc, 0) / PAGE)
 
 
+def parse_args():
+    ap = argparse.ArgumentParser(description="bare paged reads of a decode's KV cache under the bench's flushes")
+    ap.add_argument("mode", choices=("ptr", "tma", "tma+hint"))
+    ap.add_argument("--shapes", default="1x32768", help="batch x kv_len list (a flat random page list of that many "
+                    "16-token pages of 8 heads x 128; requests play no part in a bare read)")
+    ap.add_argument("--programs", default="512", help="programs (chunks x 8 heads), a list; each must split the "
+                    "pages evenly")
+    ap.add_argument("--block-pages", default="1", help="pages a step (ptr only), a list")
+    ap.add_argument("--stages", default="3", help="num_stages of the page loop (ptr only), a list")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--flush", default="write,read")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--check-small", action="store_true", help="CPU: the sums of a small cache only")
+    return ap.parse_args()
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main():
-    """Check the sums against torch, then (GPU) time 50 calls after each kind of L2 flush."""
-    small = "--check-small" in sys.argv
+    """For each shape and config: check the sums against torch, then (GPU) time ``--reps`` calls
+    after each kind of L2 flush (median)."""
+    args = parse_args()
+    small = args.check_small
     dev = "cpu" if small else "cuda"
     heads, d, page = (2, 16, 16) if small else (8, 128, 16)
-    pages, chunks = (12, 3) if small else (2048, 64)  # 1x32768: 2048 pages of 16; 64 chunks x 8 heads
-    per = pages // chunks
-    g = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.float16 if small else torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
-    cache = torch.randn(pages, 2, page, heads, d, generator=g, device=dev, dtype=dtype)
-    idx = torch.randperm(pages, generator=g, device=dev).to(torch.int32)
-    out = torch.empty(chunks * heads, d, device=dev, dtype=torch.float32)
-    grid = (chunks * heads,)
-    if MODE == "ptr":
-        run = lambda: paged_ptr_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page, num_warps=4)
-    else:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
-        run = lambda: paged_tma_sum[grid](cache, idx, out, per, pages * 2 * page, HEADS=heads, D=d, PAGE=page,
-                                          num_warps=4)
-    run()
-    c = cache.float()
-    want = torch.stack([(c[idx[ci * per:(ci + 1) * per].long(), :, :, h, :]).sum((0, 1, 2))
-                        for ci in range(chunks) for h in range(heads)])
-    err = float((out - want).abs().max() / want.abs().max())
-    print(f"{MODE}: max rel err {err:.1e}", flush=True)
-    if small:
-        assert err < 1e-3
-        return
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from flashdispatch.bench.timing import L2Flusher, device_times_ms
-    for mode in ("write", "read"):
-        ms = statistics.median(device_times_ms(run, 50, L2Flusher(cache.device, mode=mode)))
-        print(f"{MODE:9} flush {mode}: {ms * 1e3:6.1f} us  {cache.numel() * 2 / ms / 1e9:5.2f} TB/s", flush=True)
+    shapes = ["1x192"] if small else args.shapes.split(",")
+    for shape in shapes:
+        batch, kv_len = (int(x) for x in shape.split("x"))
+        pages = batch * kv_len // page
+        g = torch.Generator(device=dev).manual_seed(0)
+        cache = torch.randn(pages, 2, page, heads, d, generator=g, device=dev, dtype=dtype)
+        idx = torch.randperm(pages, generator=g, device=dev).to(torch.int32)
+        c = cache.float()
+        configs = [(p, bp, st) for p in ([6] if small else ints(args.programs)) for bp in ints(args.block_pages)
+                   for st in ints(args.stages)]
+        for programs, block_pages, stages in configs:
+            chunks = programs // heads
+            per = pages // chunks
+            if programs % heads or pages % chunks or per % block_pages:
+                print(f"{shape} programs {programs} block_pages {block_pages}: pages do not split evenly, skipped")
+                continue
+            out = torch.empty(chunks * heads, d, device=dev, dtype=torch.float32)
+            grid = (chunks * heads,)
+            if MODE == "ptr":
+                run = lambda: paged_ptr_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page,  # noqa: E731
+                                                  BLOCK_PAGES=block_pages, STAGES=stages, num_warps=args.warps)
+            else:
+                triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
+                run = lambda: paged_tma_sum[grid](cache, idx, out, per, pages * 2 * page, HEADS=heads,  # noqa: E731
+                                                  D=d, PAGE=page, num_warps=args.warps)
+            run()
+            want = torch.stack([(c[idx[ci * per:(ci + 1) * per].long(), :, :, h, :]).sum((0, 1, 2))
+                                for ci in range(chunks) for h in range(heads)])
+            err = float((out - want).abs().max() / want.abs().max())
+            label = f"{MODE} {shape} programs {programs} block_pages {block_pages} stages {stages}"
+            if small:
+                print(f"{label}: max rel err {err:.1e}", flush=True)
+                assert err < 1e-3
+                continue
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+            from flashdispatch.bench.timing import L2Flusher, device_times_ms
+            for mode in args.flush.split(","):
+                ms = statistics.median(device_times_ms(run, args.reps, L2Flusher(cache.device, mode=mode)))
+                print(f"{label} flush {mode}: {ms * 1e3:6.1f} us  {cache.numel() * 2 / ms / 1e9:5.2f} TB/s "
+                      f"(err {err:.1e})", flush=True)
 
 
 if __name__ == "__main__":
