@@ -155,11 +155,12 @@ CHECK_INPUTS_ENV = "FLASHDISPATCH_CHECK_INPUTS"
 - unset (or any value but "0"/"1"): the wrappers' plan() checks the page indices it uses
   (`page_indices_checked`: their (min, max), one reduction on the device, read with the lengths
   plan() reads anyway); the plan-less cuDNN entry points check no device value (no host sync).
-  A decode plan() whose indptr and last_page_len are on the host, with a backend that clamps
+  A decode or paged prefill plan() whose lengths are on the host, with a backend that clamps
   page indices (fa2), does not wait for that reduction: the check ends at a later run() or
-  plan() (`BatchDecodeWithPagedKVCacheWrapper._finish_page_check`).
+  plan() (`deferred_check.DeferredPageCheck._finish_page_check`).
 - "0": no check at all: plan() skips the page-index check too, and an index outside the cache
-  is read as it is, as in FlashInfer (for callers who guarantee valid indices).
+  is read as it is, as in FlashInfer (for callers who guarantee valid indices), except by
+  kernels that clamp page indices (fa2 decode and paged prefill read the last page instead).
 - "1": the page-index check, and the plan-less cuDNN entry points read back their lengths, block
   table and offsets at every call and check them (`device_values_checked`; a host sync, skipped
   while a CUDA graph is being captured)."""

@@ -7,7 +7,7 @@ it; see `explain()` for why a backend was chosen.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -15,15 +15,13 @@ import torch
 from . import checks
 from .backends.base import PagedKV
 from .backends.cudnn import direct as cudnn_direct
+from .deferred_check import DeferredPageCheck
 from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, check_requested, device_int32, on_device, paged_params, plan_problem,
                       require_plan, run_attention, scratch_workspace, single_key, single_plans)
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
-
-if TYPE_CHECKING:
-    from .device_read import IndexRangeReader
 
 
 def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
@@ -116,12 +114,7 @@ class _DecodePlanArgs(NamedTuple):
     workspace: torch.Tensor
 
 
-def _clamps(planned) -> bool:
-    """Whether the planned backend's kernels clamp the page indices they read."""
-    return planned is not None and planned.backend.clamps_page_indices(planned.problem)
-
-
-class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
+class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
     """Batch decode attention over a paged KV cache: ``plan()`` once per step, ``run()`` per layer.
 
     Parameters
@@ -161,8 +154,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                 checks.check_tensor(buf, name, ndim=1, dtypes=(torch.int32,), device=self._device)
             self._graph_buffers = bufs
         self._plan_args: _DecodePlanArgs | None = None
-        self._page_reader: IndexRangeReader | None = None  # a deferred page-index check (`_finish_page_check`)
-        self._cache_pages: int | None = None  # pages of the cache the last run() got
         self._qo_indptrs: dict[int, torch.Tensor] = {}  # q_len -> qo_indptr of the last batch size
 
     @property
@@ -205,8 +196,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         batch = checks.check_indptr_length(indptr, "indptr") - 1
         checks.check_lengths_count(last_page_len, "last_page_len", batch)
         self._finish_page_check()  # the last plan()'s, if its runs did not finish it
-        # lengths on the host, page indices on a GPU: their check need not wait for the GPU
-        defer = indptr.is_cpu and last_page_len.is_cpu and indices.is_cuda and checks.page_indices_checked()
+        defer = self._defers_page_check((indptr, last_page_len), indices)  # (deferred_check.py)
         (indptr_h, last_h), minmax = checks.host_arrays([indptr, last_page_len], None if defer else indices)
         pages = checks.check_indptr(indptr_h, "indptr")
         kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size)
@@ -215,55 +205,19 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
                              f"(paged_kv_indptr_buffer), got indptr for batch_size={batch}")
-        if defer and used_pages > 0:
-            if self._page_reader is None:
-                from .device_read import IndexRangeReader  # Triton: only where device values are read
-                self._page_reader = IndexRangeReader()
-            self._page_reader.start(indices, used_pages)
-            max_page_index = 0  # until the check ends: page 0 at least is read
+        if defer:
+            max_page_index = self._begin_page_check(indices, used_pages, max_page_index)
         previous = self._plan_args
         self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
                                           int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars,
                                           self._workspace())
-        try:
-            self._plan_variants(refresh=previous is not None and previous.scalars is scalars
-                                and previous.kv_lens_h.size == batch and previous.workspace is self._plan_args.workspace)
-        except BaseException:
-            if self._page_checking():
-                self._page_reader.result()  # this plan failed: its check goes with it
-            raise
-        if self._page_checking() and not _clamps(self._planned):
-            self._finish_page_check()
+        refresh = (previous is not None and previous.scalars is scalars and previous.kv_lens_h.size == batch
+                   and previous.workspace is self._plan_args.workspace)
+        self._planning_with_page_check(lambda: self._plan_variants(refresh=refresh))
 
-    def _page_checking(self) -> bool:
-        """Whether a deferred page-index check has not ended (`_finish_page_check`)."""
-        return self._page_reader is not None and self._page_reader.pending
-
-    def _finish_page_check(self) -> None:
-        """End a deferred page-index check (waiting for its reduction if it has not run): raise
-        ValueError for a negative page index, or for one past the pages of the cache the last
-        run() got; else make its largest index what run() checks the cache against.
-
-        plan() defers the check when indptr and last_page_len are on the host, the indices on a
-        GPU, and the selected backend clamps page indices (`Backend.clamps_page_indices`): it then
-        returns without waiting for the GPU, as FlashInfer's plan() does with host indptr. The
-        check ends at the first run() that finds its reduction done (before the launch), at a
-        run() of a backend that does not clamp, or at the next plan() (CUDA-graph replays). Runs
-        before its end read clamped pages: an error raised at the end says their outputs are
-        wrong."""
-        if not self._page_checking():
-            return
-        low, high = self._page_reader.result()
-        clamped = "any run() of that plan before this error read the cache's last page in its place"
-        if low < 0:
-            raise ValueError(f"indices of the last plan() hold a negative page index {low} in their first "
-                             f"{self._plan_args.used_pages} entries (indptr[-1]); {clamped}")
-        if self._cache_pages is not None and high >= self._cache_pages:
-            raise ValueError(f"indices of the last plan() reference page {high}, but paged_kv_cache has only "
-                             f"{self._cache_pages} pages (the cache of the last run()); {clamped}")
+    def _set_max_page_index(self, high: int) -> None:
         self._plan_args = self._plan_args._replace(max_page_index=high)
-        for planned in self._variants.values():
-            planned.max_page_index = high
+        super()._set_max_page_index(high)
 
     def _check_scalars(self, q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim, page_size,
                        pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
@@ -332,9 +286,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         q_len = checks.check_positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req")
         planned = self._variant((q_len, return_lse))
         kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        self._cache_pages = kv.num_pages
-        if self._page_checking() and (self._page_reader.done() or not _clamps(planned)):
-            self._finish_page_check()
+        self._page_check_at_run(planned, kv.num_pages)
         return run_attention(planned, q, kv, out=out, lse=lse, return_lse=return_lse,
                              q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
 

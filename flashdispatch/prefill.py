@@ -11,6 +11,7 @@ from . import checks
 from .backends.base import AttentionParams, RaggedKV
 from .backends.cudnn import direct as cudnn_direct
 from .decode import _split_kv_cache, paged_attention_from_block_tables
+from .deferred_check import DeferredPageCheck
 from .dispatch.entry_paths import selects_cudnn_direct
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
@@ -103,7 +104,7 @@ class _PrefillWrapper(WrapperBase):
         """Deprecated no-op kept for old FlashInfer code."""
 
 
-class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
+class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
     """Batch prefill/append attention of ragged queries against a paged KV cache.
 
     Parameters
@@ -121,7 +122,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     backend : str
         ``"auto"`` or a backend name.
     jit_args, jit_kwargs : not supported; must be None.
+
+    With qo_indptr, paged_kv_indptr and paged_kv_last_page_len on the host and the page indices on
+    a GPU, plan() checks the indices without waiting for the GPU when the backend clamps them
+    (fa2); the check ends at a later run() or plan() (deferred_check.py).
     """
+
+    _INDICES = "paged_kv_indices"
+    _INDPTR = "paged_kv_indptr"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
@@ -173,16 +181,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         n = checks.check_indptr_length(paged_kv_indptr, "paged_kv_indptr")
         checks.check_indptr_length(qo_indptr, "qo_indptr", n)
         checks.check_lengths_count(paged_kv_last_page_len, "paged_kv_last_page_len", n - 1)
-        (kv_indptr_h, qo_indptr_h, last_h), minmax = checks.host_arrays(
-            [paged_kv_indptr, qo_indptr, paged_kv_last_page_len], paged_kv_indices)
+        self._finish_page_check()  # the last plan()'s, if its runs did not finish it
+        lengths = [paged_kv_indptr, qo_indptr, paged_kv_last_page_len]
+        defer = self._defers_page_check(lengths, paged_kv_indices)  # (deferred_check.py)
+        (kv_indptr_h, qo_indptr_h, last_h), minmax = checks.host_arrays(lengths, None if defer else paged_kv_indices)
         pages = checks.check_indptr(kv_indptr_h, "paged_kv_indptr")
         qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
         kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, "paged_kv_last_page_len")
-        max_page_index = checks.check_page_indices(paged_kv_indices.numel(), int(kv_indptr_h[-1]), minmax,
+        used_pages = int(kv_indptr_h[-1])
+        max_page_index = checks.check_page_indices(paged_kv_indices.numel(), used_pages, minmax,
                                                    "paged_kv_indices", "paged_kv_indptr")
+        if defer:
+            max_page_index = self._begin_page_check(paged_kv_indices, used_pages, max_page_index)
         qo_param = qo_indptr_h  # copied to the device with the kv lengths, unless the graph buffer holds it
         if self._graph_buffers is not None:
-            tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices[: int(kv_indptr_h[-1])], paged_kv_last_page_len)
+            tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices[:used_pages], paged_kv_last_page_len)
             qo_param, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len = (
                 self._fixed_buffer(b, t, n + "_buf") for b, t, n in zip(self._graph_buffers, tensors, names))
         problem, extra = self._problem_and_params(
@@ -194,8 +207,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
         params = paged_params(qo_param, kv_lens_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                               self._device, qo_lens_h.tolist(), **extra)
-        self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
-                       workload=host_workload(qo_lens_h, kv_lens_h))
+        self._planning_with_page_check(lambda: self._set_plan(
+            problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
+            workload=host_workload(qo_lens_h, kv_lens_h)))
+
+    def _set_max_page_index(self, high: int) -> None:
+        self._base_plan[2]["max_page_index"] = high  # for the variants planned later
+        super()._set_max_page_index(high)
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
@@ -206,6 +224,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         checks.reject_extra_args(args, "run")
         planned = self._variant(return_lse)
         kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        self._page_check_at_run(planned, kv.num_pages)
         return run_attention(planned, q, kv, out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
                              k_scale=k_scale, v_scale=v_scale)
 

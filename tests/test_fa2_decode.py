@@ -72,7 +72,7 @@ def test_layouts_and_splits(layout, storage, split):
         assert plan.n_merge > 0, "one-page chunks must split the long requests"
 
 
-@pytest.mark.parametrize("page_size", [1, 5, 16, 64])  # 5: the page arithmetic is not a shift
+@pytest.mark.parametrize("page_size", [1, 5, 16, 64, 128])  # 5: the page arithmetic is not a shift
 @pytest.mark.parametrize("heads", [(2, 2), (4, 1), (8, 2)])
 def test_page_sizes_and_groups(page_size, heads):
     lens = (5, 70) if page_size == 1 else (0, 37, 300)

@@ -23,7 +23,9 @@ def _case(kv_lens, **kw):
     kw.setdefault("num_kv_heads", 2)
     kw.setdefault("head_dim_qk", 128)
     kw.setdefault("q_dtype", torch.bfloat16)
-    return make_paged_case("decode", kv_lens=list(kv_lens), device="cuda", poison_unused=False, **kw)
+    # NaN in the cache slots no request uses: only the grid's (oracle marks them token by token)
+    kw.setdefault("poison_unused", False)
+    return make_paged_case("decode", kv_lens=list(kv_lens), device="cuda", **kw)
 
 
 def _check(case, **kw):
@@ -39,11 +41,11 @@ LENGTHS = {"one-long": [4097], "mixed": [0, 1, 15, 16, 17, 300, 2000]}
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.float16,) * 2,
                                     (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp16", "fp8kv"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 def test_grid(lengths, page_size, layout, dtypes, head_dim):
     case = _case(LENGTHS[lengths], page_size=page_size, kv_layout=layout, q_dtype=dtypes[0],
-                 kv_dtype=dtypes[1], head_dim_qk=head_dim, seed=page_size + head_dim,
+                 kv_dtype=dtypes[1], head_dim_qk=head_dim, seed=page_size + head_dim, poison_unused=True,
                  k_scale=0.8 if dtypes[1] != dtypes[0] else None, v_scale=1.5 if dtypes[1] != dtypes[0] else None)
     _check(case)
 

@@ -1,7 +1,8 @@
-"""Page indices the API has not checked: the fa2 decode kernel clamps each one into the cache, and
-a decode plan() with its lengths on the host checks the indices on the GPU without waiting
-(`BatchDecodeWithPagedKVCacheWrapper._finish_page_check`)."""
+"""Page indices the API has not checked: the fa2 decode and paged prefill kernels clamp each one
+into the cache, and a decode or paged prefill plan() with its lengths on the host checks the
+indices on the GPU without waiting (`deferred_check.DeferredPageCheck._finish_page_check`)."""
 import json
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -11,6 +12,17 @@ from flashdispatch import checks
 from flashdispatch.backends.fa2.decode_config import CONFIG_ENV
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 64, 8
+OPS = ("decode", "prefill")
+
+
+class Case(NamedTuple):
+    op: str
+    indptr: torch.Tensor  # int32 on the CPU, as last and qo_indptr
+    indices: torch.Tensor
+    last: torch.Tensor
+    qo_indptr: torch.Tensor  # prefill: up to 3 causal query rows a request (as many as its kv_len)
+    q: torch.Tensor
+    cache: torch.Tensor
 
 
 def tables(gen, lens, num_pages):
@@ -22,66 +34,76 @@ def tables(gen, lens, num_pages):
     return indptr, indices, last
 
 
-def case(seed, lens, num_pages, device, dtype=torch.float16):
+def case(op, seed, lens, num_pages, device, dtype=torch.float16):
     """Tables plus q and a cache of random values on every page (a clamped index reads real data)."""
     gen = torch.Generator().manual_seed(seed)
     indptr, indices, last = tables(gen, lens, num_pages)
-    q = torch.randn(len(lens), HEADS, DIM, generator=gen).to(device, dtype)
+    qo_lens = [1] * len(lens) if op == "decode" else [min(n, 3) for n in lens]
+    qo_indptr = torch.tensor([0] + qo_lens).cumsum(0).int()
+    q = torch.randn(int(qo_indptr[-1]), HEADS, DIM, generator=gen).to(device, dtype)
     cache = torch.randn(num_pages, 2, PAGE, KV_HEADS, DIM, generator=gen).to(device, dtype)
-    return indptr, indices, last, q, cache
+    return Case(op, indptr, indices.to(device), last, qo_indptr, q, cache)
 
 
-def wrapper(backend, device, **kw):
-    ws = torch.empty(16 << 20, dtype=torch.uint8, device=device)
-    return fd.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend=backend, **kw)
+def wrapper(c: Case, backend, **kw):
+    ws = torch.empty(16 << 20, dtype=torch.uint8, device=c.q.device)
+    cls = fd.BatchDecodeWithPagedKVCacheWrapper if c.op == "decode" else fd.BatchPrefillWithPagedKVCacheWrapper
+    return cls(ws, "NHD", backend=backend, **kw)
 
 
-def plan(w, indptr, indices, last, dtype=torch.float16):
-    w.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, q_data_type=dtype, kv_data_type=dtype)
+def plan(w, c: Case, indices=None, on=None):
+    """Plan ``c`` (its indices, or ``indices``), the lengths on ``on`` (None: the CPU)."""
+    indptr, last, qo = (t if on is None else t.to(on) for t in (c.indptr, c.last, c.qo_indptr))
+    indices = c.indices if indices is None else indices
+    kw = dict(q_data_type=c.q.dtype, kv_data_type=c.q.dtype)
+    if c.op == "decode":
+        w.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, **kw)
+    else:
+        w.plan(qo, indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, causal=True, **kw)
 
 
-def decode(backend, indptr, indices, last, q, cache):
-    w = wrapper(backend, q.device)
-    plan(w, indptr, indices, last, q.dtype)
-    return w.run(q, cache)
+def attend(backend, c: Case, indices=None, on=None):
+    w = wrapper(c, backend)
+    plan(w, c, indices, on)
+    return w.run(c.q, c.cache)
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("page_prefetch", [False, True])
-def test_fa2_decode_clamps_page_indices_outside_the_cache(monkeypatch, page_prefetch):
+@pytest.mark.parametrize("op, page_prefetch", [("decode", False), ("decode", True), ("prefill", None)])
+def test_fa2_clamps_page_indices_outside_the_cache(monkeypatch, op, page_prefetch):
     """With the check off, indices past the cache and negative ones read the cache's last page:
-    fa2 equals the reference run on the clamped indices (no read outside the cache). Both page
-    loads: at the tile's use, and a tile ahead (`DecodeConfig.page_prefetch`, the default on GPUs)."""
+    fa2 equals the reference run on the clamped indices (no read outside the cache). Decode's both
+    page loads: at the tile's use, and a tile ahead (`DecodeConfig.page_prefetch`, the default on GPUs)."""
     monkeypatch.setenv(checks.CHECK_INPUTS_ENV, "0")
-    monkeypatch.setenv(CONFIG_ENV, json.dumps({"page_prefetch": page_prefetch}))
+    if page_prefetch is not None:
+        monkeypatch.setenv(CONFIG_ENV, json.dumps({"page_prefetch": page_prefetch}))
     pages = 12
-    indptr, indices, last, q, cache = case(0, [9, 17, 30], pages, "cpu")
-    bad = indices.clone()
+    c = case(op, 0, [9, 17, 30], pages, "cpu")
+    bad = c.indices.clone()
     bad[[0, 3, 6]] = torch.tensor([pages, -2, pages + 1000], dtype=torch.int32)
     clamped = torch.where((bad < 0) | (bad >= pages), pages - 1, bad).int()
-    got = decode("fa2", indptr, bad, last, q, cache)
-    want = decode("reference", indptr, clamped, last, q, cache)
-    assert rel(got, want) < 2e-3
-    assert rel(got, decode("reference", indptr, indices, last, q, cache)) > 1e-2  # the clamp changed pages
+    got = attend("fa2", c, bad)
+    assert rel(got, attend("reference", c, clamped)) < 2e-3
+    assert rel(got, attend("reference", c)) > 1e-2  # the clamp changed pages
 
 
-def test_cpu_tables_are_checked_inside_plan():
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_tables_are_checked_inside_plan(op):
     """Indices on the CPU (the tests' fa2 under the interpreter): no deferred check."""
-    indptr, indices, last, _, _ = case(1, [9, 17], 8, "cpu")
-    indices[2] = -5
-    w = wrapper("fa2", "cpu")
+    c = case(op, 1, [9, 17], 8, "cpu")
+    c.indices[2] = -5
+    w = wrapper(c, "fa2")
     with pytest.raises(ValueError, match="negative page index -5"):
-        plan(w, indptr, indices, last)
+        plan(w, c)
     assert not w._page_checking()
 
 
 # --- on the GPU: plan() with host lengths does not wait for the GPU ---------------------------------
-def gpu_case(seed, pages=64, lens=(40, 7, 0, 130), dtype=torch.bfloat16):
-    indptr, indices, last, q, cache = case(seed, list(lens), pages, "cuda", dtype)
-    return indptr, indices.cuda(), last, q, cache
+def gpu_case(op, seed, pages=64, lens=(40, 7, 0, 130), dtype=torch.bfloat16):
+    return case(op, seed, list(lens), pages, "cuda", dtype)
 
 
 def busy_gpu() -> torch.cuda.Event:
@@ -93,98 +115,99 @@ def busy_gpu() -> torch.cuda.Event:
 
 
 @pytest.mark.gpu
-def test_host_lengths_plan_and_run_do_not_wait_for_the_gpu():
-    indptr, indices, last, q, cache = gpu_case(2)
-    w = wrapper("fa2", "cuda")
-    plan(w, indptr, indices, last, q.dtype)
-    w.run(q, cache)  # compiles
+@pytest.mark.parametrize("op", OPS)
+def test_host_lengths_plan_and_run_do_not_wait_for_the_gpu(op):
+    c = gpu_case(op, 2)
+    w = wrapper(c, "fa2")
+    plan(w, c)
+    w.run(c.q, c.cache)  # compiles
     torch.cuda.synchronize()
     busy = busy_gpu()
-    plan(w, indptr, indices, last, q.dtype)
-    out = w.run(q, cache)
+    plan(w, c)
+    out = w.run(c.q, c.cache)
     assert not busy.query(), "plan() or run() waited for the GPU"
     assert w._page_checking()  # still pending: ends at the next plan()
     torch.cuda.synchronize()
-    want = decode("reference", indptr.cuda(), indices, last.cuda(), q, cache)
-    assert rel(out, want) < 2e-2
-    plan(w, indptr, indices, last, q.dtype)  # ends the last check (valid)
+    assert rel(out, attend("reference", c, on="cuda")) < 2e-2
+    plan(w, c)  # ends the last check (valid)
     torch.cuda.synchronize()
-    w.run(q, cache)  # finds this plan's check done: the largest index is now what run() checks
-    assert not w._page_checking() and w._planned.max_page_index == int(indices.max())
+    w.run(c.q, c.cache)  # finds this plan's check done: the largest index is now what run() checks
+    assert not w._page_checking() and w._planned.max_page_index == int(c.indices.max())
 
 
 @pytest.mark.gpu
-def test_a_bad_index_found_before_the_run_refuses_the_launch():
-    indptr, indices, last, q, cache = gpu_case(3)
-    indices[5] = -3
-    w = wrapper("fa2", "cuda")
-    plan(w, indptr, indices, last, q.dtype)  # returns: the check is on its way
+@pytest.mark.parametrize("op", OPS)
+def test_a_bad_index_found_before_the_run_refuses_the_launch(op):
+    c = gpu_case(op, 3)
+    c.indices[5] = -3
+    w = wrapper(c, "fa2")
+    plan(w, c)  # returns: the check is on its way
     torch.cuda.synchronize()
-    out = torch.full((q.shape[0], HEADS, DIM), float("nan"), dtype=q.dtype, device="cuda")
+    out = torch.full((c.q.shape[0], HEADS, DIM), float("nan"), dtype=c.q.dtype, device="cuda")
     with pytest.raises(ValueError, match="negative page index -3"):
-        w.run(q, cache, out=out)
+        w.run(c.q, c.cache, out=out)
     assert out.isnan().all()  # nothing was launched
-    indices[5] = cache.shape[0] + 4
-    plan(w, indptr, indices, last, q.dtype)
+    c.indices[5] = c.cache.shape[0] + 4
+    plan(w, c)
     torch.cuda.synchronize()
-    with pytest.raises(ValueError, match=f"reference page {cache.shape[0] + 4}, but paged_kv_cache has only"):
-        w.run(q, cache, out=out)
+    with pytest.raises(ValueError, match=f"reference page {c.cache.shape[0] + 4}, but paged_kv_cache has only"):
+        w.run(c.q, c.cache, out=out)
     assert out.isnan().all()
 
 
 @pytest.mark.gpu
-def test_a_bad_index_found_after_the_run_fails_the_next_plan():
-    indptr, indices, last, q, cache = gpu_case(4)
-    good = indices.clone()
-    indices[7] = cache.shape[0] + 9
-    w = wrapper("fa2", "cuda")
-    plan(w, indptr, good, last, q.dtype)
-    w.run(q, cache)
+@pytest.mark.parametrize("op", OPS)
+def test_a_bad_index_found_after_the_run_fails_the_next_plan(op):
+    c = gpu_case(op, 4)
+    bad = c.indices.clone()
+    bad[7] = c.cache.shape[0] + 9
+    w = wrapper(c, "fa2")
+    plan(w, c)
+    w.run(c.q, c.cache)
     torch.cuda.synchronize()
     busy_gpu()
-    plan(w, indptr, indices, last, q.dtype)
-    w.run(q, cache)  # launched before the check ran: reads the last page for the bad index
-    with pytest.raises(ValueError, match=f"reference page {cache.shape[0] + 9}, but paged_kv_cache has only "
-                                         f"{cache.shape[0]} pages \\(the cache of the last run\\(\\)\\)"):
-        plan(w, indptr, good, last, q.dtype)
-    plan(w, indptr, good, last, q.dtype)  # the wrapper goes on
-    want = decode("reference", indptr.cuda(), good, last.cuda(), q, cache)
-    assert rel(w.run(q, cache), want) < 2e-2
+    plan(w, c, bad)
+    w.run(c.q, c.cache)  # launched before the check ran: reads the last page for the bad index
+    with pytest.raises(ValueError, match=f"reference page {c.cache.shape[0] + 9}, but paged_kv_cache has only "
+                                         f"{c.cache.shape[0]} pages \\(the cache of the last run\\(\\)\\)"):
+        plan(w, c)
+    plan(w, c)  # the wrapper goes on
+    assert rel(w.run(c.q, c.cache), attend("reference", c, on="cuda")) < 2e-2
 
 
 @pytest.mark.gpu
-def test_a_backend_that_does_not_clamp_checks_inside_plan():
-    indptr, indices, last, q, cache = gpu_case(5)
-    indices[1] = -7
-    w = wrapper("reference", "cuda")
+@pytest.mark.parametrize("op", OPS)
+def test_a_backend_that_does_not_clamp_checks_inside_plan(op):
+    c = gpu_case(op, 5)
+    c.indices[1] = -7
+    w = wrapper(c, "reference")
     busy_gpu()
     with pytest.raises(ValueError, match="negative page index -7"):
-        plan(w, indptr, indices, last, q.dtype)
+        plan(w, c)
     assert not w._page_checking()
 
 
 @pytest.mark.gpu
 def test_a_graph_replay_of_a_bad_plan_fails_the_next_plan():
     """CUDA graphs: the replay runs no Python; the next plan() ends the check."""
-    indptr, indices, last, q, cache = gpu_case(6)
-    batch, pages = len(last), cache.shape[0]
+    c = gpu_case("decode", 6)
+    batch, pages = len(c.last), c.cache.shape[0]
     bufs = [torch.zeros(n, dtype=torch.int32, device="cuda") for n in (batch + 1, pages, batch)]
     ws = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
     w = fd.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, *bufs, "NHD")
-    plan(w, indptr, indices, last, q.dtype)
-    out = w.run(q, cache)  # compiles
+    plan(w, c)
+    out = w.run(c.q, c.cache)  # compiles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = w.run(q, cache)
-    bad = indices.clone()
+        out = w.run(c.q, c.cache)
+    bad = c.indices.clone()
     bad[0] = pages + 2
-    plan(w, indptr, bad, last, q.dtype)
+    plan(w, c, bad)
     graph.replay()
     torch.cuda.synchronize()
     with pytest.raises(ValueError, match=f"reference page {pages + 2}"):
-        plan(w, indptr, indices, last, q.dtype)
-    plan(w, indptr, indices, last, q.dtype)
+        plan(w, c)
+    plan(w, c)
     graph.replay()
-    want = decode("reference", indptr.cuda(), indices, last.cuda(), q, cache)
-    assert rel(out, want) < 2e-2
+    assert rel(out, attend("reference", c, on="cuda")) < 2e-2

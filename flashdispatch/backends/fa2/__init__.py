@@ -45,8 +45,8 @@ class FA2Backend(Backend):
 
     @classmethod
     def clamps_page_indices(cls, problem) -> bool:
-        """Decode: its kernel clamps each page index to the cache's pages."""
-        return problem.op == "decode"
+        """Decode and paged prefill: their kernels clamp each page index to the cache's pages."""
+        return problem.op in ("decode", "prefill_paged")
 
     def plan(self, problem, device, params: AttentionParams):
         if problem.op == "decode":

@@ -414,7 +414,7 @@ class PrefillPlan:
             self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
             qk_scale, v_f, p.logits_soft_cap * log2e,
             1.0 / prm.rope_scale, math.log2(prm.rope_theta), kernel_window(p.window_left),
-            q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
+            kv.num_pages if self.paged else 1, q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
         if self._merge is not None:
             self._merge(out, lse)

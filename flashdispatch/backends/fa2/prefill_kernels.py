@@ -37,17 +37,20 @@ _RUNS_HEAD = tl.constexpr(RUNS_HEAD)
 
 
 @triton.jit
-def _page_ids(kv_indices_ptr, kv_start, start_n, kv_len, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Page id of each token of the KV tile at ``start_n`` (int32 [BLOCK_N]; 0 past kv_len).
-    One load per tile when a tile never crosses a page; zeros for ragged KV."""
+def _page_ids(kv_indices_ptr, last_page, kv_start, start_n, kv_len, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page id of each token of the KV tile at ``start_n`` (int32 [BLOCK_N]; 0 past kv_len),
+    clamped to [0, last_page] (compared as unsigned: a negative one clamps too), so an index the
+    API has not checked yet never reads outside the cache. One load per tile when a tile never
+    crosses a page; zeros for ragged KV."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if PAGE_SIZE == 0:
         return tl.zeros([BLOCK_N], tl.int32)
     elif PAGE_SIZE % BLOCK_N == 0:
         page = tl.load(kv_indices_ptr + kv_start + start_n // PAGE_SIZE, mask=start_n < kv_len, other=0)
-        return tl.zeros([BLOCK_N], tl.int32) + page
+        return tl.zeros([BLOCK_N], tl.int32) + tl.minimum(page.to(tl.uint32), last_page).to(tl.int32)
     else:
-        return tl.load(kv_indices_ptr + kv_start + page_of(offs_n, PAGE_SIZE), mask=offs_n < kv_len, other=0)
+        page = tl.load(kv_indices_ptr + kv_start + page_of(offs_n, PAGE_SIZE), mask=offs_n < kv_len, other=0)
+        return tl.minimum(page.to(tl.uint32), last_page).to(tl.int32)
 
 
 @triton.jit
@@ -143,7 +146,7 @@ def _popcount16(x):
 
 @triton.jit
 def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
-                K, V, kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
+                K, V, kv_indices_ptr, last_page, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
                 offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd,
                 stride_vp, stride_vs, stride_vh, stride_vd,
                 qk_scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta,
@@ -172,7 +175,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
         k_base = K + kvh.to(tl.int64) * stride_kh
         v_base = V + kvh.to(tl.int64) * stride_vh
     # page ids are fetched one tile ahead, so the K/V addresses never wait on them
-    page_ids = _page_ids(kv_indices_ptr, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
+    page_ids = _page_ids(kv_indices_ptr, last_page, kv_start, lo, kv_len, PAGE_SIZE, BLOCK_N)
     # a custom mask's partial tiles at BLOCK_N 128 are not pipelined: their bitmap buffers would
     # not fit in shared memory beside the K/V stages (sm90, 128x128, 3 stages: 233472 > 232448 B)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if CUSTOM_MASK and MASKED and BLOCK_N >= 128 else None):
@@ -184,7 +187,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
         else:
             page = page_ids
             slot = slot_in_page(offs_n, PAGE_SIZE)
-            page_ids = _page_ids(kv_indices_ptr, kv_start, next_n, kv_len, PAGE_SIZE, BLOCK_N)
+            page_ids = _page_ids(kv_indices_ptr, last_page, kv_start, next_n, kv_len, PAGE_SIZE, BLOCK_N)
         k_rows = _row_offsets(page, slot, stride_kp, stride_ks)
         if TMA:
             k = K.load([start_n, 0])
@@ -267,7 +270,7 @@ def _load_q_part(Q, q_row_off, offs_m, qo_len, offs_d, stride_qd, pos_m, rope_in
 @triton.jit
 def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
                  mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
-                 qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
+                 qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left, last_page,
                  stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                  stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                  stride_lt, stride_lh,
@@ -371,8 +374,8 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
             for r in range(n_whole if partial else 0, n_runs if partial else n_whole):
                 acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, tl.load(runs + _RUNS_HEAD + 2 * r) * BLOCK_N,
                                             tl.load(runs + _RUNS_HEAD + 2 * r + 1) * BLOCK_N, k_src, v_src,
-                                            kv_indices_ptr, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off,
-                                            offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd,
+                                            kv_indices_ptr, last_page, mask_ptr, kv_start, kv_len, kv_lo, kv_hi, kvh,
+                                            mask_off, offs_m, pos_m, qo_len, stride_kp, stride_ks, stride_kh, stride_kd,
                                             stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap,
                                             window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                             partial == 1, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
@@ -380,29 +383,26 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                             SCALE_POS)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, mask_ptr,
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, last_page, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
-                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
-                                    DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS,
-                                    SCALE_POS)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, k_src, v_src, kv_indices_ptr, mask_ptr,
+                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
+                                    alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
+                                    True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
+                                    WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, k_src, v_src, kv_indices_ptr, last_page, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
-                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
-                                    DOT_PREC, False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                    CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS,
-                                    SCALE_POS)
+                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
+                                    alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
+                                    False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
+                                    WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS)
         # keys from c on are inside every stored row's window (c >= b, the first such tile, or the
         # range is empty): no window test
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, mask_ptr,
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, last_page, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
-                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-                                    scale, alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE,
-                                    DOT_PREC, True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                    CUSTOM_MASK, False, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS,
-                                    SCALE_POS)
+                                    stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
+                                    alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
+                                    True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, False,
+                                    SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS)
 
     seen = l_i > 0.0
     out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
@@ -426,11 +426,11 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
         tl.store(LSE + l_rows, lse, mask=direct)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pages"])  # one compile for any cache size
 def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_indptr_ptr, kv_indptr_ptr,
                        kv_indices_ptr, mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr,
                        q_scale_ptr, k_scale_ptr, v_scale_ptr,
-                       qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
+                       qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left, num_pages,
                        stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                        stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                        stride_lt, stride_lh,
@@ -447,13 +447,15 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
     number of programs striding over item * heads with the item count read from memory.
     SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT).
     TMA: K/V tiles through device-side tensor descriptors (prefill_tma.py; ragged KV only).
-    SCALE_POS: qk_scale is > 0 and no q/k scale tensor multiplies it (see _attn_tiles)."""
+    SCALE_POS: qk_scale is > 0 and no q/k scale tensor multiplies it (see _attn_tiles).
+    num_pages: the paged cache's pages; every page id read is clamped to the last (`_page_ids`)."""
+    last_page = (num_pages - 1).to(tl.uint32)
     if PERSISTENT:
         total = tl.load(num_work_ptr) * NUM_QO_HEADS
         for pid in range(tl.program_id(0), total, tl.num_programs(0)):
             _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
                          mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
-                         qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
+                         qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left, last_page,
                          stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                          stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
@@ -464,7 +466,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
                      kv_indices_ptr, mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
                      v_scale_ptr, qk_scale, v_scale, soft_cap, rope_inv_scale, rope_log2_theta, window_left,
-                     stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
+                     last_page, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,

@@ -1,0 +1,109 @@
+"""The page-index check of a paged wrapper's plan() that does not wait for the GPU.
+
+A serving engine builds a step's lengths (indptr, last_page_len) on the host and its page
+indices on the GPU; FlashInfer's plan() then reads nothing from the device and checks nothing.
+Ours checks the used indices ((min, max) >= 0 and within the cache), and reading them back
+would wait for every kernel queued before plan(), the previous step's included. So when the
+lengths are CPU tensors, the indices a CUDA tensor and the check on
+(`checks.page_indices_checked`), plan() queues the reduction (`device_read.IndexRangeReader`)
+and returns; `DeferredPageCheck._finish_page_check` says where the check ends. That is safe
+only where the planned backend clamps every page index it reads into the cache
+(`Backend.clamps_page_indices`); with another backend plan() ends the check before it returns.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import checks
+
+if TYPE_CHECKING:
+    from .device_read import IndexRangeReader
+    from .planned import PlannedAttention
+
+
+def clamps(planned: PlannedAttention | None) -> bool:
+    """Whether the planned backend's kernels clamp the page indices they read."""
+    return planned is not None and planned.backend.clamps_page_indices(planned.problem)
+
+
+class DeferredPageCheck:
+    """The deferred page-index check of a paged plan()/run() wrapper (a `planned.WrapperBase`).
+
+    plan() calls `_finish_page_check` first (the last plan()'s check), then `_begin_page_check`,
+    and plans inside `_planning_with_page_check`; run() calls `_page_check_at_run` before its
+    launch. ``_INDICES``/``_INDPTR`` name the wrapper's arguments in the errors;
+    `_set_max_page_index` records the largest index where the wrapper keeps it."""
+
+    _INDICES = "indices"
+    _INDPTR = "indptr"
+    _page_reader: IndexRangeReader | None = None  # made at the first deferred check
+    _cache_pages: int | None = None  # pages of the cache the last run() got
+    _checked_pages = 0  # the used indices of the pending check (indptr[-1])
+
+    @staticmethod
+    def _defers_page_check(lengths: tuple[torch.Tensor, ...], indices: torch.Tensor) -> bool:
+        """Whether plan() may queue the check: lengths on the host, indices on a GPU, check on."""
+        return all(t.is_cpu for t in lengths) and indices.is_cuda and checks.page_indices_checked()
+
+    def _begin_page_check(self, indices: torch.Tensor, used_pages: int, max_page_index: int) -> int:
+        """Queue the check of ``indices[:used_pages]``; the largest index plan() may record until
+        it ends (0: page 0 at least is read), or ``max_page_index`` when nothing is used."""
+        if used_pages <= 0:
+            return max_page_index
+        if self._page_reader is None:
+            from .device_read import IndexRangeReader  # Triton: only where device values are read
+            self._page_reader = IndexRangeReader()
+        self._page_reader.start(indices, used_pages)
+        self._checked_pages = used_pages
+        return 0
+
+    def _planning_with_page_check(self, plan) -> None:
+        """``plan()`` (the wrapper's planning), dropping a queued check if it fails, and ending it
+        now where the planned backend does not clamp page indices."""
+        try:
+            plan()
+        except BaseException:
+            if self._page_checking():
+                self._page_reader.result()  # this plan failed: its check goes with it
+            raise
+        if self._page_checking() and not clamps(self._planned):
+            self._finish_page_check()
+
+    def _page_check_at_run(self, planned: PlannedAttention, num_pages: int) -> None:
+        """Before run()'s launch on a cache of ``num_pages`` pages: end the check if its reduction
+        has run, or if ``planned``'s backend does not clamp page indices."""
+        self._cache_pages = num_pages
+        if self._page_checking() and (self._page_reader.done() or not clamps(planned)):
+            self._finish_page_check()
+
+    def _page_checking(self) -> bool:
+        """Whether a deferred page-index check has not ended (`_finish_page_check`)."""
+        return self._page_reader is not None and self._page_reader.pending
+
+    def _finish_page_check(self) -> None:
+        """End a deferred page-index check (waiting for its reduction if it has not run): raise
+        ValueError for a negative page index, or for one past the pages of the cache the last
+        run() got; else make its largest index what run() checks the cache against.
+
+        The check ends at the first run() that finds its reduction done (before the launch), at a
+        run() of a backend that does not clamp, or at the next plan() (CUDA-graph replays run no
+        Python). Runs before its end read clamped pages: an error raised at the end says their
+        outputs are wrong."""
+        if not self._page_checking():
+            return
+        low, high = self._page_reader.result()
+        clamped = "any run() of that plan before this error read the cache's last page in its place"
+        if low < 0:
+            raise ValueError(f"{self._INDICES} of the last plan() hold a negative page index {low} in their first "
+                             f"{self._checked_pages} entries ({self._INDPTR}[-1]); {clamped}")
+        if self._cache_pages is not None and high >= self._cache_pages:
+            raise ValueError(f"{self._INDICES} of the last plan() reference page {high}, but paged_kv_cache has only "
+                             f"{self._cache_pages} pages (the cache of the last run()); {clamped}")
+        self._set_max_page_index(high)
+
+    def _set_max_page_index(self, high: int) -> None:
+        """Record ``high``, the largest used page index, in the plan variants made so far."""
+        for planned in self._variants.values():
+            planned.max_page_index = high
