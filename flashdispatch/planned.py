@@ -464,6 +464,11 @@ class WrapperBase:
             raise ValueError(f"{name} must be contiguous (a CUDA graph reads it in place), got stride {buf.stride()}")
         if buf.numel() < data.numel():
             raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
+        if data.numel() == 0:
+            # an empty view has no address (torch's data_ptr() is 0 then), and a graph captured on
+            # it would replay a null pointer after a re-plan that uses entries: the first entry
+            # instead, which nothing reads while the plan uses none
+            return buf[:1]
         view = buf[: data.numel()]
         if data.data_ptr() != buf.data_ptr() or data.device != buf.device or data.stride() != view.stride():
             view.copy_(data, non_blocking=True)

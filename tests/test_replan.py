@@ -124,6 +124,41 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
     assert w._planned.plan.fused_merge == (merge == "fused")
 
 
+@interpreted
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_a_graph_captured_on_empty_requests_replays_a_replan_with_pages(op):
+    """Graph mode, every request empty at capture: the plan must still hold the fixed indices
+    buffer's address (an empty view's data_ptr() is 0), so a replay after a re-plan that uses
+    pages reads the new table (emulated by running the captured plan object on the new inputs)."""
+    from flashdispatch.backends.base import AttentionInputs, PagedKV
+
+    torch.manual_seed(3)
+    kv = torch.randn(PAGES, 2, PAGE, HKV, D).half()
+    bufs = [torch.zeros(n, dtype=torch.int32) for n in (2, PAGES, 1)]
+    ws = torch.zeros(1 << 22, dtype=torch.uint8)
+    qo = torch.tensor([0, 1], dtype=torch.int32)
+    if op == "decode":
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, use_cuda_graph=True, backend="fa2", paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
+            paged_kv_last_page_len_buffer=bufs[2])
+        plan = lambda table: w.plan(*table, HQ, HKV, D, PAGE, data_type=torch.float16)  # noqa: E731
+    else:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            ws, use_cuda_graph=True, backend="fa2", qo_indptr_buf=torch.zeros(2, dtype=torch.int32),
+            paged_kv_indptr_buf=bufs[0], paged_kv_indices_buf=bufs[1], paged_kv_last_page_len_buf=bufs[2])
+        plan = lambda table: w.plan(qo, *table, HQ, HKV, D, PAGE, q_data_type=torch.float16)  # noqa: E731
+    q = torch.randn(1, HQ, D).half()
+    plan(_table([0], 0))
+    assert w.run(q, kv).abs().max() == 0  # an empty request: zeros
+    captured = w._planned
+    table = _table([70], 1)
+    plan(table)
+    out = torch.full((1, HQ, D), float("nan"), dtype=torch.float16)
+    captured.backend.run(captured.plan, AttentionInputs(q, PagedKV(kv[:, 0], kv[:, 1], "NHD"), out))
+    k, v = paged_to_dense(kv, *table, PAGE, 0)
+    assert rel(out, dense_attention(q, k, v)[0]) < 4e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, max_len, split", [(128, 640, False), (16, 2048, True), (2, 9000, True)],
                          ids=["unsplit", "split-fused", "split-merge-kernel"])
