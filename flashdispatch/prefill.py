@@ -206,7 +206,7 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
         params = paged_params(qo_param, kv_lens_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                              self._device, qo_lens_h.tolist(), **extra)
+                              self._device, qo_lens_h.tolist(), indices_checked=minmax is not None, **extra)
         self._planning_with_page_check(lambda: self._set_plan(
             problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
             workload=host_workload(qo_lens_h, kv_lens_h)))

@@ -53,7 +53,7 @@ def compile_variant(head: int, tiles: list[int], mask: str, tma: bool, rope: boo
                  BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=0, DTYPE=tl.bfloat16, DOT_PREC="tf32", CAUSAL=False,
                  CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, SINKS=False,
                  HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, SPLIT=False,
-                 PERSISTENT=False, TMA=tma, SHARED_ROWS=False, SCALE_POS=True)
+                 PERSISTENT=False, TMA=tma, SHARED_ROWS=False, SCALE_POS=True, CLAMP_PAGES=False)
     const.update(MASKS[mask])
     for name in UNIT_STRIDES:
         const[name] = 1

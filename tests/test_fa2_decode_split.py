@@ -72,3 +72,12 @@ def test_graph_plan_splits_into_its_slots_evenly(feature):
     assert (count * chunk >= eff).all(), "no slot takes a remainder"
     assert plan.info.view(-1, 4)[:, 2].tolist() == count.tolist()
     assert (count == slots).any() and (count < slots).any()
+
+
+@pytest.mark.parametrize("kv_len", [40, 100])
+def test_a_policy_split_of_one_chunk_a_request_runs_unsplit(kv_len):
+    """Short chunks allowed (min_chunk_tokens 16): the policy asks for chunks, but every request
+    fits one (slots 1), so the direct table runs unsplit (plan() once failed with no work count)."""
+    case = _case((kv_len,), page_size=64, seed=61)
+    plan = _check(case, config={"min_chunk_tokens": 16, "split_chunk_tokens": 0})
+    assert plan.direct and plan.split_slots == 1 and plan.split_tokens == 0 and plan.n_merge == 0

@@ -101,6 +101,25 @@ def test_cpu_tables_are_checked_inside_plan(op):
     assert not w._page_checking()
 
 
+def test_fa2_prefill_clamps_only_indices_unchecked_at_plan(monkeypatch):
+    """The prefill kernel's clamp (`PrefillPlan.clamp_pages`) only where plan() has not checked
+    the indices before returning: check off, or deferred; and under CUDA graphs, whose replays
+    follow later plans."""
+    c = case("prefill", 7, [9, 17], 8, "cpu")
+    w = wrapper(c, "fa2")
+    plan(w, c)
+    assert not w._planned.plan.clamp_pages
+    monkeypatch.setenv(checks.CHECK_INPUTS_ENV, "0")
+    plan(w, c)
+    assert w._planned.plan.clamp_pages
+    monkeypatch.delenv(checks.CHECK_INPUTS_ENV)
+    bufs = [torch.zeros(n, dtype=torch.int32) for n in (3, 3, 8, 2)]
+    g = wrapper(c, "fa2", use_cuda_graph=True, qo_indptr_buf=bufs[0], paged_kv_indptr_buf=bufs[1],
+                paged_kv_indices_buf=bufs[2], paged_kv_last_page_len_buf=bufs[3])
+    plan(g, c)
+    assert g._planned.plan.clamp_pages
+
+
 # --- on the GPU: plan() with host lengths does not wait for the GPU ---------------------------------
 def gpu_case(op, seed, pages=64, lens=(40, 7, 0, 130), dtype=torch.bfloat16):
     return case(op, seed, list(lens), pages, "cuda", dtype)

@@ -187,6 +187,8 @@ class AttentionParams:
                       partials); wrappers may share it, so a plan keeps nothing there.
     int_workspace:    the wrapper's own buffer (uint8, 8 MiB) for plan metadata a captured CUDA
                       graph reads: a re-plan rewrites it in place at the same addresses.
+    indices_checked:  plan() checked the used kv_indices (none negative; run() checks the largest
+                      against the cache) before returning, so no launch can read an unchecked one.
     """
 
     qo_indptr: torch.Tensor = DeviceIndex()
@@ -205,6 +207,7 @@ class AttentionParams:
     disable_split_kv: bool = False
     workspace: torch.Tensor | None = None
     int_workspace: torch.Tensor | None = None
+    indices_checked: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -277,11 +277,9 @@ class DecodePlan:
         unsplit = chunk is None and splits <= 1 and packed is None  # one work item per request, nothing to merge
         if unsplit and self._unsplit_config is not None:
             self.config = cfg = self._unsplit_config
-        if unsplit:
-            self.n_work, self.n_merge, self.max_chunks = batch, 0, 1
-            if cfg.direct_table and not p.use_cuda_graph:
-                self._place_direct(params, run_device)
-                return
+        if unsplit and cfg.direct_table and not p.use_cuda_graph:
+            self._place_direct(params, run_device)
+            return
         if not unsplit and not splits and packed is None:
             split = self._direct_split(eff, chunk, params)
             if split is not None:
@@ -381,7 +379,6 @@ class DecodePlan:
         lengths; plan() reads no length and builds nothing (`_place_direct`)."""
         self.batch = params.batch_size
         slots = self._graph_splits(self.batch, self.units, device.sm_count or 8, params)
-        self.n_work, self.n_merge, self.max_chunks = self.batch, 0, 1
         self.kernel_max_splits = slots
         self._place_direct(params, run_device, self.config.min_chunk_tokens if slots > 1 else 0, slots)
 
@@ -398,9 +395,10 @@ class DecodePlan:
         own), else the kernel writes the merge kernel's info row per request."""
         self.direct, self.line = True, line is not None
         self.work, self.last = params.kv_indptr, params.kv_last_page_len
-        self.split_tokens, self.split_slots = split_tokens, split_slots
+        split = split_slots > 1
+        self.split_tokens, self.split_slots = (split_tokens if split else 0), split_slots
         self.info = self.counters = None
-        if split_slots > 1 or self.line:
+        if split or self.line:
             if self.line:
                 (self.n_work, self.line_groups, self.line_even_groups), n_partial = line, line[0] + self.batch
                 self.line_gap = -(-self.config.line_segment_tokens // self.problem.page_size)  # in pages
@@ -424,7 +422,8 @@ class DecodePlan:
             else:
                 self.info = torch.empty(n_info, dtype=torch.int32, device=run_device)
             self.plse, self.po, self.workspace_bytes = self._carve(n_partial, params)
-        else:
+        else:  # one work item per request (a policy split of one chunk a request too)
+            self.n_work, self.n_merge, self.max_chunks = self.batch, 0, 1
             self.fused_merge = False
             self.plse = self.po = self.work  # never written: no request is split
             self.workspace_bytes = 0

@@ -199,6 +199,9 @@ class PrefillPlan:
     def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig):
         self.problem, self.params, self.config = problem, params, config
         self.paged = problem.op == "prefill_paged"
+        # page ids clamped into the cache unless plan() checked them before any launch; a CUDA
+        # graph replays this kernel after re-plans whose indices may not be checked yet
+        self.clamp_pages = self.paged and (problem.use_cuda_graph or not params.indices_checked)
         if problem.mask_mode == "custom" and (params.packed_mask is None or params.mask_indptr is None):
             raise ValueError("fa2 prefill: mask_mode='custom' needs packed_mask and mask_indptr")
         if self.paged and params.kv_indices is None:
@@ -355,7 +358,7 @@ class PrefillPlan:
             ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=sinks,
             HAS_LSE=has_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
             PERSISTENT=p.use_cuda_graph, TMA=tma, SHARED_ROWS=shared_rows, SCALE_POS=scale_pos,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            CLAMP_PAGES=self.clamp_pages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if tma:
             launch = self._launchers[variant] = functools.partial(launch_with_scratch, launch)
         return launch
@@ -414,7 +417,8 @@ class PrefillPlan:
             self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
             qk_scale, v_f, p.logits_soft_cap * log2e,
             1.0 / prm.rope_scale, math.log2(prm.rope_theta), kernel_window(p.window_left),
-            kv.num_pages if self.paged else 1, q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
+            kv.num_pages if self.paged else 1,
+            q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)
         if self._merge is not None:
             self._merge(out, lse)

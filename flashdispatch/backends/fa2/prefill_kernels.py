@@ -152,7 +152,7 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
                 HEAD_QK_A: tl.constexpr, HEAD_QK_B: tl.constexpr, HEAD_VO: tl.constexpr,
                 CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
-                TMA: tl.constexpr, SHARED_ROWS: tl.constexpr, SCALE_POS: tl.constexpr):
+                TMA: tl.constexpr, SHARED_ROWS: tl.constexpr, SCALE_POS: tl.constexpr, CLAMP_PAGES: tl.constexpr):
     """Online-softmax update over the KV tiles starting in [lo, hi). MASKED tiles apply every
     mask (a custom mask's from its tile bitmaps), the chunk bounds [kv_lo, kv_hi) included; the
     others none. K and V are base pointers or, TMA, the descriptors of the request's rows of this
@@ -160,7 +160,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
     pages): V's page and slot strides are K's, so V rows are read at K's row offsets (no second
     address computation; within one page the compiler derives V's addresses more cheaply itself).
     SCALE_POS: qk_scale > 0, so without soft cap and ALiBi the row max is taken over the raw scores
-    and the scale folds into the exponent's FMA (one instruction per score instead of two)."""
+    and the scale folds into the exponent's FMA (one instruction per score instead of two).
+    CLAMP_PAGES: page ids are clamped to [0, last_page] where used (compared as unsigned: a
+    negative one clamps too), so ids the API has not checked yet never read outside the cache."""
     HALF: tl.constexpr = (HEAD_QK_A + HEAD_QK_B) // 2
     FOLD: tl.constexpr = SCALE_POS and not SOFT_CAP and not ALIBI
     offs_da = tl.arange(0, HEAD_QK_A)
@@ -182,10 +184,9 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             page = kv_start + offs_n
             slot = tl.zeros([BLOCK_N], tl.int32)
         else:
-            # clamped to [0, last_page] where used (compared as unsigned: a negative id clamps too),
-            # so an index the API has not checked yet never reads outside the cache; a clamp at the
-            # load a tile ahead would wait for that load there (H200: prefill 5-13 % slower)
-            page = tl.minimum(page_ids.to(tl.uint32), last_page)
+            page = page_ids
+            if CLAMP_PAGES:  # here, not at the load a tile ahead: that waited for the load (H200: 5-13 %)
+                page = tl.minimum(page.to(tl.uint32), last_page)
             slot = slot_in_page(offs_n, PAGE_SIZE)
             page_ids = _page_ids(kv_indices_ptr, kv_start, next_n, kv_len, PAGE_SIZE, BLOCK_N)
         k_rows = _row_offsets(page, slot, stride_kp, stride_ks)
@@ -282,7 +283,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                  SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                  HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
                  V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
-                 SHARED_ROWS: tl.constexpr, SCALE_POS: tl.constexpr):
+                 SHARED_ROWS: tl.constexpr, SCALE_POS: tl.constexpr, CLAMP_PAGES: tl.constexpr):
     """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head. TMA (ragged KV
     only, HEAD_QK_B == 0): K/V tiles through descriptors of the request's rows of this KV head."""
     head = pid % NUM_QO_HEADS
@@ -380,7 +381,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                             window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                             partial == 1, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
                                             CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS,
-                                            SCALE_POS)
+                                            SCALE_POS, CLAMP_PAGES)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, b, k_src, v_src, kv_indices_ptr, last_page, mask_ptr,
@@ -388,13 +389,13 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
                                     alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                     True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                    WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS)
+                                    WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, k_src, v_src, kv_indices_ptr, last_page, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
                                     alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                     False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                    WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS)
+                                    WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
         # keys from c on are inside every stored row's window (c >= b, the first such tile, or the
         # range is empty): no window test
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, last_page, mask_ptr,
@@ -402,7 +403,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
                                     alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                     True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, False,
-                                    SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS)
+                                    SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
 
     seen = l_i > 0.0
     out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
@@ -442,13 +443,15 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                        SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
                        HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
                        V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
-                       TMA: tl.constexpr, SHARED_ROWS: tl.constexpr, SCALE_POS: tl.constexpr):
+                       TMA: tl.constexpr, SHARED_ROWS: tl.constexpr, SCALE_POS: tl.constexpr,
+                       CLAMP_PAGES: tl.constexpr):
     """Grid: one program per (work item, head) or, PERSISTENT (CUDA-graph mode), a fixed
     number of programs striding over item * heads with the item count read from memory.
     SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT).
     TMA: K/V tiles through device-side tensor descriptors (prefill_tma.py; ragged KV only).
     SCALE_POS: qk_scale is > 0 and no q/k scale tensor multiplies it (see _attn_tiles).
-    num_pages: the paged cache's pages; every page id read is clamped to the last (`_page_ids`)."""
+    CLAMP_PAGES: every page id read is clamped to the last of the cache's ``num_pages`` (see
+    _attn_tiles)."""
     last_page = (num_pages - 1).to(tl.uint32)
     if PERSISTENT:
         total = tl.load(num_work_ptr) * NUM_QO_HEADS
@@ -461,7 +464,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                          stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                          BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
                          SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
-                         SHARED_ROWS, SCALE_POS)
+                         SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
     else:
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
                      kv_indices_ptr, mask_ptr, tiles_ptr, sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr,
@@ -471,7 +474,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
                      SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
-                     SHARED_ROWS, SCALE_POS)
+                     SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
 
 
 @triton.jit
