@@ -273,7 +273,7 @@ class DecodePlan:
             packed = None if splits else self._packed(eff, chunk, params)
         else:  # (the policy's chunks do not apply)
             (lens, lo, eff), splits, chunk = lengths, 0, None
-        batch = self.batch = len(lens)
+        self.batch = len(lens)
         unsplit = chunk is None and splits <= 1 and packed is None  # one work item per request, nothing to merge
         if unsplit and self._unsplit_config is not None:
             self.config = cfg = self._unsplit_config
