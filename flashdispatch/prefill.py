@@ -191,8 +191,7 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
         used_pages = int(kv_indptr_h[-1])
         max_page_index = checks.check_page_indices(paged_kv_indices.numel(), used_pages, minmax,
                                                    "paged_kv_indices", "paged_kv_indptr")
-        if defer:
-            max_page_index = self._begin_page_check(paged_kv_indices, used_pages, max_page_index)
+        indices = paged_kv_indices  # the user's tensor: what a deferred check reads
         qo_param = qo_indptr_h  # copied to the device with the kv lengths, unless the graph buffer holds it
         if self._graph_buffers is not None:
             tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices[:used_pages], paged_kv_last_page_len)
@@ -207,6 +206,8 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
         params = paged_params(qo_param, kv_lens_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                               self._device, qo_lens_h.tolist(), indices_checked=minmax is not None, **extra)
+        if defer:  # queued once every argument has passed its check: a plan() that raised leaves none
+            max_page_index = self._begin_page_check(indices, used_pages, max_page_index)
         self._planning_with_page_check(lambda: self._set_plan(
             problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
             workload=host_workload(qo_lens_h, kv_lens_h)))
