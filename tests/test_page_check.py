@@ -207,6 +207,30 @@ def test_a_backend_that_does_not_clamp_checks_inside_plan(op):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_a_plan_that_raises_leaves_no_check_pending(op):
+    """A plan() refused after its lengths were read (here: a CUDA-graph indices buffer too small)
+    queues no check, or drops the one it queued: the next plan() is not failed by these indices."""
+    c = gpu_case(op, 8)
+    batch = len(c.last)
+    small = torch.zeros(2, dtype=torch.int32, device="cuda")
+    if op == "decode":
+        bufs = dict(paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
+                    paged_kv_indices_buffer=small,
+                    paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device="cuda"))
+    else:
+        sizes = (("qo_indptr_buf", batch + 1), ("paged_kv_indptr_buf", batch + 1),
+                 ("paged_kv_last_page_len_buf", batch))
+        bufs = {name: torch.zeros(n, dtype=torch.int32, device="cuda") for name, n in sizes}
+        bufs["paged_kv_indices_buf"] = small
+    w = wrapper(c, "fa2", use_cuda_graph=True, **bufs)
+    c.indices[3] = -1
+    with pytest.raises(ValueError, match="paged_kv_indices_buf.* holds 2 entries"):
+        plan(w, c)
+    assert not w._page_checking()
+
+
+@pytest.mark.gpu
 def test_a_graph_replay_of_a_bad_plan_fails_the_next_plan():
     """CUDA graphs: the replay runs no Python; the next plan() ends the check."""
     c = gpu_case("decode", 6)
