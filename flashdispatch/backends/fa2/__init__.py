@@ -45,7 +45,9 @@ class FA2Backend(Backend):
 
     @classmethod
     def clamps_page_indices(cls, problem) -> bool:
-        """Decode and paged prefill: their kernels clamp each page index to the cache's pages."""
+        """Decode and paged prefill: their kernels clamp each page index to the cache's pages
+        (paged prefill in the plans whose indices plan() has not checked, and under CUDA graphs:
+        `PrefillPlan.clamp_pages`, the only ones a deferred check concerns)."""
         return problem.op in ("decode", "prefill_paged")
 
     def plan(self, problem, device, params: AttentionParams):
