@@ -10,14 +10,20 @@ tile and, for the variants that take them (`decode_variant.plain_variant`), each
 where the defaults pack (`DecodeConfig.pack_items`) their packed work array and, where they
 take it (`DecodeConfig.wave_pack_line`, no window), the kernel's own packing (fused merge; the
 merge kernel's plain only), for GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
-one that fails. d128 by default (the CPU suite runs that); other head dims as arguments.
+one that fails. d128 by default; other head dims as arguments. ``--frontend`` stops each compile
+at its TTIR (Triton's type checks, ~10x faster: the CPU suite's d64 and d256; the GPU suite
+lowers those to cubin on the GPU machine's cores).
 
-    .venv/bin/python scripts/decode_compile_matrix.py [HEAD_DIM ...]
+    .venv/bin/python scripts/decode_compile_matrix.py [--frontend] [--jobs N] [HEAD_DIM ...]
 """
 from __future__ import annotations
 
+import argparse
+import functools
+import multiprocessing
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_registers as regs  # noqa: E402  (sets up an offline Triton: no interpreter, own cache)
@@ -40,7 +46,8 @@ LAYOUTS = [("work array", False, False, False), ("work array, fused", True, Fals
            ("direct split, fused", True, True, True)]
 
 
-def main(head_dims: list[int]) -> None:
+def combinations(head_dims: list[int]):
+    """(line to print, constexprs, kv dtype) of each combination, in the order they print."""
     for d, kv in [(d, kv) for d in head_dims for kv in (torch.bfloat16, torch.float8_e4m3fn)]:
         for feature, changes in FEATURES.items():
             p = Problem("decode", torch.bfloat16, kv, torch.bfloat16, 32, 8, d, d, page_size=16, **changes)
@@ -66,9 +73,30 @@ def main(head_dims: list[int]) -> None:
             for label, cfg, fused, direct, split, items, line in variants:
                 consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items, line)
                 consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
-                regs.compile_variant(consts, torch.bfloat16, kv)
-                print(f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {label}", flush=True)
+                yield f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {label}", consts, kv
+
+
+def _compile(job: tuple[str, dict, torch.dtype], frontend: bool) -> str:
+    line, consts, kv = job
+    regs.compile_variant(consts, torch.bfloat16, kv, frontend=frontend)
+    return line
+
+
+def main(head_dims: list[int], frontend: bool = False, jobs: int = 1) -> None:
+    work = functools.partial(_compile, frontend=frontend)
+    if jobs <= 1:
+        lines = map(work, combinations(head_dims))
+    else:  # forked workers (no CUDA here), results in order; the first failure raises
+        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+        lines = pool.map(work, list(combinations(head_dims)))
+    for line in lines:
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [128])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("head_dims", type=int, nargs="*", default=[128])
+    ap.add_argument("--frontend", action="store_true", help="stop each compile at its TTIR (type checks only)")
+    ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    args = ap.parse_args()
+    main(args.head_dims, args.frontend, args.jobs)

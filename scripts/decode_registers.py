@@ -37,7 +37,8 @@ from flashdispatch.backends.fa2 import decode_variant as fvar  # noqa: E402
 from flashdispatch.backends.fa2 import decode_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
-from offline_compile import compile_like_launch, ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
+from offline_compile import (compile_like_launch, frontend_like_launch,  # noqa: E402  (scripts/, the script's own folder)
+                             ptxas_usage)
 
 KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
@@ -51,8 +52,9 @@ SM_LIMITS = {80: (167936, 2048, 32), 86: (102400, 1536, 16), 89: (102400, 1536, 
 PTXAS_GPU = {80: "sm_80", 86: "sm_86", 89: "sm_89", 90: "sm_90a"}
 
 
-def compile_variant(consts: dict, q_dtype, kv_dtype, cc: int = 90):
-    """The CompiledKernel of ``decode_kernel`` with these constexprs and launch options, for sm ``cc``."""
+def compile_variant(consts: dict, q_dtype, kv_dtype, cc: int = 90, frontend: bool = False):
+    """The CompiledKernel of ``decode_kernel`` with these constexprs and launch options, for sm
+    ``cc``; with ``frontend`` its TTIR only (`offline_compile.frontend_like_launch`)."""
     options = {k: consts[k] for k in ("num_warps", "num_stages", "maxnreg") if k in consts}
     const = {k: v for k, v in consts.items() if k not in options}
     const["stride_lh"] = 1  # lse rows are contiguous: a launch makes the unit stride a constexpr
@@ -63,7 +65,8 @@ def compile_variant(consts: dict, q_dtype, kv_dtype, cc: int = 90):
         return pointers.get(name, "*i32" if name in ("work_ptr", "last_ptr", "kv_indices_ptr", "merge_info_ptr",
                                                      "counters_ptr")
                             else "*fp32" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32")
-    return compile_like_launch(decode_kernel, const, arg_type, GPUTarget("cuda", cc, 32), options)
+    compile_fn = frontend_like_launch if frontend else compile_like_launch
+    return compile_fn(decode_kernel, const, arg_type, GPUTarget("cuda", cc, 32), options)
 
 
 def main() -> None:

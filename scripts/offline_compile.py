@@ -10,14 +10,15 @@ import tempfile
 from typing import Callable
 
 import triton
-from triton.compiler import ASTSource
+from triton._C.libtriton import ir
+from triton.compiler import ASTSource, make_backend
 
 
-def compile_like_launch(kernel, const: dict, arg_type: Callable[[str], str], target, options: dict):
-    """The CompiledKernel of ``kernel`` with the constexprs ``const`` and every other argument typed
-    by ``arg_type(name)`` (e.g. "*bf16", "i32", "fp32"), pointers and ``stride_*`` marked divisible
-    by 16 as a launch on contiguous tensors specializes them (without that, Triton 3.6 emits no
-    cp.async at all and the shared memory figure is not a launch's)."""
+def _launch_source(kernel, const: dict, arg_type: Callable[[str], str]) -> ASTSource:
+    """``kernel`` with the constexprs ``const`` and every other argument typed by ``arg_type(name)``
+    (e.g. "*bf16", "i32", "fp32"), pointers and ``stride_*`` marked divisible by 16 as a launch on
+    contiguous tensors specializes them (without that, Triton 3.6 emits no cp.async at all and the
+    shared memory figure is not a launch's)."""
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in const:
@@ -26,8 +27,28 @@ def compile_like_launch(kernel, const: dict, arg_type: Callable[[str], str], tar
         sig[name] = arg_type(name)
         if sig[name].startswith("*") or name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=target, options=options)
+    return ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+
+
+def compile_like_launch(kernel, const: dict, arg_type: Callable[[str], str], target, options: dict):
+    """The CompiledKernel of ``kernel`` as a launch specializes it (`_launch_source`)."""
+    return triton.compile(_launch_source(kernel, const, arg_type), target=target, options=options)
+
+
+def frontend_like_launch(kernel, const: dict, arg_type: Callable[[str], str], target, options: dict) -> str:
+    """The TTIR of ``kernel`` as a launch specializes it: Triton's code generation, where its type
+    checks run, and the TTIR passes, without the layouts, LLVM and ptxas of a whole compile (the
+    decode kernel's packed variants: ~0.3 s against ~4-6 s)."""
+    backend = make_backend(target)
+    opts = backend.parse_options(options)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    src = _launch_source(kernel, const, arg_type)
+    module = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+    stages: dict = {}
+    backend.add_stages(stages, opts, src.language)
+    return str(stages["ttir"](module, {}))
 
 
 def ptxas_usage(ptx: str, gpu: str = "sm_90a") -> tuple[int | None, int | None]:

@@ -6,8 +6,10 @@ Caps declare, split and unsplit plans, and the CUDA-graph re-plan contract.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -423,17 +425,66 @@ def test_sm90_register_cap_keeps_8_programs_per_sm():
         assert int(regs) <= 64 and int(spill) == 0 and int(per_sm) == 8, (name, rows)
 
 
-@pytest.mark.parametrize("head_dim, combinations", [(128, 81), (64, 53), (256, 53)])
-def test_sm90_compiles_every_feature_and_work_layout(head_dim, combinations):
-    """Offline sm90 compile (scripts/decode_compile_matrix.py, no GPU) of features x work layouts
-    of each head dim's defaults (d128 has wave tiles, d64 and d256 their own tiles; all three
-    packed plans, and the kernel's own packing where the defaults take it): the interpreter runs the
-    kernel without Triton's type checks, which a GPU compile applies."""
+MATRIX = [(128, 81), (64, 53), (256, 53)]  # head dim, combinations of scripts/decode_compile_matrix.py
+
+
+def _compile_matrix(*args: str) -> list[str]:
     script = Path(__file__).resolve().parents[1] / "scripts" / "decode_compile_matrix.py"
-    res = subprocess.run([sys.executable, str(script), str(head_dim)], capture_output=True, text=True, timeout=600,
+    res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600,
                          check=False)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert len(res.stdout.splitlines()) == combinations, res.stdout
+    return res.stdout.splitlines()
+
+
+@pytest.mark.parametrize("head_dim, combinations", MATRIX)
+def test_sm90_code_generation_of_every_feature_and_work_layout(head_dim, combinations):
+    """Triton's code generation for sm90 (scripts/decode_compile_matrix.py --frontend, no GPU) of
+    features x work layouts of each head dim's defaults (d128 has wave tiles, d64 and d256 their own
+    tiles; all three packed plans, and the kernel's own packing where the defaults take it): the
+    interpreter runs the kernel without Triton's type checks, which code generation applies."""
+    assert len(_compile_matrix("--frontend", str(head_dim))) == combinations
+
+
+def test_code_generation_refuses_what_the_interpreter_runs(tmp_path):
+    """What the CPU matrix rests on: `offline_compile.frontend_like_launch` raises Triton's type
+    error for a name that a runtime branch gives another type (the interpreter runs it), and
+    passes the same kernel with one type."""
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    for name, initial in (("mismatch", "0"), ("match", "0.0")):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(f"""
+            import os, sys
+            os.environ.pop("TRITON_INTERPRET", None)
+            sys.path.insert(0, {str(scripts)!r})
+            import triton
+            import triton.language as tl
+            from triton.backends.compiler import GPUTarget
+            from offline_compile import frontend_like_launch
+
+            @triton.jit
+            def kernel(out_ptr, n):
+                x = {initial}
+                if n > 0:
+                    x = 1.5
+                tl.store(out_ptr, x)
+
+            frontend_like_launch(kernel, {{}}, lambda a: "*fp32" if a == "out_ptr" else "i32",
+                                 GPUTarget("cuda", 90, 32), {{}})
+            """))
+        res = subprocess.run([sys.executable, str(tmp_path / f"{name}.py")], capture_output=True, text=True,
+                             timeout=300, check=False)
+        if name == "match":
+            assert res.returncode == 0, res.stderr[-2000:]
+        else:
+            assert res.returncode != 0 and "the then block redefines it as fp32" in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_sm90_compiles_every_feature_and_work_layout():
+    """The same matrix compiled to cubin (layouts, LLVM, ptxas; no GPU needed, but ~2-6 s a
+    combination: the GPU suite runs it, on the GPU machine's cores)."""
+    jobs = min(16, os.cpu_count() or 1)
+    lines = _compile_matrix("--jobs", str(jobs), *(str(d) for d, _ in MATRIX))
+    assert len(lines) == sum(n for _, n in MATRIX)
 
 
 def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):
