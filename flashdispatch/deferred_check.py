@@ -39,7 +39,7 @@ class DeferredPageCheck:
     _INDICES = "indices"
     _INDPTR = "indptr"
     _page_reader: IndexRangeReader | None = None  # made at the first deferred check
-    _cache_pages: int | None = None  # pages of the cache the last run() got
+    _cache_pages: int | None = None  # pages of the cache the last run() of the pending check's plan got
     _checked_pages = 0  # the used indices of the pending check (indptr[-1])
 
     @staticmethod
@@ -52,6 +52,7 @@ class DeferredPageCheck:
         it ends (0: page 0 at least is read), or ``max_page_index`` when nothing is used."""
         if used_pages <= 0:
             return max_page_index
+        self._cache_pages = None  # the cache its end checks against: a run() of this plan's
         if self._page_reader is None:
             from .device_read import IndexRangeReader  # Triton: only where device values are read
             self._page_reader = IndexRangeReader()
@@ -85,7 +86,9 @@ class DeferredPageCheck:
     def _finish_page_check(self) -> None:
         """End a deferred page-index check (waiting for its reduction if it has not run): raise
         ValueError for a negative page index, or for one past the pages of the cache the last
-        run() got; else make its largest index what run() checks the cache against.
+        run() of that plan got (none: a run() checks it); else make its largest index what run()
+        checks the cache against. An engine may grow its cache between steps: a plan's indices
+        are never checked against the cache of an earlier plan's run().
 
         The check ends at the first run() that finds its reduction done (before the launch), at a
         run() of a backend that does not clamp, or at the next plan() (CUDA-graph replays run no

@@ -231,6 +231,28 @@ def test_a_plan_that_raises_leaves_no_check_pending(op):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", ["fa2", "reference"])
+def test_a_plan_is_checked_against_the_cache_of_its_own_run(op, backend):
+    """An engine that grows its cache between steps: a plan's indices past the cache of the last
+    run() are refused only by a run() on a cache too small for them; neither a backend that does
+    not clamp (its check ends inside plan()) nor the next plan() with no run() between refuses
+    them."""
+    small = gpu_case(op, 9)
+    grown = gpu_case(op, 10, pages=200)
+    grown.indices[0] = 199
+    w = wrapper(small, backend)
+    plan(w, small)
+    w.run(small.q, small.cache)
+    plan(w, grown)
+    plan(w, grown)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=f"reference page 199, but paged_kv_cache has only {small.cache.shape[0]}"):
+        w.run(grown.q, small.cache)
+    assert rel(w.run(grown.q, grown.cache), attend("reference", grown, on="cuda")) < 2e-2
+
+
+@pytest.mark.gpu
 def test_a_graph_replay_of_a_bad_plan_fails_the_next_plan():
     """CUDA graphs: the replay runs no Python; the next plan() ends the check."""
     c = gpu_case("decode", 6)
