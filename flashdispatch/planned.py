@@ -170,6 +170,8 @@ def run_attention(planned: PlannedAttention, q: torch.Tensor, kv: PagedKV | Ragg
         sinks = sinks.contiguous()  # the kernels read [num_qo_heads] flat
     elif p.sinks:
         raise ValueError("the problem was planned with sinks, but run() got sinks=None")
+    if p.use_cuda_graph and dev.type == "cuda":
+        _check_capture_addresses(q, kv)
     out, lse = _outputs(planned, out, lse, return_lse)
     if q_scale is not None or k_scale is not None or v_scale is not None:
         q_scale, k_scale, v_scale = (checks.check_run_scale(s, n, dev) for s, n in (
@@ -177,6 +179,17 @@ def run_attention(planned: PlannedAttention, q: torch.Tensor, kv: PagedKV | Ragg
     inputs = AttentionInputs(q, kv, out, lse, q_scale, k_scale, v_scale, sinks)
     planned.backend.run(planned.plan, inputs)
     return (out, lse) if return_lse else out
+
+
+def _check_capture_addresses(q: torch.Tensor, kv: PagedKV | RaggedKV) -> None:
+    """A CUDA graph captured on an empty q (or ragged k/v) would replay a null pointer after a
+    re-plan with rows (torch's data_ptr() of an empty tensor is 0): refused while capturing."""
+    empty = "q" if q.numel() == 0 else "k and v" if isinstance(kv, RaggedKV) and kv.k.numel() == 0 else None
+    if empty and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"use_cuda_graph: run() is being captured with an empty {empty} (a plan of no "
+                         f"{'query' if empty == 'q' else 'key'} rows): an empty tensor has no address, so the "
+                         f"graph's replays after a re-plan with rows would read through a null pointer; capture "
+                         f"a plan with at least one row, on views of the buffers later plans use")
 
 
 def run_mla(planned: PlannedAttention, q_nope, q_pe, ckv_cache, kpe_cache, *, out=None, lse=None,

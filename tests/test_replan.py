@@ -125,38 +125,86 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
 
 
 @interpreted
-@pytest.mark.parametrize("op", ["decode", "prefill"])
-def test_a_graph_captured_on_empty_requests_replays_a_replan_with_pages(op):
-    """Graph mode, every request empty at capture: the plan must still hold the fixed indices
-    buffer's address (an empty view's data_ptr() is 0), so a replay after a re-plan that uses
-    pages reads the new table (emulated by running the captured plan object on the new inputs)."""
+@pytest.mark.parametrize("op, rows", [("decode", 1), ("prefill", 1), ("prefill", 0)])
+def test_a_graph_captured_on_empty_requests_replays_a_replan_with_pages(op, rows):
+    """Graph mode, every request empty at capture (prefill: with one query row, or none, so no
+    work item at all): the plan must still hold the fixed indices buffer's and the work list's
+    addresses (an empty view's data_ptr() is 0), so a replay after a re-plan that uses pages reads
+    the new table (emulated by running the captured plan object on the new inputs)."""
     from flashdispatch.backends.base import AttentionInputs, PagedKV
 
     torch.manual_seed(3)
     kv = torch.randn(PAGES, 2, PAGE, HKV, D).half()
     bufs = [torch.zeros(n, dtype=torch.int32) for n in (2, PAGES, 1)]
     ws = torch.zeros(1 << 22, dtype=torch.uint8)
-    qo = torch.tensor([0, 1], dtype=torch.int32)
     if op == "decode":
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             ws, use_cuda_graph=True, backend="fa2", paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
             paged_kv_last_page_len_buffer=bufs[2])
-        plan = lambda table: w.plan(*table, HQ, HKV, D, PAGE, data_type=torch.float16)  # noqa: E731
+        plan = lambda table, qo: w.plan(*table, HQ, HKV, D, PAGE, data_type=torch.float16)  # noqa: E731
     else:
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             ws, use_cuda_graph=True, backend="fa2", qo_indptr_buf=torch.zeros(2, dtype=torch.int32),
             paged_kv_indptr_buf=bufs[0], paged_kv_indices_buf=bufs[1], paged_kv_last_page_len_buf=bufs[2])
-        plan = lambda table: w.plan(qo, *table, HQ, HKV, D, PAGE, q_data_type=torch.float16)  # noqa: E731
+        plan = lambda table, qo: w.plan(torch.tensor([0, qo], dtype=torch.int32), *table, HQ, HKV, D, PAGE,  # noqa: E731
+                                        q_data_type=torch.float16)
     q = torch.randn(1, HQ, D).half()
-    plan(_table([0], 0))
-    assert w.run(q, kv).abs().max() == 0  # an empty request: zeros
+    plan(_table([0], 0), rows)
+    assert not w.run(q[:rows], kv).any()  # an empty request: zeros
     captured = w._planned
     table = _table([70], 1)
-    plan(table)
+    plan(table, 1)
     out = torch.full((1, HQ, D), float("nan"), dtype=torch.float16)
     captured.backend.run(captured.plan, AttentionInputs(q, PagedKV(kv[:, 0], kv[:, 1], "NHD"), out))
     k, v = paged_to_dense(kv, *table, PAGE, 0)
     assert rel(out, dense_attention(q, k, v)[0]) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+def test_a_graph_capture_on_no_rows_is_refused(op):
+    """Prefill under CUDA graphs: a capture of run() on an empty q (paged: no query rows) or empty
+    k/v (ragged: no keys) is refused before any launch (those tensors have no address, a replay
+    after a re-plan with rows would read through null pointers); one row is captured and replays."""
+    dev = "cuda"
+    ws = torch.zeros(1 << 22, dtype=torch.uint8, device=dev)
+    q_buf = torch.randn(8, HQ, D, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(PAGES, 2, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+    i32 = dict(dtype=torch.int32, device=dev)
+    qo_buf, kv_buf = torch.zeros(2, **i32), torch.zeros(2, **i32)
+    if op == "paged":
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            ws, use_cuda_graph=True, backend="fa2", qo_indptr_buf=qo_buf, paged_kv_indptr_buf=kv_buf,
+            paged_kv_indices_buf=torch.zeros(PAGES, **i32), paged_kv_last_page_len_buf=torch.zeros(1, **i32))
+
+        def attend(rows, keys):
+            table = _table([keys], 5, device=dev)
+            w.plan(torch.tensor([0, rows], **i32), *table, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+            return lambda: w.run(q_buf[:rows], kv)
+        empty, refused = attend(0, 40), "an empty q"
+    else:
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, use_cuda_graph=True, backend="fa2",
+                                                            qo_indptr_buf=qo_buf, kv_indptr_buf=kv_buf)
+        k_buf = torch.randn(64, HKV, D, device=dev, dtype=torch.bfloat16)
+
+        def attend(rows, keys):
+            w.plan(torch.tensor([0, rows], **i32), torch.tensor([0, keys], **i32), HQ, HKV, D,
+                   q_data_type=torch.bfloat16)
+            return lambda: w.run(q_buf[:rows], k_buf[:keys], k_buf[:keys])
+        empty, refused = attend(1, 0), "an empty k and v"
+    empty()  # eager: nothing to read
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=f"captured with {refused}"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            empty()
+    run = attend(1, 40)
+    ref = run().clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu

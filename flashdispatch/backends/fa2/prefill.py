@@ -218,7 +218,9 @@ class PrefillPlan:
         self.tiles = None
         if problem.use_cuda_graph:
             flat = torch.from_numpy(work.items.ravel())
-            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev, list_len)
+            # a custom mask's tile lists get an address even with no items (as the work list)
+            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev,
+                                                             max(list_len, 1) if custom else 0)
             self.info = None
             self.grid = (max(device.sm_count, 4) * 2,)
         else:
@@ -238,6 +240,8 @@ class PrefillPlan:
             self._visible = torch.empty(self.num_items, dtype=torch.int32, device=dev)
             self.tile_bits = self._tile_bitmaps(list_len // 2 * config.block_m * config.block_n // 16, dev, params)
             self.refresh_tile_lists()
+        elif custom and problem.use_cuda_graph:  # no items: a graph still needs the bitmaps' address
+            self.tile_bits = self._tile_bitmaps(1, dev, params)
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
         # config.tma where it applies (else ignored, see prefill_tma.py); run() also checks each call's K/V views
         self.tma_reason = ("tma=0" if not config.tma
@@ -327,7 +331,9 @@ class PrefillPlan:
             raise ValueError("fa2 prefill: use_cuda_graph needs the wrapper's int workspace")
         have = workspace.numel() * workspace.element_size()
         lists_at = have // 2 // _ALIGN * _ALIGN if list_len else have
-        need = _GRAPH_ITEMS_AT + 4 * flat.numel()
+        # one entry at least: an empty view has no address (data_ptr() 0), and a graph captured on
+        # a plan of no items would replay that null pointer after a re-plan with items
+        need = _GRAPH_ITEMS_AT + 4 * max(flat.numel(), 1)
         if need > lists_at or lists_at + 4 * list_len > have:
             raise ValueError(f"fa2 prefill: {self.num_items} work items need {need} int workspace bytes"
                              + (f" and their custom-mask tile lists {4 * list_len} more" if list_len else "")
@@ -338,7 +344,7 @@ class PrefillPlan:
         count = ws[:4].view(torch.int32)
         work = ws[_GRAPH_ITEMS_AT:need].view(torch.int32)
         count.copy_(torch.tensor([self.num_items], dtype=torch.int32))
-        work.copy_(flat)
+        work[:flat.numel()].copy_(flat)
         return work, count
 
     def _bind(self, variant: LaunchVariant):
