@@ -52,7 +52,8 @@ class DeferredPageCheck:
         it ends (0: page 0 at least is read), or ``max_page_index`` when nothing is used."""
         if used_pages <= 0:
             return max_page_index
-        self._cache_pages = None  # the cache its end checks against: a run() of this plan's
+        if not self._use_cuda_graph:  # its end checks against a run() of this plan's cache (graph
+            self._cache_pages = None  # replays read the cache the capture's run() got, and run no Python)
         if self._page_reader is None:
             from .device_read import IndexRangeReader  # Triton: only where device values are read
             self._page_reader = IndexRangeReader()
@@ -86,9 +87,10 @@ class DeferredPageCheck:
     def _finish_page_check(self) -> None:
         """End a deferred page-index check (waiting for its reduction if it has not run): raise
         ValueError for a negative page index, or for one past the pages of the cache the last
-        run() of that plan got (none: a run() checks it); else make its largest index what run()
-        checks the cache against. An engine may grow its cache between steps: a plan's indices
-        are never checked against the cache of an earlier plan's run().
+        run() of that plan got (none: a run() checks it; CUDA-graph wrappers: of the last run(),
+        the capture's, whose cache the replays read); else make its largest index what run()
+        checks the cache against. An engine may grow its cache between steps: an eager plan's
+        indices are never checked against the cache of an earlier plan's run().
 
         The check ends at the first run() that finds its reduction done (before the launch), at a
         run() of a backend that does not clamp, or at the next plan() (CUDA-graph replays run no

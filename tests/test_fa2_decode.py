@@ -6,7 +6,6 @@ Caps declare, split and unsplit plans, and the CUDA-graph re-plan contract.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import textwrap
@@ -476,15 +475,6 @@ def test_code_generation_refuses_what_the_interpreter_runs(tmp_path):
             assert res.returncode == 0, res.stderr[-2000:]
         else:
             assert res.returncode != 0 and "the then block redefines it as fp32" in res.stderr, res.stderr[-2000:]
-
-
-@pytest.mark.gpu
-def test_sm90_compiles_every_feature_and_work_layout():
-    """The same matrix compiled to cubin (layouts, LLVM, ptxas; no GPU needed, but ~2-6 s a
-    combination: the GPU suite runs it, on the GPU machine's cores)."""
-    jobs = min(16, os.cpu_count() or 1)
-    lines = _compile_matrix("--jobs", str(jobs), *(str(d) for d, _ in MATRIX))
-    assert len(lines) == sum(n for _, n in MATRIX)
 
 
 def test_pdl_only_where_a_merge_kernel_follows_on_sm90(monkeypatch):

@@ -6,6 +6,8 @@ every feature, CUDA-graph capture + replay after a re-plan, and batch invariance
 from __future__ import annotations
 
 import dataclasses
+import os
+
 import pytest
 import torch
 
@@ -412,3 +414,13 @@ def test_pdl_merge_cuda_graph_replay_after_replan():
     replan, prm_b = _replanned(case, [3000, 17, 20000, 1], {**UNFUSED, **OWN_SPLIT})
     assert (replan.pdl, replan.n_merge) == (plan.pdl, plan.n_merge)  # the captured launches still fit
     _assert_replay_is_replanned(case, graph, prm_b)
+
+
+def test_sm90_compiles_every_feature_and_work_layout():
+    """The CPU suite's matrix of Triton code generation (test_fa2_decode.py), compiled to cubin
+    (layouts, LLVM, ptxas; no GPU needed, but ~2-6 s a combination: the GPU suite runs it, on the
+    GPU machine's cores)."""
+    from test_fa2_decode import MATRIX, _compile_matrix
+    jobs = min(16, os.cpu_count() or 1)
+    lines = _compile_matrix("--jobs", str(jobs), *(str(d) for d, _ in MATRIX))
+    assert len(lines) == sum(n for _, n in MATRIX)
