@@ -39,7 +39,7 @@ class DeferredPageCheck:
     _INDICES = "indices"
     _INDPTR = "indptr"
     _page_reader: IndexRangeReader | None = None  # made at the first deferred check
-    _cache_pages: int | None = None  # pages of the cache the last run() of the pending check's plan got
+    _cache_pages: int | None = None  # pages its end checks against (`_finish_page_check`)
     _checked_pages = 0  # the used indices of the pending check (indptr[-1])
 
     @staticmethod
@@ -52,8 +52,8 @@ class DeferredPageCheck:
         it ends (0: page 0 at least is read), or ``max_page_index`` when nothing is used."""
         if used_pages <= 0:
             return max_page_index
-        if not self._use_cuda_graph:  # its end checks against a run() of this plan's cache (graph
-            self._cache_pages = None  # replays read the cache the capture's run() got, and run no Python)
+        if not self._use_cuda_graph:  # (graph replays read the capture's cache and run no Python)
+            self._cache_pages = None
         if self._page_reader is None:
             from .device_read import IndexRangeReader  # Triton: only where device values are read
             self._page_reader = IndexRangeReader()
@@ -76,7 +76,8 @@ class DeferredPageCheck:
     def _page_check_at_run(self, planned: PlannedAttention, num_pages: int) -> None:
         """Before run()'s launch on a cache of ``num_pages`` pages: end the check if its reduction
         has run, or if ``planned``'s backend does not clamp page indices."""
-        self._cache_pages = num_pages
+        keep = self._use_cuda_graph or self._cache_pages is None
+        self._cache_pages = num_pages if keep else min(self._cache_pages, num_pages)
         if self._page_checking() and (self._page_reader.done() or not clamps(planned)):
             self._finish_page_check()
 
@@ -86,11 +87,12 @@ class DeferredPageCheck:
 
     def _finish_page_check(self) -> None:
         """End a deferred page-index check (waiting for its reduction if it has not run): raise
-        ValueError for a negative page index, or for one past the pages of the cache the last
-        run() of that plan got (none: a run() checks it; CUDA-graph wrappers: of the last run(),
-        the capture's, whose cache the replays read); else make its largest index what run()
-        checks the cache against. An engine may grow its cache between steps: an eager plan's
-        indices are never checked against the cache of an earlier plan's run().
+        ValueError for a negative page index, or for one past the pages of the smallest cache a
+        run() got since that plan() (none: a later run() checks it; CUDA-graph wrappers: the cache
+        of the last run(), the capture's, which the replays read); else make its largest index
+        what run() checks the cache against (also when it raises for it: a retried run() on that
+        cache is refused). An engine may grow its cache between steps: an eager plan's indices
+        are never checked against the cache of an earlier plan's run().
 
         The check ends at the first run() that finds its reduction done (before the launch), at a
         run() of a backend that does not clamp, or at the next plan() (CUDA-graph replays run no
@@ -103,10 +105,11 @@ class DeferredPageCheck:
         if low < 0:
             raise ValueError(f"{self._INDICES} of the last plan() hold a negative page index {low} in their first "
                              f"{self._checked_pages} entries ({self._INDPTR}[-1]); {clamped}")
-        if self._cache_pages is not None and high >= self._cache_pages:
-            raise ValueError(f"{self._INDICES} of the last plan() reference page {high}, but paged_kv_cache has only "
-                             f"{self._cache_pages} pages (the cache of the last run()); {clamped}")
         self._set_max_page_index(high)
+        if self._cache_pages is not None and high >= self._cache_pages:
+            which = "the last run()" if self._use_cuda_graph else "the smallest a run() got since that plan()"
+            raise ValueError(f"{self._INDICES} of the last plan() reference page {high}, but paged_kv_cache has only "
+                             f"{self._cache_pages} pages (the cache of {which}); {clamped}")
 
     def _set_max_page_index(self, high: int) -> None:
         """Record ``high``, the largest used page index, in the plan variants made so far."""

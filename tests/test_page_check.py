@@ -2,6 +2,7 @@
 into the cache, and a decode or paged prefill plan() with its lengths on the host checks the
 indices on the GPU without waiting (`deferred_check.DeferredPageCheck._finish_page_check`)."""
 import json
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import flashdispatch as fd
 from flashdispatch import checks
 from flashdispatch.backends.fa2.decode_config import CONFIG_ENV
+from flashdispatch.deferred_check import DeferredPageCheck
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 64, 8
 OPS = ("decode", "prefill")
@@ -120,6 +122,64 @@ def test_fa2_prefill_clamps_only_indices_unchecked_at_plan(monkeypatch):
     assert g._planned.plan.clamp_pages
 
 
+class _Reduction:
+    """Stands in for `device_read.IndexRangeReader`: the (min, max) of the indices, ready when
+    ``ready`` says so."""
+
+    def __init__(self):
+        self.pending, self.ready = False, False
+
+    def start(self, indices, used):
+        self.pending, self.range = True, (int(indices[:used].min()), int(indices[:used].max()))
+
+    def done(self):
+        return self.ready
+
+    def result(self):
+        self.pending = False
+        return self.range
+
+
+class _Wrapper(DeferredPageCheck):
+    """The mixin on a wrapper's state (CPU: the deferred path itself needs indices on a GPU)."""
+
+    def __init__(self, graph: bool):
+        self._use_cuda_graph = graph
+        self._page_reader = _Reduction()
+        self.variant = SimpleNamespace(max_page_index=0, problem=None,
+                                       backend=SimpleNamespace(clamps_page_indices=lambda problem: True))
+        self._variants = {"run": self.variant}
+
+    def plan(self, high: int):
+        self._finish_page_check()
+        self._begin_page_check(torch.tensor([3, high, 1]), 3, 0)
+
+    def run(self, pages: int):
+        self._page_check_at_run(self.variant, pages)
+
+
+def test_deferred_check_ends_against_the_caches_its_plan_ran_on():
+    """Eager wrappers: the smallest cache a run() got since the plan (a 64-page run read clamped
+    pages, a later 200-page run does not excuse it), none when no run() came (the engine may grow
+    its cache); graph wrappers: the last run()'s, whose cache replays read. The largest index is
+    recorded when the check raises, so a retried run() on that cache is refused."""
+    w = _Wrapper(graph=False)
+    w.run(64)
+    w.plan(150)
+    w.plan(150)  # no run() since: nothing to check the index against
+    assert w.variant.max_page_index == 150
+    w.run(64)
+    w.run(200)
+    with pytest.raises(ValueError, match="reference page 150, but paged_kv_cache has only 64 pages"):
+        w.plan(150)
+    assert w.variant.max_page_index == 150  # run() checks it against the cache it gets
+    g = _Wrapper(graph=True)
+    g.run(64)  # the capture's run()
+    g.plan(150)
+    with pytest.raises(ValueError, match="only 64 pages \\(the cache of the last run\\(\\)\\)"):
+        g.plan(150)  # replays of that plan read the 64-page cache
+
+
 # --- on the GPU: plan() with host lengths does not wait for the GPU ---------------------------------
 def gpu_case(op, seed, pages=64, lens=(40, 7, 0, 130), dtype=torch.bfloat16):
     return case(op, seed, list(lens), pages, "cuda", dtype)
@@ -188,7 +248,7 @@ def test_a_bad_index_found_after_the_run_fails_the_next_plan(op):
     plan(w, c, bad)
     w.run(c.q, c.cache)  # launched before the check ran: reads the last page for the bad index
     with pytest.raises(ValueError, match=f"reference page {c.cache.shape[0] + 9}, but paged_kv_cache has only "
-                                         f"{c.cache.shape[0]} pages \\(the cache of the last run\\(\\)\\)"):
+                                         f"{c.cache.shape[0]} pages \\(the cache of the smallest a run\\(\\) got"):
         plan(w, c)
     plan(w, c)  # the wrapper goes on
     assert rel(w.run(c.q, c.cache), attend("reference", c, on="cuda")) < 2e-2
