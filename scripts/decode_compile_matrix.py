@@ -11,8 +11,8 @@ where the defaults pack (`DecodeConfig.pack_items`) their packed work array and,
 take it (`DecodeConfig.wave_pack_line`, no window), the kernel's own packing (fused merge; the
 merge kernel's plain only), for GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
 one that fails. d128 by default; other head dims as arguments. ``--frontend`` stops each compile
-at its TTIR (Triton's type checks, ~10x faster: the CPU suite's d64 and d256; the GPU suite
-lowers those to cubin on the GPU machine's cores).
+at its TTIR (Triton's type checks, ~10x faster: the CPU suite's run of all three head dims; the
+GPU suite compiles them to cubin, ``--jobs`` on the GPU machine's cores).
 
     .venv/bin/python scripts/decode_compile_matrix.py [--frontend] [--jobs N] [HEAD_DIM ...]
 """

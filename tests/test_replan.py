@@ -165,7 +165,8 @@ def test_a_graph_captured_on_empty_requests_replays_a_replan_with_pages(op, rows
 def test_a_graph_capture_on_no_rows_is_refused(op):
     """Prefill under CUDA graphs: a capture of run() on an empty q (paged: no query rows) or empty
     k/v (ragged: no keys) is refused before any launch (those tensors have no address, a replay
-    after a re-plan with rows would read through null pointers); one row is captured and replays."""
+    after a re-plan with rows would read through null pointers); one row is captured, and replays
+    after re-plans of other lengths equal eager runs."""
     dev = "cuda"
     ws = torch.zeros(1 << 22, dtype=torch.uint8, device=dev)
     q_buf = torch.randn(8, HQ, D, device=dev, dtype=torch.bfloat16)
@@ -198,13 +199,16 @@ def test_a_graph_capture_on_no_rows_is_refused(op):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             empty()
     run = attend(1, 40)
-    ref = run().clone()
+    run()  # compiles
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, ref)
+    for keys in (25, 0, 40):  # re-plans of the captured row: the replay reads their tables
+        ref = attend(1, keys)().clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), keys
 
 
 @pytest.mark.gpu

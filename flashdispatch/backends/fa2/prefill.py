@@ -218,9 +218,7 @@ class PrefillPlan:
         self.tiles = None
         if problem.use_cuda_graph:
             flat = torch.from_numpy(work.items.ravel())
-            # a custom mask's tile lists get an address even with no items (as the work list)
-            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev,
-                                                             max(list_len, 1) if custom else 0)
+            self.work, self.num_work = self._graph_work_list(params.int_workspace, flat, dev, list_len)
             self.info = None
             self.grid = (max(device.sm_count, 4) * 2,)
         else:
@@ -240,7 +238,7 @@ class PrefillPlan:
             self._visible = torch.empty(self.num_items, dtype=torch.int32, device=dev)
             self.tile_bits = self._tile_bitmaps(list_len // 2 * config.block_m * config.block_n // 16, dev, params)
             self.refresh_tile_lists()
-        elif custom and problem.use_cuda_graph:  # no items: a graph still needs the bitmaps' address
+        elif custom and problem.use_cuda_graph:  # no items: the bitmaps need an address too
             self.tile_bits = self._tile_bitmaps(1, dev, params)
         self.alibi = alibi_slopes(problem.num_qo_heads, dev) if problem.pos_encoding_mode == "ALIBI" else None
         # config.tma where it applies (else ignored, see prefill_tma.py); run() also checks each call's K/V views
@@ -332,7 +330,8 @@ class PrefillPlan:
         have = workspace.numel() * workspace.element_size()
         lists_at = have // 2 // _ALIGN * _ALIGN if list_len else have
         # one entry at least: an empty view has no address (data_ptr() 0), and a graph captured on
-        # a plan of no items would replay that null pointer after a re-plan with items
+        # a plan of no items would replay that null pointer after a re-plan with items (the
+        # wrappers refuse such a capture, its q being empty: this guards the plan itself)
         need = _GRAPH_ITEMS_AT + 4 * max(flat.numel(), 1)
         if need > lists_at or lists_at + 4 * list_len > have:
             raise ValueError(f"fa2 prefill: {self.num_items} work items need {need} int workspace bytes"
