@@ -107,9 +107,10 @@ class DeferredPageCheck:
                              f"{self._checked_pages} entries ({self._INDPTR}[-1]); {clamped}")
         self._set_max_page_index(high)
         if self._cache_pages is not None and high >= self._cache_pages:
-            which = "the last run()" if self._use_cuda_graph else "the smallest a run() got since that plan()"
+            which = ("the cache of the last run()" if self._use_cuda_graph
+                     else "the smallest cache a run() got since that plan()")
             raise ValueError(f"{self._INDICES} of the last plan() reference page {high}, but paged_kv_cache has only "
-                             f"{self._cache_pages} pages (the cache of {which}); {clamped}")
+                             f"{self._cache_pages} pages ({which}); {clamped}")
 
     def _set_max_page_index(self, high: int) -> None:
         """Record ``high``, the largest used page index, in the plan variants made so far."""

@@ -248,7 +248,8 @@ def test_a_bad_index_found_after_the_run_fails_the_next_plan(op):
     plan(w, c, bad)
     w.run(c.q, c.cache)  # launched before the check ran: reads the last page for the bad index
     with pytest.raises(ValueError, match=f"reference page {c.cache.shape[0] + 9}, but paged_kv_cache has only "
-                                         f"{c.cache.shape[0]} pages \\(the cache of the smallest a run\\(\\) got"):
+                                         f"{c.cache.shape[0]} pages \\(the smallest cache a run\\(\\) got since "
+                                         "that plan\\(\\)\\)"):
         plan(w, c)
     plan(w, c)  # the wrapper goes on
     assert rel(w.run(c.q, c.cache), attend("reference", c, on="cuda")) < 2e-2
