@@ -41,6 +41,7 @@ class DeferredPageCheck:
     _page_reader: IndexRangeReader | None = None  # made at the first deferred check
     _cache_pages: int | None = None  # pages its end checks against (`_finish_page_check`)
     _checked_pages = 0  # the used indices of the pending check (indptr[-1])
+    _refused_plan: str | None = None  # why run() refuses the current plan (a negative index found)
 
     @staticmethod
     def _defers_page_check(lengths: tuple[torch.Tensor, ...], indices: torch.Tensor) -> bool:
@@ -63,19 +64,24 @@ class DeferredPageCheck:
 
     def _planning_with_page_check(self, plan) -> None:
         """``plan()`` (the wrapper's planning), dropping a queued check if it fails, and ending it
-        now where the planned backend does not clamp page indices."""
+        now where the planned backend does not clamp page indices. A plan that succeeds replaces
+        one that run() refused."""
         try:
             plan()
         except BaseException:
             if self._page_checking():
                 self._page_reader.result()  # this plan failed: its check goes with it
             raise
+        self._refused_plan = None
         if self._page_checking() and not clamps(self._planned):
             self._finish_page_check()
 
     def _page_check_at_run(self, planned: PlannedAttention, num_pages: int) -> None:
         """Before run()'s launch on a cache of ``num_pages`` pages: end the check if its reduction
-        has run, or if ``planned``'s backend does not clamp page indices."""
+        has run, or if ``planned``'s backend does not clamp page indices. A plan whose check found
+        a negative index is refused at every run() until the next plan()."""
+        if self._refused_plan:
+            raise ValueError(f"run() refused until the next plan(): {self._refused_plan}")
         keep = self._use_cuda_graph or self._cache_pages is None
         self._cache_pages = num_pages if keep else min(self._cache_pages, num_pages)
         if self._page_checking() and (self._page_reader.done() or not clamps(planned)):
@@ -91,8 +97,9 @@ class DeferredPageCheck:
         run() got since that plan() (none: a later run() checks it; CUDA-graph wrappers: the cache
         of the last run(), the capture's, which the replays read); else make its largest index
         what run() checks the cache against (also when it raises for it: a retried run() on that
-        cache is refused). An engine may grow its cache between steps: an eager plan's indices
-        are never checked against the cache of an earlier plan's run().
+        cache is refused; after a negative index, every run() of the plan is). An engine may grow
+        its cache between steps: an eager plan's indices are never checked against the cache of
+        an earlier plan's run().
 
         The check ends at the first run() that finds its reduction done (before the launch), at a
         run() of a backend that does not clamp, or at the next plan() (CUDA-graph replays run no
@@ -102,9 +109,10 @@ class DeferredPageCheck:
             return
         low, high = self._page_reader.result()
         clamped = "any run() of that plan before this error read the cache's last page in its place"
-        if low < 0:
-            raise ValueError(f"{self._INDICES} of the last plan() hold a negative page index {low} in their first "
-                             f"{self._checked_pages} entries ({self._INDPTR}[-1]); {clamped}")
+        if low < 0:  # no cache makes that index valid: later runs of the plan are refused too
+            self._refused_plan = (f"{self._INDICES} of the last plan() hold a negative page index {low} in their "
+                                  f"first {self._checked_pages} entries ({self._INDPTR}[-1])")
+            raise ValueError(f"{self._refused_plan}; {clamped}")
         self._set_max_page_index(high)
         if self._cache_pages is not None and high >= self._cache_pages:
             which = ("the cache of the last run()" if self._use_cuda_graph

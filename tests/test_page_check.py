@@ -149,10 +149,12 @@ class _Wrapper(DeferredPageCheck):
         self.variant = SimpleNamespace(max_page_index=0, problem=None,
                                        backend=SimpleNamespace(clamps_page_indices=lambda problem: True))
         self._variants = {"run": self.variant}
+        self._planned = self.variant
 
-    def plan(self, high: int):
+    def plan(self, high: int, low: int = 1):
         self._finish_page_check()
-        self._begin_page_check(torch.tensor([3, high, 1]), 3, 0)
+        self._begin_page_check(torch.tensor([3, high, low]), 3, 0)
+        self._planning_with_page_check(lambda: None)
 
     def run(self, pages: int):
         self._page_check_at_run(self.variant, pages)
@@ -178,6 +180,22 @@ def test_deferred_check_ends_against_the_caches_its_plan_ran_on():
     g.plan(150)
     with pytest.raises(ValueError, match="only 64 pages \\(the cache of the last run\\(\\)\\)"):
         g.plan(150)  # replays of that plan read the 64-page cache
+
+
+def test_a_negative_index_refuses_every_run_of_its_plan():
+    """No cache makes a negative index valid: once the check finds one, run() refuses that plan
+    (a retried run() too, which would read clamped pages) until a plan() succeeds."""
+    w = _Wrapper(graph=False)
+    w.plan(20, low=-4)
+    w._page_reader.ready = True
+    for _ in range(2):
+        with pytest.raises(ValueError, match="negative page index -4"):
+            w.run(64)
+    with pytest.raises(ValueError, match="run\\(\\) refused until the next plan\\(\\)"):
+        w.run(200)
+    w.plan(20)
+    w.run(64)
+    assert not w._page_checking() and w.variant.max_page_index == 20
 
 
 # --- on the GPU: plan() with host lengths does not wait for the GPU ---------------------------------
@@ -225,6 +243,8 @@ def test_a_bad_index_found_before_the_run_refuses_the_launch(op):
     out = torch.full((c.q.shape[0], HEADS, DIM), float("nan"), dtype=c.q.dtype, device="cuda")
     with pytest.raises(ValueError, match="negative page index -3"):
         w.run(c.q, c.cache, out=out)
+    with pytest.raises(ValueError, match="refused until the next plan\\(\\): .*negative page index -3"):
+        w.run(c.q, c.cache, out=out)  # a retry too: no cache makes that index valid
     assert out.isnan().all()  # nothing was launched
     c.indices[5] = c.cache.shape[0] + 4
     plan(w, c)
