@@ -4,11 +4,13 @@ Each seed is a session: an fa2 and a reference `BatchDecodeWithPagedKVCacheWrapp
 head_dim, dtypes, CUDA-graph mode, workspace, FLASHDISPATCH_FA2_DECODE_CONFIG knobs), 2-5 rounds of plan()
 (lengths with empty requests, page size, window, soft cap, ALiBi/RoPE, sm_scale, fixed_split_size, block_tables,
 shared/offset tables, host/device indices, NaN in unused cache slots), each with 1-3 run() cases (q_len_per_req,
-lse, out=/lse=, fp8 scales, 5-D/tuple/strided caches). Checked: out and base-2 lse within tolerance, empty rows
-0 and -inf, no NaN, inputs unchanged. Graph sessions capture each variant's first run() in a torch.cuda.CUDAGraph
-and replay it in later cases, after re-plans (CPU: the captured plan object runs on the new tables, as
-tests/test_replan.py does). fa2-only refusals (Unsupported, documented ValueErrors) and errors of both backends
-are only counted. CPU: Triton interpreter, --scale small, a forked child per session with a timeout:
+lse, out=/lse=, fp8 scales, 5-D/tuple/strided caches). Some eager sessions grow the cache round by round, as an
+engine does (later indices read the new pages; on a GPU plan() mostly defers its page check). Checked: out and
+base-2 lse within tolerance, empty rows 0 and -inf, no NaN, inputs unchanged. Graph sessions capture each
+variant's first run() in a torch.cuda.CUDAGraph and replay it in later cases, after re-plans (CPU: the captured
+plan object runs on the new tables, as tests/test_replan.py does). Only the fa2 refusals the spec asks for
+(Unsupported, documented ValueErrors) are counted; other errors fail, a page check refusing indices within their
+cache too. CPU: Triton interpreter, --scale small, a forked child per session with a timeout:
     TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz_decode.py --minutes 10 --start 0
 GPU: --scale large (batch <= 300, KV <= 8192, heads 32/8 64/8 32/32 16/2, d64-256, pages 1-128: split-KV, wave
 tiles, packing, the line kernel, fused merge), in-process; a CUDA error exits 3, resume at the summary's next_seed:
@@ -22,25 +24,18 @@ Failures: JSONL at --out; the last line printed is a JSON summary. Exit 0, 1 (fa
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import gc
 import json
 import os
 import random
 import re
-import signal
 import sys
 import time
-import traceback
 
-_argv = sys.argv[1:]
-_dev = next((a.split("=", 1)[1] for a in _argv if a.startswith("--device=")), None)
-_dev = _dev or (_argv[_argv.index("--device") + 1] if "--device" in _argv[:-1] else "cpu")
-if _dev == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before Triton (flashdispatch) is imported
-elif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    sys.exit("fuzz_decode: unset TRITON_INTERPRET for --device cuda")
+import fuzz_common as fc
+
+fc.use_interpreter(fc.argv_device())  # before Triton (flashdispatch) is imported
 
 import torch  # noqa: E402
 
@@ -56,7 +51,7 @@ DTYPE_WEIGHT = {"f16": 6, "bf16": 6, "e4m3": 3, "e5m2": 1}
 WORKSPACE_REFUSAL = re.compile(r"float_workspace_buffer too small|bytes of int workspace")
 GRAPH_REFUSAL = re.compile(r"use_cuda_graph: a request needs")
 BOTH_RAISE_OK = re.compile(r"use_cuda_graph=True fixes batch_size")  # a graph session's round of another batch
-CUDA_FATAL = re.compile(r"CUDA error|illegal memory|device-side assert|unspecified launch failure|CUDA_ERROR")
+PAGE_CHECK = re.compile(r"reference page \d+, but paged_kv_cache has only")  # never right: indices fit their cache
 CACHE_BYTES = 1 << 30  # --scale large: K+V bytes of a round's cache
 SESSION_TIMEOUT = 300  # s, CPU
 CFG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
@@ -73,14 +68,6 @@ KNOBS = {  # decode_config.DecodeConfig overrides
     "split_chunk_tokens": [0, 48], "wave_slots": [0, 2, 4], "line_page_prefetch": [True, False],
     "line_align_fill": [0.5, 0.9], "fused_merge_values": [256, 4096],
     "wave_tiles": [[], [[32, 2, 8, 1.0], [64, 3, 4, 0.9]], [[16, 2, 4, 1.0]]]}
-
-
-class Timeout(BaseException):
-    """SIGALRM: the session ran past SESSION_TIMEOUT (not caught as a case's error)."""
-
-
-class CudaFatal(BaseException):
-    """A CUDA error: the context is lost, the process must end."""
 
 
 def _scalars(R: random.Random, large: bool, page: int | None = None) -> dict:
@@ -172,6 +159,12 @@ def gen_session(seed: int, scale: str, dtypes: list[str]) -> dict:
                                "prealloc_lse": R.random() < 0.25, "q_strided": not s["graph"] and R.random() < 0.1,
                                "scales": graph_scales if s["graph"] else _scale_args(R, fp8)})
         s["rounds"].append(rd)
+    if not s["graph"] and R.random() < 0.4:  # an engine growing its cache round by round (`Session._rounds`;
+        for ri, rd in enumerate(s["rounds"]):  # drawn last, the other seeds' specs are as they were without it)
+            if ri:
+                rd["grow_pages"] = R.randint(1, 16)  # at least this many pages more than the last round's cache
+            if R.random() < 0.7:  # host lengths, device indices: on a GPU plan() defers its page check
+                rd["index_device"], rd["block_tables"] = "mixed", False
     return s
 
 
@@ -191,20 +184,24 @@ def features(spec: dict, rd: dict, run: dict, cuda: bool) -> list[str]:
              "indices_offset": rd["indices_offset"], "nan_poison": rd["poison"], "return_lse": run["return_lse"],
              "prealloc_out": run["prealloc_out"], "prealloc_lse": run["prealloc_lse"] and run["return_lse"],
              "q_strided": run["q_strided"], "scales": run["scales"], "q_mag": spec["q_mag"] != 1.0,
+             "cache_growth": "grow_pages" in rd,
              f"index={rd['index_device']}": cuda}
     return f + [k for k, v in flags.items() if v]
 
 
-def build_table(rd: dict, gen: torch.Generator, min_pages: int = 0):
+def build_table(rd: dict, gen: torch.Generator, num_pages: int, fresh: int = 0):
     """(indptr, indices, last_page_len, num_pages, pages per request) on the host, and the [pages,
-    page] mask of the slots some request reads (None without NaN poisoning)."""
+    page] mask of the slots some request reads (None without NaN poisoning), for a cache of
+    ``num_pages`` pages; ``fresh``: some used index is at least that (a page new to a grown cache)."""
     page, lens = rd["scalars"]["page_size"], rd["kv_lens"]
     counts = [-(-n // page) for n in lens]
-    used, num_pages = sum(counts), max(sum(counts) + rd["spare_pages"], min_pages)
+    used = sum(counts)
     if rd["shared_pages"] and num_pages:
         indices = torch.randint(0, num_pages, (used,), generator=gen).to(torch.int32)
     else:
         indices = torch.randperm(num_pages, generator=gen)[:used].to(torch.int32)
+    if fresh and used and int(indices.max()) < fresh:
+        indices[-1] = num_pages - 1  # (a page no other index has)
     indptr = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     last = torch.tensor([n - (c - 1) * page if c else 0 for n, c in zip(lens, counts)], dtype=torch.int32)
     mask = None
@@ -278,14 +275,9 @@ def compare(tag: str, out, lse, ref_out, ref_lse, empty, tol: float) -> list[str
     return probs
 
 
-def norm_msg(e: BaseException, tb: bool = False) -> str:
-    """An exception's first line with its numbers as N (groups alike errors); ``tb``: and its last frames."""
-    m = re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "N", f"{type(e).__name__}: {e}".split("\n")[0])[:200]
-    return m + "\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:]) if tb else m
-
-
 def new_stats() -> dict:
-    """Counters: counts (sessions, cases, compared, graph_replays), features, refusals, both_raise, fail_kinds."""
+    """Counters: counts (sessions, growth_sessions, cases, compared, graph_replays), features, refusals,
+    both_raise, fail_kinds."""
     return {k: collections.Counter() for k in ("counts", "features", "refusals", "both_raise", "fail_kinds")}
 
 
@@ -306,12 +298,8 @@ class Session:
 
     def _check_fatal(self, e: Exception) -> None:
         """Raise CudaFatal where ``e`` is, or left, a CUDA error (the context is then unusable)."""
-        try:
-            dead = self.cuda and (torch.cuda.synchronize() or bool(CUDA_FATAL.search(str(e))))
-        except Exception:  # noqa: BLE001
-            dead = True
-        if dead:
-            raise CudaFatal(norm_msg(e, True)) from e
+        if self.cuda and fc.is_cuda_error(e):
+            raise fc.CudaFatal(fc.norm_msg(e, True)) from e
 
     def call(self, fn):
         """(fn(), None) or (None, exception), the GPU synchronized; a CUDA error raises CudaFatal."""
@@ -330,16 +318,14 @@ class Session:
         if self.spec["cfg_env"]:
             os.environ[CFG_ENV] = json.dumps(self.spec["cfg_env"])
         self.stats["counts"]["sessions"] += 1
-        signal.alarm(0 if self.cuda else SESSION_TIMEOUT)  # (main sets the handler)
         try:
-            self._rounds()
-        except Timeout as e:
+            with fc.time_limit(0 if self.cuda else SESSION_TIMEOUT):
+                self._rounds()
+        except fc.Timeout as e:
             self.fail("session", "timeout", str(e))
         except Exception as e:  # noqa: BLE001
             self._check_fatal(e)
-            self.fail("session", "harness_crash", norm_msg(e, True))
-        finally:
-            signal.alarm(0)
+            self.fail("session", "harness_crash", fc.norm_msg(e, True))
         return self.failures
 
     def _plan_args(self, rd: dict, indptr, indices, last, counts, num_pages, gen):
@@ -361,11 +347,19 @@ class Session:
         spec, dev, seed = self.spec, self.dev, self.spec["seed"]
         hq, hk, d, rounds = spec["num_qo_heads"], spec["num_kv_heads"], spec["head_dim"], spec["rounds"]
         batch, static_cache, graph = len(rounds[0]["kv_lens"]), None, {}
-        # one cache size, as an engine's (plan()'s deferred page check compares indices to the last run()'s cache)
-        p = rounds[0]["scalars"]["page_size"]
-        static_pages = max(sum(-(-n // p) for n in r["kv_lens"]) + r["spare_pages"] for r in rounds)
+        p, grow = rounds[0]["scalars"]["page_size"], "grow_pages" in rounds[-1]
+        need = [sum(-(-n // p) for n in r["kv_lens"]) + r["spare_pages"] for r in rounds]
+        # the cache's pages by round: one size (graph replays read the capture's cache), or, where the spec grows
+        # it as an engine does, more each round with a new page read: plan(k), run(k) on cache k, plan(k + 1) with
+        # indices past cache k's pages, run(k + 1) on cache k + 1 (plan k + 1's page check must let it pass)
+        pages = [max(need)] * len(rounds)
+        if grow:
+            pages = need[:1]
+            for n, r in zip(need[1:], rounds[1:]):
+                pages.append(max(n, pages[-1] + r["grow_pages"]))
+            self.stats["counts"]["growth_sessions"] += 1
         if spec["graph"]:  # the reference refuses CUDA graphs on a GPU: fa2 only
-            sizes = {"indptr": batch + 1, "indices": max(1, static_pages), "last_page_len": batch}
+            sizes = {"indptr": batch + 1, "indices": max(1, max(pages)), "last_page_len": batch}
             graph = dict(use_cuda_graph=True, **{f"paged_kv_{k}_buffer": torch.zeros(n, dtype=torch.int32, device=dev)
                                                  for k, n in sizes.items()})
         fa2, ref = (fd.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(spec["workspace"], dtype=torch.uint8, device=dev),
@@ -373,7 +367,8 @@ class Session:
                     for be, kw in (("fa2", graph), ("reference", {})))
         for ri, rd in enumerate(rounds):
             sc, gen = rd["scalars"], torch.Generator().manual_seed(seed * 1000 + ri)
-            indptr, indices, last, num_pages, counts, used = build_table(rd, gen, static_pages)
+            fresh = pages[ri - 1] if grow and ri else 0  # growth: some index past the last round's cache
+            indptr, indices, last, num_pages, counts, used = build_table(rd, gen, pages[ri], fresh)
             pargs, pkw = self._plan_args(rd, indptr, indices, last, counts, num_pages, gen)
             pkw.update({k: v for k, v in sc.items() if k != "page_size"}, o_data_type=DT.get(spec["o_dtype"]),
                        q_data_type=DT[spec["q_dtype"]], kv_data_type=DT[spec["kv_dtype"]])
@@ -400,19 +395,22 @@ class Session:
     def raised(self, where: str, ef, er) -> None:
         """Sort the exceptions of a plan() or run() pair into stats and failures."""
         spec, msg = self.spec, str(ef)
+        spurious = next((e for e in (ef, er) if e is not None and PAGE_CHECK.search(str(e))), None)
+        if spurious is not None:  # a page check refused indices within the cache (a grown one, say)
+            return self.fail(where, "page_check_refusal", fc.norm_msg(spurious, True))
         if ef is not None and er is not None:  # both refuse: only what the spec asked for
-            self.stats["both_raise"][f"fa2: {norm_msg(ef)} || ref: {norm_msg(er)}"] += 1
+            self.stats["both_raise"][f"fa2: {fc.norm_msg(ef)} || ref: {fc.norm_msg(er)}"] += 1
             if not (spec["graph"] and BOTH_RAISE_OK.search(msg)):
-                self.fail(where, "both_raise", f"fa2: {norm_msg(ef, True)} || ref: {norm_msg(er)}")
+                self.fail(where, "both_raise", f"fa2: {fc.norm_msg(ef, True)} || ref: {fc.norm_msg(er)}")
         elif er is not None:
-            self.fail(where, "reference_exception", norm_msg(er, True))
+            self.fail(where, "reference_exception", fc.norm_msg(er, True))
         elif (isinstance(ef, fd.Unsupported) or isinstance(ef, ValueError) and (
                 spec["workspace"] < (1 << 20) and WORKSPACE_REFUSAL.search(msg)
                 or spec["graph"] and GRAPH_REFUSAL.search(msg))
               or spec["cfg_env"] and "out of resource" in msg.lower()):  # a knob's kernel too big
-            self.stats["refusals"][norm_msg(ef)] += 1
+            self.stats["refusals"][fc.norm_msg(ef)] += 1
         else:
-            self.fail(where, "fa2_exception", norm_msg(ef, True))
+            self.fail(where, "fa2_exception", fc.norm_msg(ef, True))
 
     def case(self, where: str, rd: dict, run: dict, fa2, ref, cache, gen: torch.Generator) -> None:
         """One run() of both wrappers on a new q; in graph sessions also capture / replay fa2's."""
@@ -470,13 +468,13 @@ class Session:
             _, e = self.call(lambda: self.capture(fa2, slot, cache, key))
             if e is not None:
                 self.graph_ok = False
-                return self.fail(where, "graph_capture_exception", norm_msg(e, True))
+                return self.fail(where, "graph_capture_exception", fc.norm_msg(e, True))
         slot["out"].fill_(float("nan"))
         if rl:
             slot["lse"].fill_(float("nan"))
         _, e = self.call(slot["replay"])
         if e is not None:
-            return self.fail(where, "graph_replay_exception", norm_msg(e, True))
+            return self.fail(where, "graph_replay_exception", fc.norm_msg(e, True))
         st["counts"]["graph_replays"] += 1
         probs = compare("graph replay vs ref", slot["out"], slot["lse"], out_r, lse_r, empty, tol)
         if probs:
@@ -505,104 +503,69 @@ class Session:
             slot["q"], kv, slot["out"], slot["lse"], *sv))
 
 
-def _on_alarm(signum, frame):
-    """SIGALRM handler of a CPU session."""
-    raise Timeout(f"session exceeded {SESSION_TIMEOUT}s")
-
-
-def run_forked(spec: dict) -> tuple[dict, list[dict]]:
+def forked_session(spec: dict) -> tuple[dict, list[dict]]:
     """A CPU session in a forked child (a crash must not end the fuzzer): (stats, failures)."""
-    r, w = os.pipe()
-    if (pid := os.fork()) == 0:
-        os.close(r)
-        try:
-            sess = Session(spec, torch.device("cpu"))
-            sess.run()
-            with os.fdopen(w, "w") as f:
-                json.dump({"stats": sess.stats, "failures": sess.failures}, f)
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    if data:
-        res = json.loads(data)
+    def work() -> dict:
+        sess = Session(spec, torch.device("cpu"))
+        sess.run()
+        return {"stats": sess.stats, "failures": sess.failures}
+    res, why = fc.run_forked(work, SESSION_TIMEOUT + 60)  # (the session's own time limit comes first)
+    if res:
         return res["stats"], res["failures"]
     return ({"counts": {"sessions": 1}, "fail_kinds": {"process_crash": 1}},
-            [{"seed": spec["seed"], "where": "session", "kind": "process_crash", "detail": f"wait status {status}"}])
+            [{"seed": spec["seed"], "where": "session", "kind": "process_crash", "detail": why}])
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--sessions", type=int, default=0, help="stop after this many sessions (0: at --minutes)")
-    ap.add_argument("--start", type=int, default=0, help="first seed")
-    ap.add_argument("--stride", type=int, default=1, help="seed step (parallel runs: --start i --stride n)")
-    ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="run one session verbosely")
-    ap.add_argument("--dry-run", type=int, default=0, metavar="N", help="print N generated specs, run nothing")
-    ap.add_argument("--out", default=None, help="failures JSONL (default /tmp/fuzz_decode/failures-DEVICE.jsonl)")
-    ap.add_argument("--dtypes", default=None, help="KV dtypes of f16,bf16,e4m3,e5m2 (default cpu: f16,e4m3,e5m2)")
-    ap.add_argument("--scale", choices=["small", "large"], default=None, help="default cpu: small, cuda: large")
-    args = ap.parse_args()
-    cuda = args.device == "cuda"
-    dtypes = (args.dtypes or ("bf16,f16,e4m3,e5m2" if cuda else "f16,e4m3,e5m2")).split(",")
-    if not set(dtypes) <= set(TOL) or (not cuda and "bf16" in dtypes):
-        ap.error(f"--dtypes {dtypes}: of f16, bf16 (cuda only: the interpreter computes bf16 wrongly), e4m3, e5m2")
-    args.scale = args.scale or ("large" if cuda else "small")
+    """Parse the command line; dry-run, replay, or fuzz until --sessions or --minutes are done."""
+    args = fc.parse_args(__doc__, 10.0, "/tmp/fuzz_decode/failures-{device}.jsonl", ",".join(TOL),
+                         "f16,e4m3,e5m2", "bf16,f16,e4m3,e5m2")
+    cuda, dtypes = args.device == "cuda", args.dtypes
     for seed in range(args.start, args.start + args.dry_run * args.stride, args.stride):  # per round: page, batch,
         s = gen_session(seed, args.scale, dtypes)  # lengths (pattern, max, empty), q_lens, cache MB
         mb = s["num_kv_heads"] * s["head_dim"] * 2 * DT[s["kv_dtype"]].itemsize / 2 ** 20
         print(seed, s["kv_dtype"], s["q_dtype"], f"{s['num_qo_heads']}/{s['num_kv_heads']}", s["head_dim"], s["layout"],
-              "graph" * s["graph"], s["cfg_env"] or "", [(p, len(L), r["pattern"], max(L), L.count(0),
-              [c["q_len"] for c in r["runs"]], round(sum(-(-n // p) * p for n in L) * mb))
+              "graph" * s["graph"] or "grow" * ("grow_pages" in s["rounds"][-1]), s["cfg_env"] or "",
+              [(p, len(L), r["pattern"], max(L), L.count(0), [c["q_len"] for c in r["runs"]],
+                round(sum(-(-n // p) * p for n in L) * mb))
               for r in s["rounds"] for p, L in [(r["scalars"]["page_size"], r["kv_lens"])]])
     if args.dry_run:
         return 0
     dev = torch.device(args.device)
     if not cuda:
         torch.set_num_threads(1)
-        signal.signal(signal.SIGALRM, _on_alarm)
     if args.replay is not None:  # one session, in this process, verbose
         args.start, args.minutes = args.replay, 0
         print(json.dumps(gen_session(args.replay, args.scale, dtypes))[:6000], flush=True)
-    out_path = args.out or f"/tmp/fuzz_decode/failures-{args.device}.jsonl"
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    replay = f"scripts/fuzz_decode.py --device {args.device} --scale {args.scale} --dtypes {','.join(dtypes)} --replay"
-    stats, t0, last_print, seed, code = new_stats(), time.time(), time.time(), args.start, 0
-    done = lambda: (seed - args.start) // args.stride >= args.sessions if args.sessions else (  # noqa: E731
-        seed != args.start and time.time() - t0 >= args.minutes * 60)
-    while not done() and not code:
+    stats, code = new_stats(), 0
+    loop = fc.SeedLoop(args, 30, lambda: f"{dict(stats['counts'])} failures {sum(stats['fail_kinds'].values())} "
+                                         f"{dict(stats['fail_kinds'])}")
+    for seed in loop:
         spec = gen_session(seed, args.scale, dtypes)
         if cuda or args.replay is not None:
             sess = Session(spec, dev, verbose=args.replay is not None)
             try:
                 sess.run()
-            except CudaFatal as e:
+            except fc.CudaFatal as e:
                 sess.fail("session", "cuda_error", str(e))
-                code = 3
+                code = fc.EXIT_CUDA
             delta, failures = sess.stats, sess.failures
             del sess
             gc.collect()  # a session's graphs and their memory pools go with it
         else:
-            delta, failures = run_forked(spec)
+            delta, failures = forked_session(spec)
         for k, v in delta.items():
             stats[k].update(v)
-        with open(out_path, "a") as f:
-            for rec in failures if args.replay is None else []:
-                f.write(json.dumps({**rec, "device": args.device, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                    "replay": f"{replay} {seed}", "spec": spec}) + "\n")
-        seed += args.stride
-        if time.time() - last_print > 30:
-            last_print = time.time()
-            print(f"[{time.time() - t0:6.0f}s] next seed {seed} {dict(stats['counts'])} failures "
-                  f"{sum(stats['fail_kinds'].values())} {dict(stats['fail_kinds'])}", flush=True)
-    nfail = sum(stats["fail_kinds"].values())
-    print(json.dumps({"device": args.device, "scale": args.scale, "dtypes": dtypes, "failures": nfail,
-                      "elapsed_s": round(time.time() - t0), "next_seed": seed, "out": out_path, **stats["counts"],
-                      **{k: v for k, v in stats.items() if k != "counts"}}))
-    return code or (1 if nfail else 0)
+        if args.replay is None:
+            fc.append_jsonl(args.out, [{**rec, "device": args.device, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                        "replay": fc.replay_command("fuzz_decode.py", args, seed), "spec": spec}
+                                       for rec in failures])
+        if code:
+            break
+    return fc.finish({"device": args.device, "scale": args.scale, "dtypes": dtypes,
+                      "failures": sum(stats["fail_kinds"].values()), "elapsed_s": round(loop.elapsed()),
+                      "next_seed": loop.next_seed, "out": args.out, **stats["counts"],
+                      **{k: v for k, v in stats.items() if k != "counts"}}, code)
 
 
 if __name__ == "__main__":

@@ -23,20 +23,18 @@ failure record in --out holds the command): scripts/fuzz_prefill.py --replay 123
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 import os
 import random
 import re
-import select
-import signal
 import sys
-import time
 import traceback
 from collections import Counter
 
 import numpy as np
+
+import fuzz_common as fc
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_PREFILL_CONFIG"
 REFUSAL = re.compile(r"float_workspace_buffer too small|int workspace")  # fa2's documented refusals
@@ -44,8 +42,6 @@ TOL = {"f16": 1e-2, "bf16": 2e-2}
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 SMALL_HEADS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (3, 1), (6, 3)]
 LARGE_HEADS = [(32, 8), (32, 32), (64, 8), (32, 4), (16, 2), (8, 1), (24, 3)]
-CUDA_MARKERS = ("CUDA error", "cudaError", "illegal memory access", "device-side assert", "misaligned address",
-                "unspecified launch failure", "Triton Error [CUDA]", "CUBLAS_STATUS", "an illegal instruction")
 torch = fd = None  # imported by main() once TRITON_INTERPRET is set (CPU)
 
 
@@ -364,25 +360,6 @@ class Session:
 
 
 # --- outcomes ---------------------------------------------------------------------------------
-def norm_msg(e: BaseException) -> str:
-    """An exception's type and first line with the numbers replaced (a refusal count key)."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    return re.sub(r"(?<![A-Za-z_])\d+(\.\d+)?", "N", f"{type(e).__name__}: {first}")[:140]
-
-
-def is_cuda_error(e: BaseException) -> bool:
-    """Whether ``e`` (or a device synchronisation now) shows a broken CUDA context."""
-    try:
-        torch.cuda.synchronize() if torch.cuda.is_initialized() else None
-    except Exception:  # noqa: BLE001
-        return True
-    return any(m in str(e) for m in CUDA_MARKERS)
-
-
-class CudaFatal(Exception):
-    """A CUDA error: the process cannot go on."""
-
-
 def compare(out, lse, ref_out, ref_lse, tol: float, qo: list) -> tuple[list, float]:
     """(problems, max abs out error): elementwise atol = rtol = tol on out and finite lse, no NaN,
     rows the reference sees no key for exactly 0 with lse -inf."""
@@ -451,25 +428,26 @@ def run_session(s: dict, verbose: bool = False) -> dict:
                 ok[who] = call()
             except Exception as e:  # noqa: BLE001
                 err[who] = (e, traceback.format_exc())
-                if dev.type == "cuda" and is_cuda_error(e):
-                    raise CudaFatal(f"{who} round {r} (the reference runs after fa2): {err[who][1]}") from e
+                if dev.type == "cuda" and fc.is_cuda_error(e):
+                    raise fc.CudaFatal(f"{who} round {r} (the reference runs after fa2): {err[who][1]}") from e
         (fa2_err, tb), ref_err = err.get("fa2", (None, "")), err.get("ref", (None,))[0]
         head = f"round {r}: qo={rd['qo']} kv={rd['kv']} lse={rd['return_lse']}"
         if fa2_err is not None and ref_err is not None:  # the spec makes valid input: a shared check refused it
-            bump("both_raise", norm_msg(fa2_err))
-            res["failures"].append(dict(round=r, kind="both_raise", detail=f"ref: {norm_msg(ref_err)}\nfa2: {tb[-3000:]}"))
-            log(f"{head}: FAIL both raise: fa2 {norm_msg(fa2_err)} | ref {norm_msg(ref_err)}")
+            bump("both_raise", fc.norm_msg(fa2_err))
+            res["failures"].append(dict(round=r, kind="both_raise",
+                                        detail=f"ref: {fc.norm_msg(ref_err)}\nfa2: {tb[-3000:]}"))
+            log(f"{head}: FAIL both raise: fa2 {fc.norm_msg(fa2_err)} | ref {fc.norm_msg(ref_err)}")
         elif ref_err is not None:
-            bump("ref_only", norm_msg(ref_err))
+            bump("ref_only", fc.norm_msg(ref_err))
             res["failures"].append(dict(round=r, kind="reference_error", detail=err["ref"][1][-3000:]))
-            log(f"{head}: FAIL only the reference raises: {norm_msg(ref_err)}")
+            log(f"{head}: FAIL only the reference raises: {fc.norm_msg(ref_err)}")
         elif fa2_err is not None:
             # fd.Unsupported (what fa2 cannot run), the documented workspace refusals; a tile override
             # may not fit in shared memory
             if (isinstance(fa2_err, fd.Unsupported) or isinstance(fa2_err, ValueError) and REFUSAL.search(str(fa2_err))
                     or type(fa2_err).__name__ == "OutOfResources" and s["config"]):
-                bump("refusals", norm_msg(fa2_err))
-                log(f"{head}: fa2 refuses: {norm_msg(fa2_err)}" + (f"\n{tb}" if verbose else ""))
+                bump("refusals", fc.norm_msg(fa2_err))
+                log(f"{head}: fa2 refuses: {fc.norm_msg(fa2_err)}" + (f"\n{tb}" if verbose else ""))
             else:
                 res["failures"].append(dict(round=r, kind="fa2_error", detail=tb[-3000:]))
                 log(f"{head}: FAIL fa2 raised\n{tb}")
@@ -489,66 +467,35 @@ def run_session(s: dict, verbose: bool = False) -> dict:
 
 
 # --- drivers ----------------------------------------------------------------------------------
-def run_forked(s: dict, timeout: float) -> dict:
+def forked_session(s: dict, timeout: float) -> dict:
     """run_session in a forked child (the interpreter can hang or crash); a timeout kills it."""
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: run, send the result as JSON, exit without cleanup
-        os.close(rfd)
+    def work() -> dict:
         try:
             torch.set_num_threads(1)
-            res = run_session(s)
+            return run_session(s)
         except BaseException:  # noqa: BLE001
-            res = dict(cases=1, failures=[dict(round=-1, kind="crash", detail=traceback.format_exc()[-3000:])])
-        data = json.dumps(res).encode()
-        while data:
-            data = data[os.write(wfd, data):]
-        os._exit(0)
-    os.close(wfd)
-    data, deadline, chunk, timed_out = b"", time.time() + timeout, b".", False
-    while chunk and not timed_out:
-        timed_out = not select.select([rfd], [], [], max(0.0, deadline - time.time()))[0]
-        chunk = b"" if timed_out else os.read(rfd, 1 << 16)
-        data += chunk
-    if timed_out:
-        os.kill(pid, signal.SIGKILL)
-    os.close(rfd)
-    status = os.waitpid(pid, 0)[1]
-    return (dict(timeout=True) if timed_out else json.loads(data) if data else
-            dict(cases=1, failures=[dict(round=-1, kind="crash", detail=f"child died, wait status {status}")]))
+            return dict(cases=1, failures=[dict(round=-1, kind="crash", detail=traceback.format_exc()[-3000:])])
+    res, why = fc.run_forked(work, timeout)
+    return res or (dict(timeout=True) if why == "timeout" else
+                   dict(cases=1, failures=[dict(round=-1, kind="crash", detail=f"child died, {why}")]))
 
 
 def main() -> int:
-    """Parse the command line; dry-run, replay, or fuzz until the time is up."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--minutes", type=float, default=4.0)
-    ap.add_argument("--sessions", type=int, default=0, help="stop after this many sessions (0: at --minutes)")
-    ap.add_argument("--start", type=int, default=0, help="first seed")
-    ap.add_argument("--stride", type=int, default=1, help="seed step")
-    ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="run one seed in-process, verbose")
-    ap.add_argument("--out", default="/tmp/fuzz_prefill.jsonl", help="JSONL of failures (appended)")
-    ap.add_argument("--dtypes", default=None, help="f16,bf16 (bf16 on cuda only; default cpu f16, cuda bf16,f16)")
-    ap.add_argument("--scale", choices=["small", "large"], default=None, help="default: small on cpu, large on cuda")
-    ap.add_argument("--dry-run", type=int, default=0, metavar="N", help="print N specs, run nothing")
-    ap.add_argument("--timeout", type=float, default=90.0, help="seconds per CPU session")
-    a = ap.parse_args()
-    a.scale = a.scale or ("small" if a.device == "cpu" else "large")
-    a.dtypes = (a.dtypes or ("f16" if a.device == "cpu" else "bf16,f16")).split(",")
-    if set(a.dtypes) - set(TOL) or (a.device == "cpu" and "bf16" in a.dtypes):
-        ap.error(f"--dtypes {a.dtypes}: f16 and bf16 only, bf16 on cuda only (the interpreter computes bf16 wrongly)")
+    """Parse the command line; dry-run, replay, or fuzz until --sessions or --minutes are done."""
+    a = fc.parse_args(__doc__, 4.0, "/tmp/fuzz_prefill.jsonl", ",".join(TOL), "f16", "bf16,f16",
+                      more=[("--timeout", dict(type=float, default=90.0, help="seconds per CPU session"))])
     spec = lambda seed: gen_spec(seed, a.device, a.scale, a.dtypes)  # noqa: E731
     if a.dry_run:
         for i in range(a.dry_run):
             print(json.dumps(spec(a.start + i * a.stride)))
         return 0
     global torch, fd
-    if a.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+    fc.use_interpreter(a.device)  # before the kernels are defined
     import flashdispatch as fd
     import torch
     if a.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device")
+        print("fuzz_prefill.py: --device cuda: no CUDA device", file=sys.stderr)
+        return 2
     if a.replay is not None:
         print(json.dumps(spec(a.replay), indent=1))
         res = run_session(spec(a.replay), verbose=True)
@@ -556,17 +503,19 @@ def main() -> int:
         return 1 if res["failures"] else 0
     tot = Counter(sessions=0, cases=0, compared=0, failures=0, timeouts=0)
     counts = {k: Counter() for k in ("refusals", "both_raise", "ref_only", "features")}
-    t0, last_print, seed, status, timeouts = time.time(), time.time(), a.start, 0, []
-    while (tot["sessions"] < a.sessions if a.sessions else time.time() - t0 < a.minutes * 60) and status != 3:
+    status, timeouts = 0, []
+    loop = fc.SeedLoop(a, 15, lambda: " ".join(f"{k} {v}" for k, v in tot.items())
+                       + f" refusals {sum(counts['refusals'].values())}")
+    for seed in loop:
         s = spec(seed)
         if a.device == "cpu":
-            res = run_forked(s, a.timeout)
+            res = forked_session(s, a.timeout)
         else:
             try:
                 res = run_session(s)
-            except Exception as e:  # noqa: BLE001  (a CUDA error, or a crash of the fuzzer: fatal if CUDA broke)
-                status = 3 if isinstance(e, CudaFatal) or is_cuda_error(e) else 0
-                detail = str(e) if isinstance(e, CudaFatal) else traceback.format_exc()
+            except (fc.CudaFatal, Exception) as e:  # noqa: BLE001  (a CUDA error, or a crash: fatal if CUDA broke)
+                status = fc.EXIT_CUDA if isinstance(e, fc.CudaFatal) or fc.is_cuda_error(e) else 0
+                detail = str(e) if isinstance(e, fc.CudaFatal) else traceback.format_exc()
                 res = dict(cases=1, failures=[dict(round=-1, kind="cuda_error" if status else "crash",
                                                    detail=detail[-3000:])])
         tot.update(sessions=1, cases=res.get("cases", 0), compared=res.get("compared", 0),
@@ -574,25 +523,17 @@ def main() -> int:
         timeouts += [seed] if res.get("timeout") else []
         for key, counter in counts.items():
             counter.update(res.get(key, {}))
+        fc.append_jsonl(a.out, [dict(seed=seed, replay=fc.replay_command("fuzz_prefill.py", a, seed), **fail, spec=s)
+                                for fail in res.get("failures", [])])
         for fail in res.get("failures", []):
-            replay = (f"scripts/fuzz_prefill.py --device {a.device} --scale {a.scale} --dtypes {','.join(a.dtypes)} "
-                      f"--replay {seed}")
-            with open(a.out, "a") as fh:
-                fh.write(json.dumps(dict(seed=seed, replay=replay, **fail, spec=s)) + "\n")
             print(f"FAIL seed {seed} round {fail['round']} {fail['kind']}: {fail['detail'][-600:]}", flush=True)
-        seed += a.stride
-        if time.time() - last_print > 15:
-            last_print = time.time()
-            print(f"[{time.time() - t0:5.0f}s] next seed {seed} " + " ".join(f"{k} {v}" for k, v in tot.items())
-                  + f" refusals {sum(counts['refusals'].values())}", flush=True)
-    if status == 3:
-        with open(a.out + ".next", "w") as fh:
-            fh.write(f"{seed}\n")
-    print(json.dumps(dict(tot, seconds=round(time.time() - t0), device=a.device, scale=a.scale, dtypes=a.dtypes,
-                          seeds=[a.start, seed - a.stride, a.stride], next_seed=seed, out=a.out,
-                          timeout_seeds=timeouts[:50], **{k: dict(c.most_common()) for k, c in counts.items()})),
-          flush=True)
-    return status or (1 if tot["failures"] else 0)
+        if status:
+            with open(a.out + ".next", "w") as fh:
+                fh.write(f"{loop.next_seed}\n")
+            break
+    return fc.finish(dict(tot, seconds=round(loop.elapsed()), device=a.device, scale=a.scale, dtypes=a.dtypes,
+                          seeds=[a.start, loop.next_seed - a.stride, a.stride], next_seed=loop.next_seed, out=a.out,
+                          timeout_seeds=timeouts[:50], **{k: dict(c.most_common()) for k, c in counts.items()}), status)
 
 
 if __name__ == "__main__":
