@@ -4,11 +4,15 @@ A session is one seed: a pure-JSON spec drawn from it (paged/ragged/single, NHD/
 5-D or (k, v) cache, GQA, head dims, causal, custom/packed mask, window, soft cap, RoPE/ALiBi,
 sm_scale, q/k/v scales, fp8 KV, f32 out, preallocated out/lse, FLASHDISPATCH_FA2_PREFILL_CONFIG,
 split-KV knobs, CUDA-graph mode) with 1-3 rounds of lengths that re-plan the same wrappers.
+Some eager paged sessions grow the cache round by round, as an engine does: lengths on the host,
+indices on the device and reading a page past the last round's cache (on a GPU plan() defers its
+page check, which must not refuse them).
 Tensors come from CPU torch.Generators seeded by the spec (unused cache slots and outputs NaN),
 then go to the device. fa2 and the reference get the same plan()/run() calls; out and lse are
 compared elementwise (atol = rtol = 1e-2 f16, 2e-2 bf16, x3 with RoPE), rows that see no key give exactly
 0 and lse -inf, nothing may be NaN. When only fa2 raises Unsupported/ValueError it is a refusal
-(counted by message); when both raise nothing is compared.
+(counted by message); when both raise nothing is compared. A page check refusing indices within
+their cache is a failure of its own kind.
 
 CPU (Triton interpreter, f16, small shapes, a forked child per session with a timeout):
     .venv/bin/python scripts/fuzz_prefill.py --minutes 4 --start 0
@@ -38,6 +42,7 @@ import fuzz_common as fc
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_PREFILL_CONFIG"
 REFUSAL = re.compile(r"float_workspace_buffer too small|int workspace")  # fa2's documented refusals
+PAGE_CHECK = re.compile(r"reference page \d+, but paged_kv_cache has only")  # never right: indices fit their cache
 TOL = {"f16": 1e-2, "bf16": 2e-2}
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 SMALL_HEADS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (3, 1), (6, 3)]
@@ -152,7 +157,12 @@ def gen_spec(seed: int, device: str, scale: str, dtypes: list) -> dict:
                            density=rng.choice([0.0, 0.1, 0.5, 0.9, 1.0, "tril", "tril"])))
     s["rounds"] = rounds
     if kind == "paged":
-        s["num_pages"] = max(sum(-(-k // s["page_size"]) for k in r["kv"]) for r in rounds) + rng.randint(0, 3)
+        need = [sum(-(-k // s["page_size"]) for k in r["kv"]) for r in rounds]
+        s["num_pages"] = max(need) + rng.randint(0, 3)
+        if not s["graph"] and n_rounds > 1 and rng.random() < 0.5:  # an engine's cache, grown between rounds
+            s["host_meta"], s["growth"] = True, [need[0] + s["num_pages"] - max(need)]  # its pages by round (drawn
+            for n in need[1:]:  # last: the other seeds' specs stay; graph replays read the capture's cache)
+                s["growth"].append(max(n, s["growth"][-1] + rng.randint(1, 16)))
     return s
 
 
@@ -169,7 +179,8 @@ def _indptr(lens) -> "torch.Tensor":
 
 def make_round(s: dict, r: int, dev) -> dict:
     """Round ``r``'s tensors, drawn on the CPU from its data seed, then moved to ``dev`` (with
-    host_meta the lengths stay on the host, as a serving engine plans)."""
+    host_meta the lengths stay on the host, as a serving engine plans; a grown cache's indices
+    read a page past the last round's)."""
     rd = s["rounds"][r]
     g = torch.Generator().manual_seed(rd["data_seed"])
     qo, kv = rd["qo"], rd["kv"]
@@ -179,9 +190,11 @@ def make_round(s: dict, r: int, dev) -> dict:
     d = dict(q=torch.randn(sum(qo), s["hq"], s["dqk"], generator=g).to(qdt).to(dev),
              qo_indptr=_indptr(qo).to(meta_dev), qo=qo, kv=kv)
     if s["kind"] == "paged":
-        ps, pages = s["page_size"], s["num_pages"]
+        ps, pages = s["page_size"], s["growth"][r] if "growth" in s else s["num_pages"]
         counts = [-(-k // ps) for k in kv]
         perm = torch.randperm(pages, generator=g)[:sum(counts)].to(torch.int32)
+        if r and "growth" in s and len(perm) and int(perm.max()) < s["growth"][r - 1]:
+            perm[-1] = pages - 1  # (a page no other index has)
         last = [k - (n - 1) * ps if n else 0 for k, n in zip(kv, counts)]
         filled = torch.zeros(pages, dtype=torch.int64)  # used slots per page; the others are NaN
         filled[perm.long()] = torch.tensor([ps if j < n - 1 else last[b] for b, n in enumerate(counts)
@@ -407,7 +420,7 @@ def features(s: dict, r: int) -> list:
         ("scales", bool(s["scales"])), ("o_f32", s["o_dtype"] == "f32"), ("graph", s["graph"]),
         ("config", bool(s["config"])), ("q>kv", any(q > k for q, k in pairs)), ("q_empty", 0 in rd["qo"]),
         ("kv_empty", 0 in rd["kv"]), ("q==kv", any(q == k > 0 for q, k in pairs)), ("q=1", 1 in rd["qo"]),
-        ("host_meta", s["host_meta"] and s["device"] == "cuda")) if on]
+        ("host_meta", s["host_meta"] and s["device"] == "cuda"), ("cache_growth", r > 0 and "growth" in s)) if on]
 
 
 def run_session(s: dict, verbose: bool = False) -> dict:
@@ -432,7 +445,12 @@ def run_session(s: dict, verbose: bool = False) -> dict:
                     raise fc.CudaFatal(f"{who} round {r} (the reference runs after fa2): {err[who][1]}") from e
         (fa2_err, tb), ref_err = err.get("fa2", (None, "")), err.get("ref", (None,))[0]
         head = f"round {r}: qo={rd['qo']} kv={rd['kv']} lse={rd['return_lse']}"
-        if fa2_err is not None and ref_err is not None:  # the spec makes valid input: a shared check refused it
+        spurious = [who for who, (e, _) in err.items() if PAGE_CHECK.search(str(e))]
+        if spurious:  # a page check refused indices within their cache (a grown one, say)
+            res["failures"].append(dict(round=r, kind="page_check_refusal",
+                                        detail="\n".join(f"{who}: {err[who][1][-3000:]}" for who in spurious)))
+            log(f"{head}: FAIL page check refuses: {fc.norm_msg(err[spurious[0]][0])}")
+        elif fa2_err is not None and ref_err is not None:  # the spec makes valid input: a shared check refused it
             bump("both_raise", fc.norm_msg(fa2_err))
             res["failures"].append(dict(round=r, kind="both_raise",
                                         detail=f"ref: {fc.norm_msg(ref_err)}\nfa2: {tb[-3000:]}"))
@@ -501,7 +519,7 @@ def main() -> int:
         res = run_session(spec(a.replay), verbose=True)
         print(json.dumps({k: v for k, v in res.items() if k != "features"}, indent=1))
         return 1 if res["failures"] else 0
-    tot = Counter(sessions=0, cases=0, compared=0, failures=0, timeouts=0)
+    tot = Counter(sessions=0, growth_sessions=0, cases=0, compared=0, failures=0, timeouts=0)
     counts = {k: Counter() for k in ("refusals", "both_raise", "ref_only", "features")}
     status, timeouts = 0, []
     loop = fc.SeedLoop(a, 15, lambda: " ".join(f"{k} {v}" for k, v in tot.items())
@@ -518,8 +536,9 @@ def main() -> int:
                 detail = str(e) if isinstance(e, fc.CudaFatal) else traceback.format_exc()
                 res = dict(cases=1, failures=[dict(round=-1, kind="cuda_error" if status else "crash",
                                                    detail=detail[-3000:])])
-        tot.update(sessions=1, cases=res.get("cases", 0), compared=res.get("compared", 0),
-                   timeouts=int(bool(res.get("timeout"))), failures=len(res.get("failures", [])))
+        tot.update(sessions=1, growth_sessions=int("growth" in s), cases=res.get("cases", 0),
+                   compared=res.get("compared", 0), timeouts=int(bool(res.get("timeout"))),
+                   failures=len(res.get("failures", [])))
         timeouts += [seed] if res.get("timeout") else []
         for key, counter in counts.items():
             counter.update(res.get(key, {}))
