@@ -435,10 +435,18 @@ class WrapperBase:
         self._variant(default)
 
     def _variant(self, key) -> PlannedAttention:
-        """The plan of variant ``key``, planned once per plan() and made the current one."""
+        """The plan of variant ``key``, planned once per plan() and made the current one. A variant
+        that fails its first plan keeps no metadata buffer (graph mode re-plans every variant
+        that has one at each plan())."""
         planned = self._variants.get(key)
         if planned is None:
-            planned = self._variants[key] = self._build_variant(key)
+            known = key in self._int_workspaces
+            try:
+                planned = self._variants[key] = self._build_variant(key)
+            except BaseException:
+                if not known:
+                    self._int_workspaces.pop(key, None)
+                raise
         self._planned = planned
         return planned
 

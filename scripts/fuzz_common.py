@@ -48,7 +48,7 @@ def parse_args(doc: str, minutes: float, out: str, dtypes: str, cpu_dtypes: str,
     """The command line: the options of both fuzzers and ``more`` ((flag, add_argument keywords)
     pairs); ``out`` the default --out ({device}: --device), --dtypes a list of ``dtypes`` (checked),
     --scale and --dtypes defaulted by --device."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False)  # (argv_device reads --device)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--minutes", type=float, default=minutes)
     ap.add_argument("--sessions", type=int, default=0, help="stop after this many sessions (0: at --minutes)")
@@ -63,6 +63,8 @@ def parse_args(doc: str, minutes: float, out: str, dtypes: str, cpu_dtypes: str,
     for flag, kw in more:
         ap.add_argument(flag, **kw)
     args = ap.parse_args()
+    if args.stride < 1:
+        ap.error(f"--stride {args.stride}: must be >= 1")
     cuda = args.device == "cuda"
     args.out = args.out.format(device=args.device)
     args.scale = args.scale or ("large" if cuda else "small")
@@ -109,14 +111,16 @@ def run_forked(work, timeout: float) -> tuple[object, str]:
     rfd, wfd = os.pipe()
     if (pid := os.fork()) == 0:  # the child: run, send the result, exit without cleanup
         os.close(rfd)
+        status = 1  # no result: the parent reports the wait status
         try:
             data = json.dumps(work()).encode()
             while data:
                 data = data[os.write(wfd, data):]
-        except BaseException:  # noqa: BLE001  (no result: the parent reports the wait status)
+            status = 0
+        except BaseException:  # noqa: BLE001
             traceback.print_exc()
         finally:
-            os._exit(0)
+            os._exit(status)
     os.close(wfd)
     data, deadline, chunk, timed_out = b"", time.time() + timeout, b".", False
     while chunk and not timed_out:
@@ -127,7 +131,12 @@ def run_forked(work, timeout: float) -> tuple[object, str]:
         os.kill(pid, signal.SIGKILL)
     os.close(rfd)
     status = os.waitpid(pid, 0)[1]
-    return (None, "timeout") if timed_out else (json.loads(data), "") if data else (None, f"wait status {status}")
+    if timed_out:
+        return None, "timeout"
+    try:
+        return json.loads(data), ""
+    except ValueError:  # nothing, or a result cut short (the child killed while writing it)
+        return None, f"no result ({len(data)} bytes), wait status {status}"
 
 
 def is_cuda_error(e: BaseException) -> bool:
@@ -166,7 +175,7 @@ class SeedLoop:
         a = self.args
         while True:
             n = (self.next_seed - a.start) // a.stride
-            if n >= a.sessions if a.sessions else n and self.elapsed() >= a.minutes * 60:
+            if (n >= a.sessions) if a.sessions else (n > 0 and self.elapsed() >= a.minutes * 60):
                 return
             seed = self.next_seed
             self.next_seed += a.stride

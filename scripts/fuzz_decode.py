@@ -276,8 +276,8 @@ def compare(tag: str, out, lse, ref_out, ref_lse, empty, tol: float) -> list[str
 
 
 def new_stats() -> dict:
-    """Counters: counts (sessions, growth_sessions, cases, compared, graph_replays), features, refusals,
-    both_raise, fail_kinds."""
+    """Counters: counts (sessions, growth_sessions, cases, compared, growth_compared, graph_replays),
+    features, refusals, both_raise, fail_kinds."""
     return {k: collections.Counter() for k in ("counts", "features", "refusals", "both_raise", "fail_kinds")}
 
 
@@ -441,6 +441,7 @@ class Session:
         if ef is not None or er is not None:
             return self.raised(where, ef, er)
         st["counts"]["compared"] += 1
+        st["counts"]["growth_compared"] += "cache_growth" in feats
         if digest() != before or not torch.equal(q, q_snap):
             self.fail(where, "input_modified", "run() modified q or the cache")
         (out_f, lse_f), (out_r, lse_r) = (rf if rl else (rf, None)), (rr if rl else (rr, None))

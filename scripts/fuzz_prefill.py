@@ -315,6 +315,8 @@ class Session:
             if s["graph"]:
                 return self._graph_round(r, d)
             self._plan(self.fa2, d, False)
+            if "growth" in s and self.dev.type == "cuda":
+                torch.cuda.synchronize()  # the deferred page check then ends at this round's run()
             out = lse = None
             if s["prealloc"] != "none":  # NaN-poisoned, contiguous or strided views
                 w, nq = 2 if s["prealloc"] == "strided" else 1, len(d["q"])

@@ -143,18 +143,22 @@ class _Reduction:
 class _Wrapper(DeferredPageCheck):
     """The mixin on a wrapper's state (CPU: the deferred path itself needs indices on a GPU)."""
 
-    def __init__(self, graph: bool):
+    def __init__(self, graph: bool, clamps: bool = True):
         self._use_cuda_graph = graph
         self._page_reader = _Reduction()
         self.variant = SimpleNamespace(max_page_index=0, problem=None,
-                                       backend=SimpleNamespace(clamps_page_indices=lambda problem: True))
+                                       backend=SimpleNamespace(clamps_page_indices=lambda problem: clamps))
         self._variants = {"run": self.variant}
         self._planned = self.variant
 
-    def plan(self, high: int, low: int = 1):
+    def plan(self, high: int, low: int = 1, error: Exception | None = None):
+        """A plan of indices (3, high, low); ``error``: its planning raises that."""
+        def planning():
+            if error is not None:
+                raise error
         self._finish_page_check()
         self._begin_page_check(torch.tensor([3, high, low]), 3, 0)
-        self._planning_with_page_check(lambda: None)
+        self._planning_with_page_check(planning)
 
     def run(self, pages: int):
         self._page_check_at_run(self.variant, pages)
@@ -191,11 +195,34 @@ def test_a_negative_index_refuses_every_run_of_its_plan():
     for _ in range(2):
         with pytest.raises(ValueError, match="negative page index -4"):
             w.run(64)
-    with pytest.raises(ValueError, match="run\\(\\) refused until the next plan\\(\\)"):
+    with pytest.raises(ValueError, match="run\\(\\) refused until a plan\\(\\) succeeds"):
         w.run(200)
     w.plan(20)
     w.run(64)
     assert not w._page_checking() and w.variant.max_page_index == 20
+    r = _Wrapper(graph=False, clamps=False)  # a backend that does not clamp: the check ends in plan()
+    with pytest.raises(ValueError, match="negative page index -2"):
+        r.plan(20, low=-2)
+    with pytest.raises(ValueError, match="refused until a plan\\(\\) succeeds: .*negative page index -2"):
+        r.run(64)  # the plan stays installed: its run() would read page -2
+    r.plan(20)
+    r.run(64)
+
+
+def test_a_plan_that_fails_refuses_run_until_a_plan_succeeds():
+    """A plan() that fails while planning has replaced the tables: run() must not launch on them
+    unchecked (the failed plan's check is dropped); the next plan() that succeeds lifts it."""
+    w = _Wrapper(graph=False)
+    w.plan(20)
+    w.run(64)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        w.plan(30, low=-1, error=RuntimeError("stand-in planning error"))
+    assert not w._page_checking()
+    with pytest.raises(ValueError, match="refused until a plan\\(\\) succeeds: the last plan\\(\\) raised "
+                                         "RuntimeError: stand-in planning error"):
+        w.run(64)
+    w.plan(30)
+    w.run(64)
 
 
 # --- on the GPU: plan() with host lengths does not wait for the GPU ---------------------------------
@@ -243,7 +270,7 @@ def test_a_bad_index_found_before_the_run_refuses_the_launch(op):
     out = torch.full((c.q.shape[0], HEADS, DIM), float("nan"), dtype=c.q.dtype, device="cuda")
     with pytest.raises(ValueError, match="negative page index -3"):
         w.run(c.q, c.cache, out=out)
-    with pytest.raises(ValueError, match="refused until the next plan\\(\\): .*negative page index -3"):
+    with pytest.raises(ValueError, match="refused until a plan\\(\\) succeeds: .*negative page index -3"):
         w.run(c.q, c.cache, out=out)  # a retry too: no cache makes that index valid
     assert out.isnan().all()  # nothing was launched
     c.indices[5] = c.cache.shape[0] + 4
@@ -285,6 +312,8 @@ def test_a_backend_that_does_not_clamp_checks_inside_plan(op):
     with pytest.raises(ValueError, match="negative page index -7"):
         plan(w, c)
     assert not w._page_checking()
+    with pytest.raises(ValueError, match="refused until a plan\\(\\) succeeds: .*negative page index -7"):
+        w.run(c.q, c.cache)  # the reference would read the page torch wraps -7 to
 
 
 @pytest.mark.gpu

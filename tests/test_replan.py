@@ -245,3 +245,32 @@ def test_replan_on_the_gpu_matches_the_reference(fresh_plans, batch, max_len, sp
         assert torch.equal(out[~full], torch.zeros_like(out[~full])) and bool(torch.isneginf(lse[~full]).all())
     if not split:
         assert len(fresh_plans) == 2  # the first plan, and its lse variant at the first run
+
+
+@interpreted
+def test_a_graph_variant_that_fails_its_first_plan_does_not_fail_later_plans(monkeypatch):
+    """Graph mode re-plans, at each plan(), every variant that has a metadata buffer: a variant
+    refused at its first plan (here q_len_per_req=2, made to fail) must not keep one, or every
+    later plan() would raise its error."""
+    fa2 = backend_class("fa2")
+    original = fa2.plan
+
+    def refusing(self, problem, device, params):
+        if problem.mask_mode == "causal":
+            raise flashinfer.Unsupported("stand-in refusal of q_len_per_req=2")
+        return original(self, problem, device, params)
+
+    monkeypatch.setattr(fa2, "plan", refusing)
+    torch.manual_seed(5)
+    kv = torch.randn(PAGES, 2, PAGE, HKV, D).half()
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(1 << 22, dtype=torch.uint8), use_cuda_graph=True, backend="fa2",
+        paged_kv_indptr_buffer=torch.zeros(3, dtype=torch.int32),
+        paged_kv_indices_buffer=torch.zeros(PAGES, dtype=torch.int32),
+        paged_kv_last_page_len_buffer=torch.zeros(2, dtype=torch.int32))
+    w.plan(*_table([40, 9], 0), HQ, HKV, D, PAGE, data_type=torch.float16)
+    with pytest.raises(flashinfer.Unsupported, match="stand-in refusal"):
+        w.run(torch.randn(4, HQ, D).half(), kv, q_len_per_req=2)
+    table = _table([70, 33], 1)
+    w.plan(*table, HQ, HKV, D, PAGE, data_type=torch.float16)
+    _check(w, kv, table)
