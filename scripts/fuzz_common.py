@@ -17,6 +17,8 @@ import traceback
 
 CUDA_FATAL = re.compile(r"CUDA error|CUDA_ERROR|cudaError|illegal memory access|device-side assert|misaligned address"
                         r"|unspecified launch failure|Triton Error \[CUDA\]|CUBLAS_STATUS|an illegal instruction")
+# a page check refusing indices: never right, the fuzzers' indices fit their cache (a grown one too)
+PAGE_CHECK = re.compile(r"reference page \d+, but paged_kv_cache has only")
 EXIT_CUDA = 3  # the exit status after a CUDA error (a driver loop restarts at the summary's next_seed)
 
 

@@ -51,7 +51,6 @@ DTYPE_WEIGHT = {"f16": 6, "bf16": 6, "e4m3": 3, "e5m2": 1}
 WORKSPACE_REFUSAL = re.compile(r"float_workspace_buffer too small|bytes of int workspace")
 GRAPH_REFUSAL = re.compile(r"use_cuda_graph: a request needs")
 BOTH_RAISE_OK = re.compile(r"use_cuda_graph=True fixes batch_size")  # a graph session's round of another batch
-PAGE_CHECK = re.compile(r"reference page \d+, but paged_kv_cache has only")  # never right: indices fit their cache
 CACHE_BYTES = 1 << 30  # --scale large: K+V bytes of a round's cache
 SESSION_TIMEOUT = 300  # s, CPU
 CFG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
@@ -395,7 +394,7 @@ class Session:
     def raised(self, where: str, ef, er) -> None:
         """Sort the exceptions of a plan() or run() pair into stats and failures."""
         spec, msg = self.spec, str(ef)
-        spurious = next((e for e in (ef, er) if e is not None and PAGE_CHECK.search(str(e))), None)
+        spurious = next((e for e in (ef, er) if e is not None and fc.PAGE_CHECK.search(str(e))), None)
         if spurious is not None:  # a page check refused indices within the cache (a grown one, say)
             return self.fail(where, "page_check_refusal", fc.norm_msg(spurious, True))
         if ef is not None and er is not None:  # both refuse: only what the spec asked for

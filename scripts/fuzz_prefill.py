@@ -42,7 +42,6 @@ import fuzz_common as fc
 
 CONFIG_ENV = "FLASHDISPATCH_FA2_PREFILL_CONFIG"
 REFUSAL = re.compile(r"float_workspace_buffer too small|int workspace")  # fa2's documented refusals
-PAGE_CHECK = re.compile(r"reference page \d+, but paged_kv_cache has only")  # never right: indices fit their cache
 TOL = {"f16": 1e-2, "bf16": 2e-2}
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 SMALL_HEADS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (3, 1), (6, 3)]
@@ -447,7 +446,7 @@ def run_session(s: dict, verbose: bool = False) -> dict:
                     raise fc.CudaFatal(f"{who} round {r} (the reference runs after fa2): {err[who][1]}") from e
         (fa2_err, tb), ref_err = err.get("fa2", (None, "")), err.get("ref", (None,))[0]
         head = f"round {r}: qo={rd['qo']} kv={rd['kv']} lse={rd['return_lse']}"
-        spurious = [who for who, (e, _) in err.items() if PAGE_CHECK.search(str(e))]
+        spurious = [who for who, (e, _) in err.items() if fc.PAGE_CHECK.search(str(e))]
         if spurious:  # a page check refused indices within their cache (a grown one, say)
             res["failures"].append(dict(round=r, kind="page_check_refusal",
                                         detail="\n".join(f"{who}: {err[who][1][-3000:]}" for who in spurious)))
