@@ -19,7 +19,7 @@ from .deferred_check import DeferredPageCheck
 from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import (WrapperBase, check_requested, device_int32, on_device, paged_params, plan_problem,
+from .planned import (WrapperBase, check_requested, device_int32, on_device, paged_params, plan_problem, user_workspace,
                       require_plan, run_attention, scratch_workspace, single_key, single_plans)
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
 
@@ -180,8 +180,10 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         if indptr is None:
             if block_tables is None or seq_lens is None:
                 raise ValueError("plan() needs indptr/indices/last_page_len, or block_tables with seq_lens")
-            # host tensors: read here without a copy, moved to the device with the params
-            indptr, indices, last_page_len, _ = block_table_to_indptr(block_tables, seq_lens, page_size)
+            # indptr and last_page_len on the host, moved to the device with the params; the page
+            # indices (gathered on the table's device) are checked below as the API's are
+            indptr, indices, last_page_len = block_table_to_indptr(block_tables, seq_lens, page_size,
+                                                                   check_indices=False)[:3]
         if data_type is not None:
             q_data_type = kv_data_type = data_type
         scalars = self._scalars(
@@ -345,9 +347,10 @@ def _scale_split(scale, name: str):
 
 def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq_lens, *, kv_layout, qo_indptr_h,
                                       bmm1_scale, bmm2_scale, window_left, out, out_dtype, sinks, backend,
-                                      causal, packed_mask=None, mask_indptr=None, spec_decode_mask=False,
-                                      return_lse=False, lse=None, op="decode"):
-    """The TensorRT-LLM style entry points: block tables + KV lengths, fused bmm1/bmm2 scales."""
+                                      causal, workspace_buffer, packed_mask=None, mask_indptr=None,
+                                      spec_decode_mask=False, return_lse=False, lse=None, op="decode"):
+    """The TensorRT-LLM style entry points: block tables + KV lengths, fused bmm1/bmm2 scales;
+    ``workspace_buffer`` holds run()'s scratch (split-KV partials)."""
     check_requested(backend)
     checks.check_layout(kv_layout)
     checks.check_tensor(query, "query", ndim=3)
@@ -360,7 +363,7 @@ def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq
     checks.check_heads(query.shape[1], num_kv_heads)
     sm_scale, q_scale = _scale_split(bmm1_scale, "bmm1_scale")
     v_scale_f, v_scale_t = _scale_split(bmm2_scale, "bmm2_scale")
-    indptr, indices, last, kv_lens_h = block_table_to_indptr(block_tables, seq_lens, page_size)
+    indptr, indices, last, kv_lens_h, max_page = block_table_to_indptr(block_tables, seq_lens, page_size)
     qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
     if int(qo_indptr_h[-1]) != query.shape[0]:
         raise ValueError(f"query has {query.shape[0]} rows, but the query lengths add up to {int(qo_indptr_h[-1])}")
@@ -377,10 +380,10 @@ def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq
                       spec_decode_mask=spec_decode_mask,
                       q_len_per_req=int(qo_lens.max()) if op == "decode" and qo_lens.numel() else 1)
     params = paged_params(qo_indptr_h.numpy(), kv_lens_h.numpy(), indptr, indices, last, dev, qo_lens.tolist(),
-                          sm_scale=sm_scale, packed_mask=on_device(packed_mask, dev),
+                          sm_scale=sm_scale, workspace=user_workspace(workspace_buffer, "workspace_buffer", dev),
+                          packed_mask=on_device(packed_mask, dev),
                           mask_indptr=on_device(mask_indptr, dev))
-    planned = plan_problem(problem, dev, params, backend, total_q=query.shape[0],
-                           max_page_index=int(indices.max()) if indices.numel() else -1)
+    planned = plan_problem(problem, dev, params, backend, total_q=query.shape[0], max_page_index=max_page)
     v_scale = v_scale_t if v_scale_t is not None else v_scale_f
     return run_attention(planned, query, kv, out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
                          v_scale=v_scale, sinks=sinks)
@@ -420,7 +423,8 @@ def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_b
         query, kv.k, kv.v, block_tables, seq_lens, kv_layout=kv_layout, qo_indptr_h=qo_indptr_h,
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2, window_left=window_left, out=out, out_dtype=out_dtype,
         sinks=sinks, backend=backend, causal=bool((qo_indptr_h[1:] - qo_indptr_h[:-1]).gt(1).any()),
-        packed_mask=packed, mask_indptr=mask_indptr, spec_decode_mask=mask is not None)
+        workspace_buffer=workspace_buffer, packed_mask=packed, mask_indptr=mask_indptr,
+        spec_decode_mask=mask is not None)
 
 
 def cudnn_batch_decode_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,

@@ -13,7 +13,7 @@ from .backends.base import MLAParams
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import WrapperBase, device_int32, host_workload, on_device, plan_problem, run_mla
+from .planned import WrapperBase, device_int32, host_workload, on_device, plan_problem, run_mla, user_workspace
 
 LN2 = math.log(2.0)
 
@@ -137,13 +137,14 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         return result
 
 
-def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, *, sm_scale, v_scale=None,
-                     out_dtype=None, q_len_per_req: int = 1, out=None, lse=None, return_lse=False,
+def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, *, sm_scale, workspace_buffer,
+                     v_scale=None, out_dtype=None, q_len_per_req: int = 1, out=None, lse=None, return_lse=False,
                      backend: str = "auto"):
-    """MLA over block tables (shared by the TensorRT-LLM and XQA entry points)."""
+    """MLA over block tables (shared by the TensorRT-LLM and XQA entry points); ``workspace_buffer``
+    holds run()'s scratch."""
     checks.check_tensor(q_nope, "query", ndim=3)
     page_size = ckv_cache.shape[1]
-    indptr, indices, _, kv_lens_h = block_table_to_indptr(block_tables, seq_lens, page_size)
+    indptr, indices, _, kv_lens_h, max_page = block_table_to_indptr(block_tables, seq_lens, page_size)
     batch = indptr.numel() - 1
     qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len_per_req
     if int(qo_indptr_h[-1]) != q_nope.shape[0]:
@@ -156,9 +157,8 @@ def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens,
     problem = _mla_problem(q_nope.dtype, ckv_cache.dtype, o_dtype, q_nope.shape[1], q_nope.shape[2],
                            q_pe.shape[2], page_size, q_len_per_req > 1, return_lse=return_lse)
     params = _mla_params(qo_indptr_h.numpy(), indptr, indices, kv_lens_h.numpy(), dev, float(sm_scale),
-                         q_len_per_req > 1, None)
-    planned = plan_problem(problem, dev, params, backend, total_q=q_nope.shape[0],
-                           max_page_index=int(indices.max()) if indices.numel() else -1)
+                         q_len_per_req > 1, user_workspace(workspace_buffer, "workspace_buffer", dev))
+    planned = plan_problem(problem, dev, params, backend, total_q=q_nope.shape[0], max_page_index=max_page)
     return run_mla(planned, q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse, return_lse=return_lse,
                    v_scale=v_scale)
 
@@ -193,7 +193,7 @@ def trtllm_batch_decode_with_kv_cache_mla(query: torch.Tensor, kv_cache: torch.T
         lse = lse.reshape(b * q_len, heads)
     result = mla_paged_decode(flat[..., :kv_lora_rank], flat[..., kv_lora_rank:], kv_cache[..., :kv_lora_rank],
                               kv_cache[..., kv_lora_rank:], block_tables, seq_lens, sm_scale=bmm1_scale,
-                              v_scale=bmm2_scale, q_len_per_req=q_len,
+                              workspace_buffer=workspace_buffer, v_scale=bmm2_scale, q_len_per_req=q_len,
                               out=None if out is None else out.reshape(b * q_len, heads, kv_lora_rank),
                               lse=lse, return_lse=return_lse, backend=backend)
     if return_lse:

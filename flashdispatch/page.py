@@ -1,6 +1,9 @@
 """Paged-KV helpers: ``get_seq_lens``, ``get_batch_indices_positions``, ``append_paged_kv_cache``."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from .checks import check_layout, check_positive_int, check_tensor, unpack_paged_kv_cache
@@ -70,30 +73,52 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
         kv.v.permute(0, 2, 1, 3)[page, slot] = append_value.to(kv.v.dtype)
 
 
+class PageTables(NamedTuple):
+    """`block_table_to_indptr`'s result."""
+    indptr: torch.Tensor  # [batch + 1] int32, host
+    indices: torch.Tensor  # [indptr[-1]] int32, on block_tables' device
+    last_page_len: torch.Tensor  # [batch] int32, host
+    kv_lens: torch.Tensor  # [batch] int64, host
+    max_page: int | None  # the largest page index in use (-1: none); None where not read (check_indices=False)
+
+
 def block_table_to_indptr(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, *,
-                          seq_lens_name: str = "seq_lens"):
-    """Convert a ``[batch, max_pages]`` block table and KV lengths into (kv_indptr, kv_indices,
-    kv_last_page_len: int32; kv_lens: int64), all on the host, checking that each request's pages
-    fit in its row of the table and that the pages it uses are not negative."""
+                          seq_lens_name: str = "seq_lens", check_indices: bool = True) -> PageTables:
+    """Convert a ``[batch, max_pages]`` block table and KV lengths into FlashInfer's page table:
+    kv_indptr, kv_indices (each request's first ``ceil(seq_lens[b] / page_size)`` table entries,
+    end to end) and kv_last_page_len, with the kv lengths. Checks that each request's pages fit
+    in its row of the table and, with ``check_indices``, that no page in use is negative (and
+    reads the largest).
+
+    The lengths are read on the host (a GPU ``seq_lens`` waits for the GPU); the table is
+    gathered on its own device, so from a GPU table only the pages' (min, max), with
+    ``check_indices``, cross to the host, whatever the table's width."""
     check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,))
     check_positive_int(page_size, "page_size")
-    lens = seq_lens.detach().reshape(-1).to("cpu", torch.int64)
+    lens = seq_lens.detach().reshape(-1).to("cpu", torch.int64).numpy()
     batch, max_pages = block_tables.shape
-    if lens.numel() != batch:
-        raise ValueError(f"{seq_lens_name} has {lens.numel()} entries, but block_tables has {batch} rows")
-    if bool((lens < 0).any()):
+    if lens.size != batch:
+        raise ValueError(f"{seq_lens_name} has {lens.size} entries, but block_tables has {batch} rows")
+    if batch and lens.min() < 0:
         raise ValueError(f"{seq_lens_name} holds a negative length {int(lens.min())}")
     pages = (lens + page_size - 1) // page_size
-    if batch and int(pages.max()) > max_pages:
+    if batch and pages.max() > max_pages:
         b = int(pages.argmax())
         raise ValueError(f"{seq_lens_name}[{b}]={int(lens[b])} needs {int(pages[b])} pages of page_size={page_size}, "
                          f"but block_tables has only {max_pages} columns (is the cache layout right?)")
-    indptr = torch.zeros(batch + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(pages, 0)
-    table = block_tables.detach().to("cpu", torch.int64)
-    keep = torch.arange(max_pages)[None, :] < pages[:, None]
-    indices = table[keep]
-    if indices.numel() and int(indices.min()) < 0:
-        raise ValueError(f"block_tables holds a negative page index {int(indices.min())} among the pages in use")
-    last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
-    return indptr.to(torch.int32), indices.to(torch.int32), last.to(torch.int32), lens
+    indptr = np.zeros(batch + 1, np.int64)
+    np.cumsum(pages, out=indptr[1:])
+    total = int(indptr[-1])
+    # entry i of request b is table[b, i - indptr[b]]: its row-major position, gathered on the
+    # table's device (torch.take reads any strides as row-major)
+    at = np.arange(total, dtype=np.int64) + np.repeat(np.arange(batch, dtype=np.int64) * max_pages - indptr[:-1],
+                                                      pages)
+    indices = torch.take(block_tables.detach(), torch.from_numpy(at).to(block_tables.device, non_blocking=True))
+    max_page = None
+    if check_indices:
+        low, max_page = torch.stack(torch.aminmax(indices)).tolist() if total else (0, -1)  # one read
+        if low < 0:
+            raise ValueError(f"block_tables holds a negative page index {low} among the pages in use")
+    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
+    return PageTables(torch.from_numpy(indptr.astype(np.int32)), indices, torch.from_numpy(last.astype(np.int32)),
+                      torch.from_numpy(lens), max_page)

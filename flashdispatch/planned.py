@@ -234,6 +234,13 @@ def _upload_int32(device: torch.device, arrays) -> list[torch.Tensor]:
     return list(flat.split_with_sizes([a.size for a in arrays]))  # (one call: slicing is ~1 us a view)
 
 
+def user_workspace(buf: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """A caller's float workspace buffer as the flat bytes the backends carve run() scratch
+    from (split-KV partials), checked to be a tensor on ``device``."""
+    checks.check_tensor(buf, name, device=device)
+    return buf.reshape(-1).view(torch.uint8)
+
+
 def paged_params(qo_indptr: np.ndarray | torch.Tensor, kv_lens_h: np.ndarray, kv_indptr, kv_indices,
                  kv_last_page_len, device, qo_lens_host: list[int], kv_stats: tuple[int, int] | None = None,
                  **kw) -> AttentionParams:
@@ -511,4 +518,5 @@ class WrapperBase:
 
 
 __all__ = ["WrapperBase", "check_requested", "device_int32", "host_workload", "on_device",
-           "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params", "MLAParams"]
+           "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params", "MLAParams",
+           "user_workspace"]

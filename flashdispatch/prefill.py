@@ -171,9 +171,10 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
         if paged_kv_indptr is None:
             if block_tables is None or seq_lens is None:
                 raise ValueError("plan() needs paged_kv_indptr/indices/last_page_len, or block_tables with seq_lens")
-            # host tensors: read here without a copy, moved to the device with the params
-            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, _ = block_table_to_indptr(
-                block_tables, seq_lens, page_size)
+            # indptr and last_page_len on the host, moved to the device with the params; the page
+            # indices (gathered on the table's device) are checked below as the API's are
+            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len = block_table_to_indptr(
+                block_tables, seq_lens, page_size, check_indices=False)[:3]
         names = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
         tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         for name, t in zip(names, tensors):
@@ -453,7 +454,8 @@ def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_
         result = paged_attention_from_block_tables(
             q, k_cache, v_cache, block_tables, actual_seq_lens_kv, kv_layout="HND", qo_indptr_h=qo_indptr_h,
             bmm1_scale=scale, bmm2_scale=1.0, window_left=-1, out=out, out_dtype=None, sinks=None,
-            backend=backend, causal=causal, return_lse=return_lse, lse=lse, op="prefill_paged")
+            backend=backend, causal=causal, workspace_buffer=workspace_buffer, return_lse=return_lse, lse=lse,
+            op="prefill_paged")
     else:
         checks.check_tensor(k_cache, "k_cache", ndim=3, device=q.device)
         kv_lens = actual_seq_lens_kv.detach().reshape(-1).to("cpu", torch.int64)
@@ -489,4 +491,4 @@ def trtllm_batch_context_with_kv_cache(query: torch.Tensor, kv_cache, workspace_
     return paged_attention_from_block_tables(
         query, kv.k, kv.v, block_tables, seq_lens, kv_layout=kv_layout, qo_indptr_h=qo_indptr_h,
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, window_left=window_left, out=out, out_dtype=out_dtype,
-        sinks=sinks, backend=backend, causal=True, op="prefill_paged")
+        sinks=sinks, backend=backend, causal=True, workspace_buffer=workspace_buffer, op="prefill_paged")

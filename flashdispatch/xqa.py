@@ -104,7 +104,8 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
         query, k_cache, v_cache, page_table, seq_lens_i32, kv_layout=kv_layout, qo_indptr_h=qo_indptr_h,
         bmm1_scale=bmm1, bmm2_scale=bmm2, window_left=sliding_win_size - 1 if sliding_win_size > 0 else -1,
         out=None, out_dtype=output.dtype, sinks=sinks, backend="auto", causal=q_seq_len > 1 and mask is None,
-        packed_mask=packed, mask_indptr=mask_indptr, spec_decode_mask=mask is not None)
+        workspace_buffer=workspace_buffer, packed_mask=packed, mask_indptr=mask_indptr,
+        spec_decode_mask=mask is not None)
     output.copy_(result.reshape(output.shape))
 
 
@@ -135,5 +136,6 @@ def xqa_mla(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     query = q[:, 0]
     result = mla_paged_decode(query[..., :ckv_dim], query[..., ckv_dim:], k_cache[..., :ckv_dim],
                               k_cache[..., ckv_dim:], page_table, seq_lens.reshape(-1).to(torch.int32),
-                              sm_scale=bmm1, v_scale=scalar(kv_scale), out_dtype=output.dtype)
+                              sm_scale=bmm1, v_scale=scalar(kv_scale), out_dtype=output.dtype,
+                              workspace_buffer=workspace_buffer)
     output.copy_(result.reshape(output.shape))

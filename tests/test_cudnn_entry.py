@@ -169,7 +169,7 @@ def reference(qo_lens, kv_lens, q, k, v, table, *, causal, scale, page_size=None
     hq, dqk = q.shape[1:]
     qo = torch.tensor([0] + qo_lens).cumsum(0).to(torch.int32)
     if table is not None:
-        indptr, indices, last, _ = block_table_to_indptr(table, torch.tensor(kv_lens), page_size)
+        indptr, indices, last = block_table_to_indptr(table, torch.tensor(kv_lens), page_size)[:3]
         params = AttentionParams(qo_indptr=qo, kv_indptr=indptr, kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
                                  qo_lens_host=qo_lens, kv_lens_host=kv_lens, sm_scale=scale, kv_indices=indices,
                                  kv_last_page_len=last)
