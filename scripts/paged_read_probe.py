@@ -49,20 +49,22 @@ if MODE == "tma+hint":
 
 @triton.jit
 def paged_ptr_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr):
-    """Program (chunk c, head h): out[pid] = the column sums of h's K and V rows over its pages,
-    BLOCK_PAGES pages a step (token rows gathered from their pages, as the decode's tiles are)."""
+                  BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr):
+    """Program (chunk c, head group g of GROUP heads): out[pid] = the column sums of the group's K
+    and V rows over its pages, BLOCK_PAGES pages a step (token rows gathered from their pages, as
+    the decode's tiles are; GROUP 8 reads whole NHD pages, contiguous)."""
     pid = tl.program_id(0)
-    h, c = pid % HEADS, pid // HEADS
-    tokens = tl.arange(0, BLOCK_PAGES * PAGE)
-    within = (tokens % PAGE)[:, None] * (HEADS * D) + h * D + tl.arange(0, D)[None, :]
+    g, c = pid % (HEADS // GROUP), pid // (HEADS // GROUP)
+    rows = tl.arange(0, BLOCK_PAGES * PAGE * GROUP)  # (page, token, head in group)
+    tokens = rows // GROUP
+    within = (tokens % PAGE)[:, None] * (HEADS * D) + (g * GROUP + rows % GROUP)[:, None] * D + tl.arange(0, D)[None, :]
     acc = tl.zeros([PAGE, D], tl.float32)
     for i in tl.range(c * per_prog, c * per_prog + per_prog, BLOCK_PAGES, num_stages=STAGES):
         page = tl.load(idx_ptr + i + tokens // PAGE).to(tl.int64)
         base = cache_ptr + page[:, None] * (2 * PAGE * HEADS * D) + within
         k = tl.load(base)
         v = tl.load(base + PAGE * HEADS * D)
-        ones = tl.full([PAGE, BLOCK_PAGES * PAGE], 1.0, k.dtype)
+        ones = tl.full([PAGE, BLOCK_PAGES * PAGE * GROUP], 1.0, k.dtype)
         acc = tl.dot(ones, k, acc)  # the tiles feed dots, as in the decode: Triton pipelines them
         acc = tl.dot(ones, v, acc)
     tl.store(out_ptr + pid * D + tl.arange(0, D), tl.sum(acc, 0) / PAGE)
@@ -96,6 +98,7 @@ def parse_args():
                     "pages evenly")
     ap.add_argument("--block-pages", default="1", help="pages a step (ptr only), a list")
     ap.add_argument("--stages", default="3", help="num_stages of the page loop (ptr only), a list")
+    ap.add_argument("--group", default="1", help="heads a program reads (ptr only; 8: whole NHD pages), a list")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--flush", default="write,read")
     ap.add_argument("--reps", type=int, default=50)
@@ -123,28 +126,36 @@ def main():
         cache = torch.randn(pages, 2, page, heads, d, generator=g, device=dev, dtype=dtype)
         idx = torch.randperm(pages, generator=g, device=dev).to(torch.int32)
         c = cache.float()
-        configs = [(p, bp, st) for p in ([6] if small else ints(args.programs)) for bp in ints(args.block_pages)
-                   for st in ints(args.stages)]
-        for programs, block_pages, stages in configs:
-            chunks = programs // heads
-            per = pages // chunks
-            if programs % heads or pages % chunks or per % block_pages:
-                print(f"{shape} programs {programs} block_pages {block_pages}: pages do not split evenly, skipped")
+        configs = [(p, bp, st, gr) for p in ([6] if small else ints(args.programs)) for bp in ints(args.block_pages)
+                   for st in ints(args.stages) for gr in ints(args.group)]
+        for programs, block_pages, stages, group in configs:
+            groups = heads // group
+            chunks = programs // groups
+            per = pages // max(chunks, 1)
+            if heads % group or programs % groups or pages % chunks or per % block_pages:
+                print(f"{shape} programs {programs} block_pages {block_pages} group {group}: pages do not split "
+                      "evenly, skipped")
                 continue
-            out = torch.empty(chunks * heads, d, device=dev, dtype=torch.float32)
-            grid = (chunks * heads,)
+            out = torch.empty(programs, d, device=dev, dtype=torch.float32)
+            grid = (programs,)
             if MODE == "ptr":
                 run = lambda: paged_ptr_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page,  # noqa: E731
-                                                  BLOCK_PAGES=block_pages, STAGES=stages, num_warps=args.warps)
+                                                  BLOCK_PAGES=block_pages, STAGES=stages, GROUP=group,
+                                                  num_warps=args.warps)
             else:
                 triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
                 run = lambda: paged_tma_sum[grid](cache, idx, out, per, pages * 2 * page, HEADS=heads,  # noqa: E731
                                                   D=d, PAGE=page, num_warps=args.warps)
-            run()
-            want = torch.stack([(c[idx[ci * per:(ci + 1) * per].long(), :, :, h, :]).sum((0, 1, 2))
-                                for ci in range(chunks) for h in range(heads)])
+            try:
+                run()
+            except triton.runtime.errors.OutOfResources as e:
+                print(f"{MODE} {shape} programs {programs} block_pages {block_pages} stages {stages} group {group}: "
+                      f"{e}", flush=True)
+                continue
+            want = torch.stack([(c[idx[ci * per:(ci + 1) * per].long(), :, :, g * group:(g + 1) * group, :])
+                                .sum((0, 1, 2, 3)) for ci in range(chunks) for g in range(groups)])
             err = float((out - want).abs().max() / want.abs().max())
-            label = f"{MODE} {shape} programs {programs} block_pages {block_pages} stages {stages}"
+            label = f"{MODE} {shape} programs {programs} block_pages {block_pages} stages {stages} group {group}"
             if small:
                 print(f"{label}: max rel err {err:.1e}", flush=True)
                 assert err < 1e-3
