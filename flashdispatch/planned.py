@@ -282,6 +282,7 @@ def scratch_workspace(device: torch.device) -> torch.Tensor:
 
 # --- the single-request functions' plans ---------------------------------------------------------
 SINGLE_PLANS = 64  # plans the single-request functions keep (the least recently used goes first)
+BLOCK_TABLE_PLANS = 8  # last plans the block-table entry points keep, each holding its workspace
 _PLAIN = frozenset({type(None), bool, int, float, str, torch.dtype})  # immutable argument types
 
 
@@ -340,6 +341,21 @@ class PlanCache:
 
 single_plans = PlanCache(SINGLE_PLANS)
 on_clear_cache(single_plans.clear)
+# the block-table entry points' last plan per problem (kept to be refreshed, `plan_refreshing`)
+block_table_plans = PlanCache(BLOCK_TABLE_PLANS)
+on_clear_cache(block_table_plans.clear)
+
+
+def plan_refreshing(key: tuple | None, problem: Problem, torch_device: torch.device, params, requested: str,
+                    **plan_kw) -> PlannedAttention:
+    """`plan_problem` for a call of a block-table entry point, given the last call's plan of the
+    same ``key`` (problem, batch size, scalar arguments, workspace) to refresh for the new
+    lengths and tables, as a wrapper's next plan() does; the new plan is kept in its place (not
+    with ``key`` None: a call whose plan is its own, such as a custom mask's). The kept plan
+    holds the workspace it carved, so that workspace's address in ``key`` stays its own."""
+    planned = plan_problem(problem, torch_device, params, requested, previous=block_table_plans.lookup(key),
+                           **plan_kw)
+    return block_table_plans.keep(key, planned)
 
 
 def single_key(tensors: tuple, scalars: tuple, backend: str) -> tuple | None:
@@ -519,4 +535,4 @@ class WrapperBase:
 
 __all__ = ["WrapperBase", "check_requested", "device_int32", "host_workload", "on_device",
            "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params", "MLAParams",
-           "user_workspace"]
+           "user_workspace", "plan_refreshing"]

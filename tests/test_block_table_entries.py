@@ -66,3 +66,28 @@ def test_trtllm_and_xqa_decode_on_fa2_split_long_requests_in_the_callers_workspa
                hkv, page)
     assert (ws != 255).any()
     assert rel(out[:, 0], outs["reference"]) < 4e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trtllm_decode_calls_refresh_the_last_plan_for_new_tables(device, monkeypatch):
+    """Calls of one problem and batch size refresh the last call's plan for their own lengths and
+    tables (fa2 refreshes what it can, plans afresh otherwise): each equals the reference; a call
+    with another workspace plans into that one."""
+    from flashdispatch.dispatch.registry import get_backend
+    backend = get_backend("fa2")
+    real, refreshed = backend.replan, []
+    monkeypatch.setattr(backend, "replan", lambda *a: refreshed.append(real(*a)) or refreshed[-1])
+    torch.manual_seed(6)
+    page, hq, hkv, d = 16, 4, 2, 64
+    cache = torch.randn(100, 2, hkv, page, d).half().to(device)
+    q = torch.randn(2, hq, d).half().to(device)
+    workspaces = [torch.full((1 << 20,), 255, dtype=torch.uint8, device=device) for _ in range(2)]
+    for i, lens in enumerate(([700, 5], [30, 400], [1, 17], [690, 9], [700, 5])):
+        tables = torch.randperm(100)[:90].int().view(2, 45).to(device)
+        seq = torch.tensor(lens, dtype=torch.int32, device=device)
+        ws = workspaces[i == 4]
+        outs = [fi.trtllm_batch_decode_with_kv_cache(q, cache, w, tables, seq, 720, bmm1_scale=d ** -0.5,
+                                                     backend=b) for b, w in (("fa2", ws), ("reference", ws))]
+        assert rel(outs[0], outs[1]) < 4e-3, lens
+    assert any(p is not None for p in refreshed)  # at least one call took the last plan, refreshed
+    assert (workspaces[1] != 255).any()  # the last call's split went to its own workspace
