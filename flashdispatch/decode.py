@@ -379,13 +379,11 @@ def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq
                       checks.check_window_left(window_left), return_lse=return_lse, sinks=sinks is not None,
                       spec_decode_mask=spec_decode_mask,
                       q_len_per_req=int(qo_lens.max()) if op == "decode" and qo_lens.numel() else 1)
-    workspace = user_workspace(workspace_buffer, "workspace_buffer", dev)
     params = paged_params(qo_indptr_h.numpy(), kv_lens_h.numpy(), indptr, indices, last, dev, qo_lens.tolist(),
-                          sm_scale=sm_scale, workspace=workspace, packed_mask=on_device(packed_mask, dev),
-                          mask_indptr=on_device(mask_indptr, dev))
-    key = None if packed_mask is not None else (
-        problem, dev, len(kv_lens_h), sm_scale, workspace.data_ptr(), workspace.numel(), backend)
-    planned = plan_refreshing(key, problem, dev, params, backend, total_q=query.shape[0], max_page_index=max_page)
+                          sm_scale=sm_scale, workspace=user_workspace(workspace_buffer, "workspace_buffer", dev),
+                          packed_mask=on_device(packed_mask, dev), mask_indptr=on_device(mask_indptr, dev))
+    planned = plan_refreshing(problem, dev, params, backend, keep=packed_mask is None, total_q=query.shape[0],
+                              max_page_index=max_page)
     v_scale = v_scale_t if v_scale_t is not None else v_scale_f
     return run_attention(planned, query, kv, out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
                          v_scale=v_scale, sinks=sinks)

@@ -157,11 +157,9 @@ def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens,
         q_nope.dtype if q_nope.dtype.itemsize > 1 else torch.bfloat16)
     problem = _mla_problem(q_nope.dtype, ckv_cache.dtype, o_dtype, q_nope.shape[1], q_nope.shape[2],
                            q_pe.shape[2], page_size, q_len_per_req > 1, return_lse=return_lse)
-    workspace = user_workspace(workspace_buffer, "workspace_buffer", dev)
     params = _mla_params(qo_indptr_h.numpy(), indptr, indices, kv_lens_h.numpy(), dev, float(sm_scale),
-                         q_len_per_req > 1, workspace)
-    key = (problem, dev, batch, float(sm_scale), workspace.data_ptr(), workspace.numel(), backend)
-    planned = plan_refreshing(key, problem, dev, params, backend, total_q=q_nope.shape[0], max_page_index=max_page)
+                         q_len_per_req > 1, user_workspace(workspace_buffer, "workspace_buffer", dev))
+    planned = plan_refreshing(problem, dev, params, backend, total_q=q_nope.shape[0], max_page_index=max_page)
     return run_mla(planned, q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse, return_lse=return_lse,
                    v_scale=v_scale)
 

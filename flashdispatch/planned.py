@@ -346,13 +346,16 @@ block_table_plans = PlanCache(BLOCK_TABLE_PLANS)
 on_clear_cache(block_table_plans.clear)
 
 
-def plan_refreshing(key: tuple | None, problem: Problem, torch_device: torch.device, params, requested: str,
+def plan_refreshing(problem: Problem, torch_device: torch.device, params, requested: str, *, keep: bool = True,
                     **plan_kw) -> PlannedAttention:
     """`plan_problem` for a call of a block-table entry point, given the last call's plan of the
-    same ``key`` (problem, batch size, scalar arguments, workspace) to refresh for the new
-    lengths and tables, as a wrapper's next plan() does; the new plan is kept in its place (not
-    with ``key`` None: a call whose plan is its own, such as a custom mask's). The kept plan
-    holds the workspace it carved, so that workspace's address in ``key`` stays its own."""
+    same problem, device, batch size, sm_scale, workspace and requested backend to refresh for
+    the new lengths and tables, as a wrapper's next plan() does; the new plan is kept in its
+    place unless ``keep`` is False (a call whose plan is its own, such as a custom mask's). The
+    kept plan holds the workspace it carved, so that workspace's address in the key stays its own."""
+    ws = params.workspace
+    key = (problem, torch_device, params.batch_size, params.sm_scale, ws.data_ptr(), ws.numel(), requested) if keep \
+        else None
     planned = plan_problem(problem, torch_device, params, requested, previous=block_table_plans.lookup(key),
                            **plan_kw)
     return block_table_plans.keep(key, planned)
@@ -485,7 +488,6 @@ class WrapperBase:
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Replace the workspace buffer(s); takes effect at the next plan()."""
-        checks.check_tensor(float_workspace_buffer, "float_workspace_buffer", device=self._device)
         self._set_workspace(float_workspace_buffer)
         if int_workspace_buffer is not None:
             checks.check_tensor(int_workspace_buffer, "int_workspace_buffer", device=self._device)
@@ -493,8 +495,9 @@ class WrapperBase:
             self._int_workspaces = {}
 
     def _set_workspace(self, float_workspace_buffer: torch.Tensor) -> None:
+        """Check ``float_workspace_buffer`` (on the wrapper's device) and take it as the workspace."""
+        self._workspace_bytes = user_workspace(float_workspace_buffer, "float_workspace_buffer", self._device)
         self._float_workspace_buffer = float_workspace_buffer
-        self._workspace_bytes = float_workspace_buffer.view(torch.uint8).reshape(-1)
 
     def _workspace(self) -> torch.Tensor:
         return self._workspace_bytes
