@@ -91,3 +91,13 @@ def test_trtllm_decode_calls_refresh_the_last_plan_for_new_tables(device, monkey
         assert rel(outs[0], outs[1]) < 4e-3, lens
     assert any(p is not None for p in refreshed)  # at least one call took the last plan, refreshed
     assert (workspaces[1] != 255).any()  # the last call's split went to its own workspace
+
+
+def test_a_workspace_buffer_that_is_not_a_tensor_on_the_querys_device_is_refused():
+    q, cache = torch.randn(2, 4, 64).half(), torch.randn(10, 2, 2, 16, 64).half()
+    tables, lens = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([5, 20], dtype=torch.int32)
+    with pytest.raises(TypeError, match="workspace_buffer must be a torch.Tensor, got NoneType"):
+        fi.trtllm_batch_decode_with_kv_cache(q, cache, None, tables, lens, 32, backend="fa2")
+    with pytest.raises(ValueError, match="workspace_buffer is on meta, but the planned device is cpu"):
+        fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(16, dtype=torch.uint8, device="meta"), tables,
+                                             lens, 32, backend="fa2")
