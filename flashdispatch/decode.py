@@ -14,6 +14,7 @@ import torch
 
 from . import checks
 from .backends.base import PagedKV
+from .block_table_plan import check_table_values, plan_block_table, planning_bound, table_tensors
 from .backends.cudnn import direct as cudnn_direct
 from .deferred_check import DeferredPageCheck
 from .dispatch.problem import Problem, Workload
@@ -348,9 +349,12 @@ def _scale_split(scale, name: str):
 def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq_lens, *, kv_layout, qo_indptr_h,
                                       bmm1_scale, bmm2_scale, window_left, out, out_dtype, sinks, backend,
                                       causal, workspace_buffer, packed_mask=None, mask_indptr=None,
-                                      spec_decode_mask=False, return_lse=False, lse=None, op="decode"):
+                                      spec_decode_mask=False, return_lse=False, lse=None, op="decode",
+                                      max_seq_len=None):
     """The TensorRT-LLM style entry points: block tables + KV lengths, fused bmm1/bmm2 scales;
-    ``workspace_buffer`` holds run()'s scratch (split-KV partials)."""
+    ``workspace_buffer`` holds run()'s scratch (split-KV partials). A decode of equal query rows
+    per request on a backend that reads block tables makes no host read (`block_table_plan`; its
+    plan assumes at most ``max_seq_len`` KV tokens a request, None: the table's whole row)."""
     check_requested(backend)
     checks.check_layout(kv_layout)
     checks.check_tensor(query, "query", ndim=3)
@@ -363,30 +367,45 @@ def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq
     checks.check_heads(query.shape[1], num_kv_heads)
     sm_scale, q_scale = _scale_split(bmm1_scale, "bmm1_scale")
     v_scale_f, v_scale_t = _scale_split(bmm2_scale, "bmm2_scale")
-    indptr, indices, last, kv_lens_h, max_page = block_table_to_indptr(block_tables, seq_lens, page_size)
+    v_scale = v_scale_t if v_scale_t is not None else v_scale_f
     qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
     if int(qo_indptr_h[-1]) != query.shape[0]:
         raise ValueError(f"query has {query.shape[0]} rows, but the query lengths add up to {int(qo_indptr_h[-1])}")
-    if bool((qo_lens > kv_lens_h).any()):
-        b = int(torch.nonzero(qo_lens > kv_lens_h)[0])
-        raise ValueError(f"request {b} has {int(qo_lens[b])} query tokens but only {int(kv_lens_h[b])} KV tokens")
     o_dtype = out.dtype if out is not None and out_dtype is None else (
         checks.as_dtype(out_dtype, "out_dtype") if out_dtype is not None else query.dtype)
     sinks = _sinks_tensor(sinks)
+    batch = qo_lens.numel()
+    q_len = int(qo_lens.max()) if op == "decode" and batch else 1
     problem = Problem(op, query.dtype, k_cache.dtype, o_dtype, query.shape[1], num_kv_heads, query.shape[2],
                       v_cache.shape[-1], page_size, kv_layout,
                       "custom" if packed_mask is not None else ("causal" if causal else "none"),
                       checks.check_window_left(window_left), return_lse=return_lse, sinks=sinks is not None,
-                      spec_decode_mask=spec_decode_mask,
-                      q_len_per_req=int(qo_lens.max()) if op == "decode" and qo_lens.numel() else 1)
+                      spec_decode_mask=spec_decode_mask, q_len_per_req=q_len)
+    workspace = user_workspace(workspace_buffer, "workspace_buffer", dev)
+    run = dict(out=out, lse=lse, return_lse=return_lse, q_scale=q_scale, v_scale=v_scale, sinks=sinks)
+    tables = (table_tensors(block_tables, seq_lens, batch, dev)
+              if op == "decode" and packed_mask is None and batch and query.shape[0] == batch * q_len else None)
+    if tables is not None:
+        if dev.type == "cpu" or (checks.device_values_checked() and not torch.cuda.is_current_stream_capturing()):
+            check_table_values(*tables, kv, page_size, q_len)
+        if max_seq_len is not None:
+            max_seq_len = checks.check_positive_int(max_seq_len, "max_seq_len")
+        bound = planning_bound(max_seq_len, tables[0].shape[1], page_size)
+        planned = plan_block_table(problem, dev, *tables, bound, sm_scale=sm_scale, workspace=workspace,
+                                   requested=backend, total_q=query.shape[0])
+        if planned is not None:
+            return run_attention(planned, query, kv, **run)
+    indptr, indices, last, kv_lens_h, max_page = block_table_to_indptr(block_tables, seq_lens, page_size)
+    short = (qo_lens > kv_lens_h) & (kv_lens_h > 0)  # (an empty request gets 0 and lse -inf)
+    if bool(short.any()):
+        b = int(torch.nonzero(short)[0])
+        raise ValueError(f"request {b} has {int(qo_lens[b])} query tokens but only {int(kv_lens_h[b])} KV tokens")
     params = paged_params(qo_indptr_h.numpy(), kv_lens_h.numpy(), indptr, indices, last, dev, qo_lens.tolist(),
-                          sm_scale=sm_scale, workspace=user_workspace(workspace_buffer, "workspace_buffer", dev),
-                          packed_mask=on_device(packed_mask, dev), mask_indptr=on_device(mask_indptr, dev))
+                          sm_scale=sm_scale, workspace=workspace, packed_mask=on_device(packed_mask, dev),
+                          mask_indptr=on_device(mask_indptr, dev))
     planned = plan_refreshing(problem, dev, params, backend, keep=packed_mask is None, total_q=query.shape[0],
                               max_page_index=max_page)
-    v_scale = v_scale_t if v_scale_t is not None else v_scale_f
-    return run_attention(planned, query, kv, out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
-                         v_scale=v_scale, sinks=sinks)
+    return run_attention(planned, query, kv, **run)
 
 
 def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_buffer: torch.Tensor,
@@ -404,6 +423,13 @@ def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_b
     softmax scale (sm_scale x q_scale x k_scale), ``bmm2_scale`` x ``o_scale`` scales the output.
     ``sinks`` ``[num_qo_heads]`` float32; ``mask`` the xqa speculative-decoding mask
     ``[batch, q_len_per_req, ceil(q_len/32)*2]`` uint16. nvfp4 output is not supported.
+
+    ``max_seq_len``: the longest ``seq_lens`` entry, as in FlashInfer. On a backend whose kernel
+    reads the block table itself (fa2), a call without ``mask`` and with equal query rows per
+    request reads nothing back from the GPU: its plan, kept for the next calls, is sized for
+    ``max_seq_len``, and a call of the same shapes can be captured in a CUDA graph once one ran
+    eagerly. The device values are then not checked (each length is clamped to its table row and
+    each page to the cache) unless FLASHDISPATCH_CHECK_INPUTS=1; CPU tensors are always checked.
     """
     if out_dtype == "nvfp4" or o_sf_scale is not None or o_sf_vec_size is not None:
         raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
@@ -424,7 +450,7 @@ def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_b
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2, window_left=window_left, out=out, out_dtype=out_dtype,
         sinks=sinks, backend=backend, causal=bool((qo_indptr_h[1:] - qo_indptr_h[:-1]).gt(1).any()),
         workspace_buffer=workspace_buffer, packed_mask=packed, mask_indptr=mask_indptr,
-        spec_decode_mask=mask is not None)
+        spec_decode_mask=mask is not None, max_seq_len=max_seq_len)
 
 
 def cudnn_batch_decode_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,

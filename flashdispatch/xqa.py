@@ -62,6 +62,8 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
     the output is scaled by kv_scale x rcp_out_scale. ``sinks`` ``[num_kv_heads, group]`` float32.
     ``sliding_win_size`` w > 0 keeps the last w keys. ``mask``: see `spec_mask_to_custom`.
     ``semaphores``, ``sm_count`` and ``enable_pdl`` are launch resources/hints of the CUDA kernel.
+    Without ``mask`` on a backend that reads the block table itself (fa2) the call reads nothing
+    back from the GPU, as `trtllm_batch_decode_with_kv_cache` (its plan sized for the table's rows).
     """
     from .decode import paged_attention_from_block_tables
 

@@ -101,3 +101,127 @@ def test_a_workspace_buffer_that_is_not_a_tensor_on_the_querys_device_is_refused
     with pytest.raises(ValueError, match="workspace_buffer is on meta, but the planned device is cpu"):
         fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(16, dtype=torch.uint8, device="meta"), tables,
                                              lens, 32, backend="fa2")
+
+
+def _kept_table_plans():
+    from flashdispatch.planned import block_table_plans
+    return [p for p in block_table_plans._plans.values() if p.params.block_tables is not None]
+
+
+def _table_case(device, page, lens, layout, q_len=1, hq=8, hkv=2, d=64, width=None, seed=0):
+    """q, a 5-D cache of random pages (NaN in the slots no request uses), a wide random block
+    table and int32 seq_lens."""
+    g = torch.Generator().manual_seed(seed)
+    width = width or max(-(-max(lens) // page), 1) + 3
+    pages = len(lens) * width + 4
+    shape = (pages, 2, page, hkv, d) if layout == "NHD" else (pages, 2, hkv, page, d)
+    cache = torch.randn(shape, generator=g).half()
+    tables = torch.randperm(pages, generator=g)[: len(lens) * width].int().view(len(lens), width)
+    q = torch.randn(len(lens) * q_len, hq, d, generator=g).half()
+    return q.to(device), cache.to(device), tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page,layout,q_len,window,sinks", [
+    (1, "NHD", 1, -1, False), (16, "HND", 1, -1, True), (64, "NHD", 1, 37, False), (16, "NHD", 2, -1, False),
+    (16, "HND", 3, 50, True)])
+def test_trtllm_decode_on_fa2_reads_the_block_table_itself(device, page, layout, q_len, window, sinks):
+    """fa2 plans a block-table decode without the lengths (`block_table_plan`): the kernel reads
+    seq_lens and the table, splits the long requests itself and writes every row (out poisoned
+    with NaN); an empty request gets 0. Equal to the reference, which converts the table."""
+    lens = [300, 0, 17, 129, 1 if q_len == 1 else q_len, 64]
+    q, cache, tables, seq = _table_case(device, page, lens, layout, q_len)
+    kw = dict(bmm1_scale=0.125, bmm2_scale=0.5, window_left=window, kv_layout=layout, q_len_per_req=q_len,
+              sinks=torch.randn(q.shape[1], device=device) if sinks else None)
+    ws = torch.zeros(1 << 21, dtype=torch.uint8, device=device)
+    out = torch.full_like(q, float("nan"))
+    got = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 300, out=out, backend="fa2", **kw)
+    want = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 300, backend="reference", **kw)
+    assert got is out and not got.isnan().any()
+    assert rel(got, want) < 4e-3
+    assert got.view(len(lens), q_len, -1)[1].abs().max() == 0  # the empty request
+    kept = _kept_table_plans()
+    assert len(kept) == 1 and kept[0].params.block_tables is tables and kept[0].plan.table
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_table_calls_reuse_their_plan_for_new_tables_and_longer_lengths(device, monkeypatch):
+    """Later calls run the kept plan as it is (the same tensors, new values) or refreshed for
+    other tensors, without planning afresh; lengths past max_seq_len still read every token (the
+    kernel's last chunk slot takes the rest); xqa plans for the table's rows."""
+    from flashdispatch.dispatch.registry import get_backend
+    backend = get_backend("fa2")
+    planned_afresh = []
+    real_plan = backend.plan
+    monkeypatch.setattr(backend, "plan", lambda *a: planned_afresh.append(1) or real_plan(*a))
+    q, cache, tables, seq = _table_case(device, 16, [200, 40, 90], "NHD", width=40, seed=1)
+    ws = torch.zeros(1 << 21, dtype=torch.uint8, device=device)
+    for i, lens in enumerate(([200, 40, 90], [3, 256, 128], [600, 5, 640])):  # the last past max_seq_len=256
+        seq.copy_(torch.tensor(lens))
+        if i == 2:
+            tables = tables[:, torch.randperm(40)].contiguous()  # other tensors: a refresh
+            seq = seq.clone()
+        outs = [fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 256, bmm1_scale=0.125,
+                                                     kv_layout="NHD", backend=b) for b in ("fa2", "reference")]
+        assert rel(outs[0], outs[1]) < 4e-3, lens
+    assert len(planned_afresh) == 1 and len(_kept_table_plans()) == 1
+    out = torch.empty(3, 1, 8, 64, dtype=torch.float16, device=device)
+    with fi.use_backends(["fa2"]):
+        fi.xqa(q[:, None], cache[:, 0], cache[:, 1], tables, seq[:, None], out, ws, None, 2, 16)
+    assert rel(out[:, 0], outs[1]) < 4e-3
+    assert len(planned_afresh) == 2 and _kept_table_plans()[-1].params.kv_lens_host[0] == 40 * 16
+
+
+def test_block_table_values_on_the_host_are_checked():
+    """CPU tensors are read and checked (no sync to save): a page outside the cache, a length its
+    row cannot hold, fewer KV tokens than query rows."""
+    q, cache, tables, seq = _table_case("cpu", 16, [40, 20], "NHD", q_len=2)
+    ws = torch.zeros(1 << 20, dtype=torch.uint8)
+    call = lambda t, s: fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, t, s, 64, q_len_per_req=2,  # noqa: E731
+                                                              kv_layout="NHD", backend="fa2")
+    bad = tables.clone()
+    bad[1, 1] = cache.shape[0]
+    with pytest.raises(ValueError, match=f"block_tables references page {cache.shape[0]}, but the cache has only"):
+        call(bad, seq)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=100 needs 7 pages of page_size=16, but block_tables has "
+                                         r"only 6 columns"):
+        call(tables, torch.tensor([100, 20], dtype=torch.int32))
+    with pytest.raises(ValueError, match="request 1 has 2 query tokens but only 1 KV tokens"):
+        call(tables, torch.tensor([40, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seq_len=0"):
+        fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 0, q_len_per_req=2, kv_layout="NHD",
+                                             backend="fa2")
+
+
+@pytest.mark.gpu
+def test_block_table_decode_on_the_gpu_reads_nothing_back_and_replays_in_a_cuda_graph():
+    """On the GPU a call makes no host sync (torch's sync debug mode raises on one), clamps what it
+    cannot check (a length past its row, a page past the cache: no fault, the context stays
+    usable), and a captured call replays for new lengths and tables written into its tensors."""
+    q, cache, tables, seq = _table_case("cuda", 16, [300, 0, 17, 129], "HND", seed=2)
+    ws = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda")
+    call = lambda: fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 512,  # noqa: E731
+                                                         bmm1_scale=0.125, kv_layout="HND", backend="fa2")
+    call()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 512, bmm1_scale=0.125, kv_layout="HND",
+                                               backend="reference")
+    assert rel(out, ref) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for lens in ([5, 400, 0, 222], [512, 512, 1, 2]):
+        seq.copy_(torch.tensor(lens))
+        tables.copy_(tables[torch.randperm(4, device="cuda")])
+        graph.replay()
+        ref = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 512, bmm1_scale=0.125,
+                                                   kv_layout="HND", backend="reference")
+        assert rel(captured, ref) < 4e-3, lens
+    seq.copy_(torch.tensor([10 ** 6, 16, 0, 3]))  # past its row: clamped to the row's pages
+    tables[1, 0] = 1 << 30  # past the cache: the last page read in its place
+    assert call().isfinite().all()
+    torch.cuda.synchronize()

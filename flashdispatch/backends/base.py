@@ -189,6 +189,11 @@ class AttentionParams:
                       graph reads: a re-plan rewrites it in place at the same addresses.
     indices_checked:  plan() checked the used kv_indices (none negative; run() checks the largest
                       against the cache) before returning, so no launch can read an unchecked one.
+    block_tables:     [batch, width] int32 page ids of a block-table call planned without reading
+                      its lengths (`Backend.reads_block_tables`): kv_lens is then the caller's
+                      seq_lens on the device, kv_indptr / kv_indices / kv_last_page_len are None,
+                      and kv_lens_host is the planning bound (every request at the caller's
+                      max_seq_len), not the lengths.
     """
 
     qo_indptr: torch.Tensor = DeviceIndex()
@@ -208,6 +213,7 @@ class AttentionParams:
     workspace: torch.Tensor | None = None
     int_workspace: torch.Tensor | None = None
     indices_checked: bool = False
+    block_tables: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -403,6 +409,15 @@ class Backend:
         cache, so an index the API has not checked yet cannot read outside it: plan() may then
         check the page indices without waiting for the GPU (the error comes at a later call).
         Here: no, plan() checks them before it returns."""
+        return False
+
+    @classmethod
+    def reads_block_tables(cls, problem: Problem) -> bool:
+        """Whether this backend plans ``problem`` from a block table and device seq_lens that it
+        never reads on the host (`AttentionParams.block_tables`): the block-table entry points then
+        make no host read, and may be captured in a CUDA graph. Its kernels must clamp each length
+        to the table's row and each page index to the cache. Here: no, the API converts the table
+        to kv_indptr / kv_indices on the host first."""
         return False
 
     def run(self, plan: Any, inputs: AttentionInputs | MLAInputs) -> None:

@@ -39,7 +39,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"comma list of {syntax} (default: {defaults['shapes']})")
         p.add_argument("--backends", type=_csv, default=None,
                        help="our columns, comma list (default: auto + every available backend"
-                            + (" + cudnn-fn, xqa-fn" if kind == "decode" else "") + "; reference only on request)")
+                            + (" + cudnn-fn, xqa-fn, fa2-fn" if kind == "decode" else "") + "; reference only on request)")
         peers = decode.PEER_COLUMNS if kind == "decode" else prefill.PEER_COLUMNS
         p.add_argument("--peers", type=_csv, default=None,
                        help=f"peer columns from {', '.join(peers)} (default: all"

@@ -204,17 +204,18 @@ def cudnn_fn_job(mod, d: DecodeData) -> Job:
                               actual_seq_lens_kv=seq_lens, block_tables=d.block_tables))
 
 
-def xqa_fn_job(mod, d: DecodeData) -> Job:
-    """``trtllm_batch_decode_with_kv_cache(..., kv_layout="NHD", backend="xqa")`` (no plan)."""
+def block_table_fn_job(mod, d: DecodeData, backend: str) -> Job:
+    """``trtllm_batch_decode_with_kv_cache(..., kv_layout="NHD", backend=backend)`` (no plan)."""
     fn = api_function(mod, "decode", "trtllm_batch_decode_with_kv_cache")
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
     kv, max_len = (d.cache[:, 0], d.cache[:, 1]), d.max_kv_len
     return Job(run=lambda: fn(d.q, kv, workspace, d.block_tables, d.seq_lens, max_len, bmm1_scale=d.sm_scale,
-                              bmm2_scale=1.0, kv_layout="NHD", backend="xqa"))
+                              bmm2_scale=1.0, kv_layout="NHD", backend=backend))
 
 
-# Our columns that call an API function instead of the wrapper, and the backend behind them.
-OUR_FUNCTION_COLUMNS = {"cudnn-fn": "cudnn", "xqa-fn": "xqa"}
+# Our columns that call an API function instead of the wrapper, and the backend behind them:
+# cudnn_batch_decode_with_kv_cache, and the block-table function trtllm_batch_decode_with_kv_cache.
+OUR_FUNCTION_COLUMNS = {"cudnn-fn": "cudnn", "xqa-fn": "xqa", "fa2-fn": "fa2"}
 PEER_COLUMNS = ("fa2-cc", "fa2-tc", "cudnn-fn", "xqa-fn")
 # The baseline of the err column: FlashInfer's tensor-core decode when it ran.
 BASELINE_ORDER = ["fi:fa2-tc", "fi:fa2-cc", "fd:fa2", "fd:auto"]
@@ -223,9 +224,11 @@ BASELINE_ORDER = ["fi:fa2-tc", "fi:fa2-cc", "fd:fa2", "fd:auto"]
 def our_column(fd, name: str, cuda_graph: bool = False) -> Column:
     """Our column ``name`` (a backend through the wrapper, or an API function column);
     ``cuda_graph``: each call a CUDA-graph replay (`wrapper_job`, `graphed`)."""
+    if name == "cudnn-fn":
+        return Column(f"fd:{name}", lambda d: _maybe_graphed(cudnn_fn_job(fd, d), cuda_graph))
     if name in OUR_FUNCTION_COLUMNS:
-        job = cudnn_fn_job if name == "cudnn-fn" else xqa_fn_job
-        return Column(f"fd:{name}", lambda d: _maybe_graphed(job(fd, d), cuda_graph))
+        backend = OUR_FUNCTION_COLUMNS[name]
+        return Column(f"fd:{name}", lambda d: _maybe_graphed(block_table_fn_job(fd, d, backend), cuda_graph))
     return Column(f"fd:{name}", lambda d: wrapper_job(fd, name, d, cuda_graph))
 
 
@@ -235,7 +238,7 @@ def peer_column(fi, name: str, cuda_graph: bool = False) -> Column:
         "fa2-cc": lambda d: wrapper_job(fi, "fa2", d, cuda_graph, use_tensor_cores=False),
         "fa2-tc": lambda d: wrapper_job(fi, "fa2", d, cuda_graph, use_tensor_cores=True),
         "cudnn-fn": lambda d: _maybe_graphed(cudnn_fn_job(fi, d), cuda_graph),
-        "xqa-fn": lambda d: _maybe_graphed(xqa_fn_job(fi, d), cuda_graph),
+        "xqa-fn": lambda d: _maybe_graphed(block_table_fn_job(fi, d, "xqa"), cuda_graph),
     }
     if name not in builders:
         raise ValueError(f"decode peer {name!r}: valid: {', '.join(builders)}")

@@ -50,6 +50,11 @@ class FA2Backend(Backend):
         `PrefillPlan.clamp_pages`, the only ones a deferred check concerns)."""
         return problem.op in ("decode", "prefill_paged")
 
+    @classmethod
+    def reads_block_tables(cls, problem) -> bool:
+        """Decode: the kernel reads seq_lens and the block table itself (`DecodePlan._place_table`)."""
+        return problem.op == "decode"
+
     def plan(self, problem, device, params: AttentionParams):
         if problem.op == "decode":
             return plan_decode(problem, device, params)

@@ -32,6 +32,10 @@ counters take the work array layout's places in the int workspace. Past one wave
 packs (`DecodeConfig.pack_items`) takes the line whatever the lengths, and under one wave too with
 `DecodeConfig.graph_few_line` (d128): its pieces are a function of the batch size too.
 
+Block-table calls (`AttentionParams.block_tables`, FlashInfer's trtllm / xqa functions): the
+kernel reads seq_lens and the table's rows (TABLE) as a direct plan reads kv_indptr; plan() sizes
+the grid from the caller's bound on the lengths and reads nothing (`_place_table`).
+
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
 `DecodeConfig.wave_pack_line` (every default that packs) the kernel cuts the pages as kv_indptr
 numbers them into one wave of pieces (`DecodeConfig.line_waves`; requests of equal length into the
@@ -100,12 +104,13 @@ class DecodePlan:
         if not plain_variant(p, self.block_m):
             cfg = without_waves(cfg)  # other variants use other registers: their programs per SM are not known
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
+        self.table = params.block_tables is not None  # a block-table call: `_place_table`
         sm_count = device.sm_count or 8
         self.problem, self.units = problem, self.row_blocks * p.num_kv_heads  # units: programs per work item
         programs = params.batch_size * self.units
         few = programs < sm_count * cfg.ctas_per_sm
         # past one wave of programs, lengths spread wide pack too (`DecodeConfig.wave_pack_spread`)
-        packing = policy_splits and cfg.pack_items > 1 and cfg.wave_pack_spread > 0
+        packing = policy_splits and cfg.pack_items > 1 and cfg.wave_pack_spread > 0 and not self.table
         wave_pack = (cfg, sm_count) if packing and not few and packs_these_waves(cfg, programs, sm_count) else None
         self.batch = params.batch_size
         if p.use_cuda_graph:  # a captured grid replays any later lengths: the kernel's line whatever these are
@@ -153,8 +158,8 @@ class DecodePlan:
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)
         self.sm_scale = params.sm_scale
         self.rope = (1.0 / params.rope_scale, math.log2(params.rope_theta))
-        self.kv_indices = params.kv_indices
-        run_device = params.kv_indices.device
+        self.kv_indices = params.block_tables if self.table else params.kv_indices
+        run_device = self.kv_indices.device
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
         self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
         # work rows per program (`DecodeConfig.pack_items`): a few-programs split may pack
@@ -164,6 +169,8 @@ class DecodePlan:
         self.line, self.line_gap, self.line_groups, self.line_even_groups = False, 0, 0, 0
         if line:
             self._place_direct(params, run_device, line=line)
+        elif self.table:
+            self._place_table(device, params, run_device)
         elif p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
             self._place_graph_direct(device, params, run_device)
         else:
@@ -181,6 +188,8 @@ class DecodePlan:
         plan afresh."""
         if not self.direct or params.batch_size != self.batch:
             return None
+        if self.table:  # (the caller keeps a block-table plan per planning length)
+            return self._with_tables(params, self.split_tokens)
         if self.line:  # the same pieces (a function of the batch size and workspace): only the tables change
             if not self.problem.use_cuda_graph and not self._line_packs(device, params):
                 return None
@@ -211,8 +220,8 @@ class DecodePlan:
         own split length ``split_tokens`` (`refreshed`)."""
         plan = object.__new__(DecodePlan)  # (copy.copy takes the slower __reduce_ex__ path)
         plan.__dict__.update(self.__dict__)
-        plan.kv_indices = params.kv_indices
-        plan.work, plan.last = params.kv_indptr, params.kv_last_page_len
+        plan.kv_indices = params.block_tables if self.table else params.kv_indices
+        plan.work, plan.last = self._direct_tables(params)
         if plan.n_merge == 0:
             plan.plse = plan.po = plan.work
         plan.split_tokens = split_tokens
@@ -382,6 +391,24 @@ class DecodePlan:
         self.kernel_max_splits = slots
         self._place_direct(params, run_device, self.config.min_chunk_tokens if slots > 1 else 0, slots)
 
+    def _place_table(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
+        """A block-table call (`AttentionParams.block_tables`): the kernel reads seq_lens and the
+        table itself (TABLE), and plan() reads neither. The policy's partition of the planning
+        lengths (every request at the caller's bound) sets the grid: whole requests, or the kernel's
+        own split (`_place_direct`) into as many chunk slots as the bound takes, of the policy's
+        chunk length, which each program applies to its request's own length."""
+        _, _, eff, _, chunk = self._partition(device, params, effective_lengths(params, self.problem, self.q_len))
+        slots = int(chunk_counts(eff, chunk).max(initial=1)) if chunk is not None else 1
+        if slots == 1 and self._unsplit_config is not None:
+            self.config = self._unsplit_config
+        self._place_direct(params, run_device, policy_tokens(eff, self.config, self.units, self.split_target)
+                           if slots > 1 else 0, slots)
+
+    def _direct_tables(self, params: AttentionParams) -> tuple:
+        """(the kernel's work_ptr, last_ptr) of a direct plan: kv_indptr and kv_last_page_len, or
+        a block-table call's seq_lens (`AttentionParams.kv_lens`) and None."""
+        return (params.kv_lens, None) if self.table else (params.kv_indptr, params.kv_last_page_len)
+
     def _place_direct(self, params: AttentionParams, run_device: torch.device, split_tokens: int = 0,
                       split_slots: int = 1, line: tuple[int, int, int] | None = None) -> None:
         """`DecodeConfig.direct_table`: the kernel reads kv_indptr / last_page_len (on the run
@@ -394,7 +421,7 @@ class DecodePlan:
         Split, the fused merge's counters are zeroed here once (the merging program resets its
         own), else the kernel writes the merge kernel's info row per request."""
         self.direct, self.line = True, line is not None
-        self.work, self.last = params.kv_indptr, params.kv_last_page_len
+        self.work, self.last = self._direct_tables(params)
         split = split_slots > 1
         self.split_tokens, self.split_slots = (split_tokens if split else 0), split_slots
         self.info = self.counters = None
@@ -475,7 +502,8 @@ class DecodePlan:
         self._merge = (DecodeMerge(self.po, self.plse, self.info, self.n_merge, self.q_len, p.num_qo_heads,
                                    p.head_dim_vo, self.pdl) if merge_kernel else None)
         self._consts = kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
-                                        self.direct, self.split_slots > 1, self.pdl, self.items, self.line)
+                                        self.direct, self.split_slots > 1, self.pdl, self.items, self.line,
+                                        self.table)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
         self._set_tables()
 
@@ -485,15 +513,23 @@ class DecodePlan:
         p, dummy = self.problem, self.plse
         self._tables = (self.po, self.plse, self.info if self.info is not None else dummy,
                         self.counters if self.fused_merge else dummy, self.work,
-                        self.last if self.direct else dummy, self.kv_indices,
+                        self.last if self.last is not None else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope,
-                              self.split_tokens, self.split_slots, self.kernel_max_splits, self.batch, self.line_gap,
+                              self.split_tokens, self.split_slots, self.kernel_max_splits, *self._table_shape(),
+                              self.batch, self.line_gap,
                               self.line_groups, self.line_even_groups)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
         # the tables' addresses, for launches that pass the tensors as ints (run()), on their GPU
         self._table_addrs = tuple(t.data_ptr() for t in self._tables)
         self._cuda_index = self.kv_indices.device.index if self.kv_indices.is_cuda else None
+
+    def _table_shape(self) -> tuple[int, int]:
+        """(row stride, tokens a row holds) of a block-table plan's table (TABLE), else (0, 0)."""
+        if not self.table:
+            return 0, 0
+        t = self.kv_indices
+        return t.stride(0), t.shape[1] * self.problem.page_size
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
         write_lse, q_t, k_t, v_t = variant

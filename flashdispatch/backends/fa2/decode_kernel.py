@@ -27,6 +27,11 @@ when the request has one chunk), and the merge row is the request (the merge ker
 is written by chunk 0's first unit; its count is 1 for a request not split, which the merge
 kernel skips).
 
+TABLE (with DIRECT, not LINE): the tables are a block-table call's (FlashInfer's trtllm / xqa
+entry points): work_ptr is seq_lens and kv_indices_ptr the ``[batch, width]`` block table, row
+stride ``table_stride``; a request's length is clamped to [0, ``table_tokens``] (its row's pages).
+plan() reads neither (decode.py's `_place_table`).
+
 ITEMS (DecodeConfig.pack_items; work array only): each program runs ITEMS consecutive work rows
 one after the other, all for its (KV head, row block): a packed plan's equal piece of the requests'
 tokens laid end to end, one row per request it touches (idle rows return at once).
@@ -188,7 +193,7 @@ def _decode_item(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
-    last_page,
+    last_page, table_stride, table_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -199,7 +204,7 @@ def _decode_item(
     FP16_DOTS: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
-    LINE: tl.constexpr, piece_start, piece_end, piece, line_base, line_gap, group,
+    LINE: tl.constexpr, TABLE: tl.constexpr, piece_start, piece_end, piece, line_base, line_gap, group,
 ):
     """Row ``item`` of the work array (or the direct table's request / chunk slot) for one
     (KV head, row block) ``unit``: the program of the module docstring; an idle row returns. LINE:
@@ -218,9 +223,14 @@ def _decode_item(
         else:  # item = request, its whole KV
             req = item
             chunk_idx = 0
-        page_base = tl.load(work_ptr + req)
-        pages = tl.load(work_ptr + req + 1) - page_base
-        kv_len = tl.where(pages > 0, (pages - 1) * PAGE + tl.load(last_ptr + req), 0)
+        if TABLE:  # work_ptr is seq_lens, kv_indices_ptr the block table: the request's row, its
+            # length clamped to the row's pages (plan() reads neither: no length reads past the row)
+            page_base = req.to(tl.int64) * table_stride
+            kv_len = tl.minimum(tl.maximum(tl.load(work_ptr + req), 0), table_tokens)
+        else:
+            page_base = tl.load(work_ptr + req)
+            pages = tl.load(work_ptr + req + 1) - page_base
+            kv_len = tl.where(pages > 0, (pages - 1) * PAGE + tl.load(last_ptr + req), 0)
         tok_start = 0
         if WINDOW:
             tok_start = tl.maximum(kv_len - QLEN - window_left, 0)
@@ -488,12 +498,13 @@ def _line_requests(indptr_ptr, n_requests, line_gap, piece_start, piece_end, BLO
 
 
 @triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests", "line_gap",
-                               "line_groups", "line_even_groups", "num_pages"])  # per plan and cache
+                               "line_groups", "line_even_groups", "num_pages", "table_stride",
+                               "table_tokens"])  # per plan, cache and table
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
-    n_requests, line_gap, line_groups, line_even_groups, num_pages,
+    table_stride, table_tokens, n_requests, line_gap, line_groups, line_even_groups, num_pages,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -504,7 +515,7 @@ def decode_kernel(
     FP16_DOTS: tl.constexpr, HEADS_FASTEST: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, SWAP_AB: tl.constexpr,
-    ITEMS: tl.constexpr, LINE: tl.constexpr, LINE_BLOCK: tl.constexpr,
+    ITEMS: tl.constexpr, LINE: tl.constexpr, LINE_BLOCK: tl.constexpr, TABLE: tl.constexpr,
 ):
     if PDL_TRIGGER:  # the merge kernel may launch now (DecodeConfig.pdl); it waits for this grid
         gdc_launch_dependents()
@@ -523,6 +534,7 @@ def decode_kernel(
     # negative one clamps too), so no index the API could not check reads outside the cache
     last_page = (num_pages - 1).to(tl.uint32)
     tl.static_assert(not LINE or (DIRECT and not DIRECT_SPLIT), "the line is read from the direct table")
+    tl.static_assert(not TABLE or (DIRECT and not LINE), "a block table is read as the direct table")
     if LINE:  # this item group's piece of the line (module docstring)
         line_base = tl.load(work_ptr)
         pages = tl.load(work_ptr + n_requests) - line_base
@@ -544,12 +556,13 @@ def decode_kernel(
                 req, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
                 counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
                 v_scale_ptr, qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens,
-                split_slots, max_splits, last_page, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                split_slots, max_splits, last_page, table_stride, table_tokens, stride_qt, stride_qh, stride_ot,
+                stride_oh, stride_lt, stride_lh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS,
                 PAGE,
                 HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
                 K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
-                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, LINE, piece_start, piece_end, piece,
+                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, LINE, False, piece_start, piece_end, piece,
                 line_base, line_gap, group)
     else:
         for i in tl.static_range(ITEMS):  # ITEMS: the work rows of a packed plan's program
@@ -557,9 +570,10 @@ def decode_kernel(
                 group * ITEMS + i, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
                 counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
                 v_scale_ptr, qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens,
-                split_slots, max_splits, last_page, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                split_slots, max_splits, last_page, table_stride, table_tokens, stride_qt, stride_qh, stride_ot,
+                stride_oh, stride_lt, stride_lh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, NUM_QO_HEADS, GROUP, QLEN, ROW_BLOCKS,
                 PAGE,
                 HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
                 K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
-                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, False, 0, 0, 1, 0, 0, group)
+                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, False, TABLE, 0, 0, 1, 0, 0, group)
