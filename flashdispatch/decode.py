@@ -321,14 +321,14 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
                          paged_kv_last_page_len_buffer=last_page_len_buffer)
 
 
-def _split_kv_cache(kv_cache, name: str = "kv_cache"):
-    """A (k, v) tuple, a 5-D [pages, 2, ...] tensor, or [pages, 1, ...] (k and v shared)."""
+def _split_kv_cache(kv_cache, layout: str, name: str = "kv_cache") -> PagedKV:
+    """A (k, v) tuple, a 5-D [pages, 2, ...] tensor, or [pages, 1, ...] (k and v shared), in ``layout``."""
     if isinstance(kv_cache, (tuple, list)):
-        return checks.unpack_paged_kv_cache(tuple(kv_cache), "NHD", name)
+        return checks.unpack_paged_kv_cache(tuple(kv_cache), layout, name)
     checks.check_tensor(kv_cache, name, ndim=5)
     if kv_cache.shape[1] == 1:
-        return PagedKV(kv_cache[:, 0], kv_cache[:, 0], "NHD")
-    return checks.unpack_paged_kv_cache(kv_cache, "NHD", name)
+        return PagedKV(kv_cache[:, 0], kv_cache[:, 0], layout)
+    return checks.unpack_paged_kv_cache(kv_cache, layout, name)
 
 
 def _sinks_tensor(sinks):
@@ -346,45 +346,48 @@ def _scale_split(scale, name: str):
     return checks.check_scale(scale, name, 1.0), None
 
 
-def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq_lens, *, kv_layout, qo_indptr_h,
-                                      bmm1_scale, bmm2_scale, window_left, out, out_dtype, sinks, backend,
-                                      causal, workspace_buffer, packed_mask=None, mask_indptr=None,
-                                      spec_decode_mask=False, return_lse=False, lse=None, op="decode",
-                                      max_seq_len=None):
+def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens, *, bmm1_scale, bmm2_scale,
+                                      window_left, out, out_dtype, sinks, backend, causal, workspace_buffer,
+                                      q_len_per_req: int = 1, qo_indptr_h: torch.Tensor | None = None,
+                                      packed_mask=None, mask_indptr=None, spec_decode_mask=False, return_lse=False,
+                                      lse=None, op="decode", max_seq_len=None):
     """The TensorRT-LLM style entry points: block tables + KV lengths, fused bmm1/bmm2 scales;
-    ``workspace_buffer`` holds run()'s scratch (split-KV partials). A decode of equal query rows
-    per request on a backend that reads block tables makes no host read (`block_table_plan`; its
-    plan assumes at most ``max_seq_len`` KV tokens a request, None: the table's whole row)."""
+    ``workspace_buffer`` holds run()'s scratch (split-KV partials). Each request has
+    ``q_len_per_req`` query rows, or ``qo_indptr_h`` (host int64 ``[batch + 1]``) gives them. A
+    decode of equal query rows per request on a backend that reads block tables makes no host
+    read (`block_table_plan`; its plan assumes at most ``max_seq_len`` KV tokens a request, None:
+    the table's whole row)."""
     check_requested(backend)
-    checks.check_layout(kv_layout)
     checks.check_tensor(query, "query", ndim=3)
     dev = query.device
-    kv = PagedKV(k_cache, v_cache, kv_layout)
-    if kv_layout == "NHD":
-        page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    else:
-        num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    shape = kv.k_shape
+    page_size, num_kv_heads = (shape[1], shape[2]) if kv.layout == "NHD" else (shape[2], shape[1])
     checks.check_heads(query.shape[1], num_kv_heads)
     sm_scale, q_scale = _scale_split(bmm1_scale, "bmm1_scale")
     v_scale_f, v_scale_t = _scale_split(bmm2_scale, "bmm2_scale")
     v_scale = v_scale_t if v_scale_t is not None else v_scale_f
-    qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
-    if int(qo_indptr_h[-1]) != query.shape[0]:
-        raise ValueError(f"query has {query.shape[0]} rows, but the query lengths add up to {int(qo_indptr_h[-1])}")
+    if qo_indptr_h is None:
+        batch = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else 0
+        q_len, total_q, uniform = q_len_per_req, batch * q_len_per_req, True
+    else:
+        qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
+        batch, total_q = qo_lens.numel(), int(qo_indptr_h[-1])
+        q_len = int(qo_lens.max()) if op == "decode" and batch else 1
+        uniform = total_q == batch * q_len
+    if total_q != query.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} rows, but the query lengths add up to {total_q}")
     o_dtype = out.dtype if out is not None and out_dtype is None else (
         checks.as_dtype(out_dtype, "out_dtype") if out_dtype is not None else query.dtype)
     sinks = _sinks_tensor(sinks)
-    batch = qo_lens.numel()
-    q_len = int(qo_lens.max()) if op == "decode" and batch else 1
-    problem = Problem(op, query.dtype, k_cache.dtype, o_dtype, query.shape[1], num_kv_heads, query.shape[2],
-                      v_cache.shape[-1], page_size, kv_layout,
+    problem = Problem(op, query.dtype, kv.dtype, o_dtype, query.shape[1], num_kv_heads, query.shape[2],
+                      shape[3] if kv.combined is not None else kv.v.shape[-1], page_size, kv.layout,
                       "custom" if packed_mask is not None else ("causal" if causal else "none"),
                       checks.check_window_left(window_left), return_lse=return_lse, sinks=sinks is not None,
-                      spec_decode_mask=spec_decode_mask, q_len_per_req=q_len)
+                      spec_decode_mask=spec_decode_mask, q_len_per_req=q_len if op == "decode" else 1)
     workspace = user_workspace(workspace_buffer, "workspace_buffer", dev)
     run = dict(out=out, lse=lse, return_lse=return_lse, q_scale=q_scale, v_scale=v_scale, sinks=sinks)
     tables = (table_tensors(block_tables, seq_lens, batch, dev)
-              if op == "decode" and packed_mask is None and batch and query.shape[0] == batch * q_len else None)
+              if op == "decode" and packed_mask is None and batch and uniform else None)
     if tables is not None:
         if dev.type == "cpu" or (checks.device_values_checked() and not torch.cuda.is_current_stream_capturing()):
             check_table_values(*tables, kv, page_size, q_len)
@@ -392,9 +395,12 @@ def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq
             max_seq_len = checks.check_positive_int(max_seq_len, "max_seq_len")
         bound = planning_bound(max_seq_len, tables[0].shape[1], page_size)
         planned = plan_block_table(problem, dev, *tables, bound, sm_scale=sm_scale, workspace=workspace,
-                                   requested=backend, total_q=query.shape[0])
+                                   requested=backend, total_q=total_q)
         if planned is not None:
             return run_attention(planned, query, kv, **run)
+    if qo_indptr_h is None:
+        qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
+        qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
     indptr, indices, last, kv_lens_h, max_page = block_table_to_indptr(block_tables, seq_lens, page_size)
     short = (qo_lens > kv_lens_h) & (kv_lens_h > 0)  # (an empty request gets 0 and lse -inf)
     if bool(short.any()):
@@ -403,7 +409,7 @@ def paged_attention_from_block_tables(query, k_cache, v_cache, block_tables, seq
     params = paged_params(qo_indptr_h.numpy(), kv_lens_h.numpy(), indptr, indices, last, dev, qo_lens.tolist(),
                           sm_scale=sm_scale, workspace=workspace, packed_mask=on_device(packed_mask, dev),
                           mask_indptr=on_device(mask_indptr, dev))
-    planned = plan_refreshing(problem, dev, params, backend, keep=packed_mask is None, total_q=query.shape[0],
+    planned = plan_refreshing(problem, dev, params, backend, keep=packed_mask is None, total_q=total_q,
                               max_page_index=max_page)
     return run_attention(planned, query, kv, **run)
 
@@ -433,22 +439,22 @@ def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_b
     """
     if out_dtype == "nvfp4" or o_sf_scale is not None or o_sf_vec_size is not None:
         raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
-    checks.check_tensor(query, "query", ndim=3)
-    kv = _split_kv_cache(kv_cache)
+    kv = _split_kv_cache(kv_cache, checks.check_layout(kv_layout))
     batch = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else 0
+    qo_indptr_h, q_len = None, checks.check_positive_int(q_len_per_req or 1, "q_len_per_req")
     if cum_seq_lens_q is not None:
         qo_indptr_h = checks.host_indptr(cum_seq_lens_q, "cum_seq_lens_q", batch + 1)
-    else:
-        q_len = checks.check_positive_int(q_len_per_req or 1, "q_len_per_req")
-        qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
+        q_len = int((qo_indptr_h[1:] - qo_indptr_h[:-1]).max()) if batch else 1
     packed = mask_indptr = None
     if mask is not None:
+        if qo_indptr_h is None:
+            qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
         packed, mask_indptr = spec_mask_to_custom(mask, qo_indptr_h, seq_lens, "mask")
     bmm2 = bmm2_scale * (1.0 if o_scale is None else o_scale)
     return paged_attention_from_block_tables(
-        query, kv.k, kv.v, block_tables, seq_lens, kv_layout=kv_layout, qo_indptr_h=qo_indptr_h,
+        query, kv, block_tables, seq_lens, q_len_per_req=q_len, qo_indptr_h=qo_indptr_h,
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2, window_left=window_left, out=out, out_dtype=out_dtype,
-        sinks=sinks, backend=backend, causal=bool((qo_indptr_h[1:] - qo_indptr_h[:-1]).gt(1).any()),
+        sinks=sinks, backend=backend, causal=q_len > 1,
         workspace_buffer=workspace_buffer, packed_mask=packed, mask_indptr=mask_indptr,
         spec_decode_mask=mask is not None, max_seq_len=max_seq_len)
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from . import checks
-from .backends.base import AttentionParams, RaggedKV
+from .backends.base import AttentionParams, PagedKV, RaggedKV
 from .backends.cudnn import direct as cudnn_direct
 from .decode import _split_kv_cache, paged_attention_from_block_tables
 from .deferred_check import DeferredPageCheck
@@ -452,7 +452,7 @@ def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_
     if block_tables is not None:
         cudnn_direct.paged_cache(q, k_cache, v_cache, block_tables, max_sequence_kv)
         result = paged_attention_from_block_tables(
-            q, k_cache, v_cache, block_tables, actual_seq_lens_kv, kv_layout="HND", qo_indptr_h=qo_indptr_h,
+            q, PagedKV(k_cache, v_cache, "HND"), block_tables, actual_seq_lens_kv, qo_indptr_h=qo_indptr_h,
             bmm1_scale=scale, bmm2_scale=1.0, window_left=-1, out=out, out_dtype=None, sinks=None,
             backend=backend, causal=causal, workspace_buffer=workspace_buffer, return_lse=return_lse, lse=lse,
             op="prefill_paged")
@@ -486,9 +486,9 @@ def trtllm_batch_context_with_kv_cache(query: torch.Tensor, kv_cache, workspace_
     if out_dtype == "nvfp4" or o_sf_scale is not None or o_sf_vec_size is not None:
         raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
     checks.check_positive_int(batch_size, "batch_size")
-    kv = _split_kv_cache(kv_cache)
+    kv = _split_kv_cache(kv_cache, checks.check_layout(kv_layout))
     qo_indptr_h = checks.host_indptr(cum_seq_lens_q, "cum_seq_lens_q", batch_size + 1)
     return paged_attention_from_block_tables(
-        query, kv.k, kv.v, block_tables, seq_lens, kv_layout=kv_layout, qo_indptr_h=qo_indptr_h,
+        query, kv, block_tables, seq_lens, qo_indptr_h=qo_indptr_h,
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, window_left=window_left, out=out, out_dtype=out_dtype,
         sinks=sinks, backend=backend, causal=True, workspace_buffer=workspace_buffer, op="prefill_paged")

@@ -10,6 +10,7 @@ import math
 import torch
 
 from . import checks
+from .backends.base import PagedKV
 from .quantization import segment_packbits
 
 
@@ -90,10 +91,10 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
     if sliding_win_size < 0:
         raise ValueError(f"sliding_win_size={sliding_win_size} must be >= 0 (0 disables it)")
     batch = page_table.shape[0] if isinstance(page_table, torch.Tensor) else 0
-    qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_seq_len
     seq_lens_i32 = seq_lens.reshape(-1).to(torch.int32) if isinstance(seq_lens, torch.Tensor) else seq_lens
     packed = mask_indptr = None
     if mask is not None:
+        qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_seq_len
         packed, mask_indptr = spec_mask_to_custom(mask, qo_indptr_h, seq_lens_i32, "mask")
     if sinks is not None:
         checks.check_tensor(sinks, "sinks", dtypes=(torch.float32,), device=q.device,
@@ -102,13 +103,15 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
     scalar = lambda s: s if isinstance(s, torch.Tensor) else float(s)  # noqa: E731
     bmm1 = scalar(q_scale) * scalar(kv_scale) / math.sqrt(q.shape[-1])
     bmm2 = scalar(kv_scale) * float(rcp_out_scale)
+    out = output.view(query.shape[0], query.shape[1], -1) if output.is_contiguous() else None  # (written in place)
     result = paged_attention_from_block_tables(
-        query, k_cache, v_cache, page_table, seq_lens_i32, kv_layout=kv_layout, qo_indptr_h=qo_indptr_h,
+        query, PagedKV(k_cache, v_cache, kv_layout), page_table, seq_lens_i32, q_len_per_req=q_seq_len,
         bmm1_scale=bmm1, bmm2_scale=bmm2, window_left=sliding_win_size - 1 if sliding_win_size > 0 else -1,
-        out=None, out_dtype=output.dtype, sinks=sinks, backend="auto", causal=q_seq_len > 1 and mask is None,
+        out=out, out_dtype=output.dtype, sinks=sinks, backend="auto", causal=q_seq_len > 1 and mask is None,
         workspace_buffer=workspace_buffer, packed_mask=packed, mask_indptr=mask_indptr,
         spec_decode_mask=mask is not None)
-    output.copy_(result.reshape(output.shape))
+    if out is None:
+        output.copy_(result.reshape(output.shape))
 
 
 def xqa_mla(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

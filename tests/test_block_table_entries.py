@@ -198,7 +198,7 @@ def test_block_table_decode_on_the_gpu_reads_nothing_back_and_replays_in_a_cuda_
     """On the GPU a call makes no host sync (torch's sync debug mode raises on one), clamps what it
     cannot check (a length past its row, a page past the cache: no fault, the context stays
     usable), and a captured call replays for new lengths and tables written into its tensors."""
-    q, cache, tables, seq = _table_case("cuda", 16, [300, 0, 17, 129], "HND", seed=2)
+    q, cache, tables, seq = _table_case("cuda", 16, [300, 0, 17, 129], "HND", width=40, seed=2)
     ws = torch.zeros(1 << 22, dtype=torch.uint8, device="cuda")
     call = lambda: fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 512,  # noqa: E731
                                                          bmm1_scale=0.125, kv_layout="HND", backend="fa2")

@@ -80,6 +80,15 @@ class PagedKV:
         return (self._k if self.combined is None else self.combined).shape[0]
 
     @property
+    def k_shape(self) -> torch.Size:
+        """The k cache's 4-D shape (read from the 5-D tensor when there is one: no view made)."""
+        c = self.combined
+        if c is None:
+            return self._k.shape
+        s = c.shape
+        return torch.Size((s[0], s[2], s[3], s[4]))
+
+    @property
     def dtype(self) -> torch.dtype:
         """The k cache's dtype (the API checks that v's is the same)."""
         return (self._k if self.combined is None else self.combined).dtype
