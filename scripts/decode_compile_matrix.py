@@ -9,7 +9,8 @@ with and without the fused merge; fp8 KV: the work array only, as its configs us
 tile and, for the variants that take them (`decode_variant.plain_variant`), each other wave tile, and
 where the defaults pack (`DecodeConfig.pack_items`) their packed work array and, where they
 take it (`DecodeConfig.wave_pack_line`, no window), the kernel's own packing (fused merge; the
-merge kernel's plain only), for GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
+merge kernel's plain only), and a block-table plan's own split (the
+table read, fused merge; 16-bit KV with the split length from the total), for GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
 one that fails. d128 by default; other head dims as arguments. ``--frontend`` stops each compile
 at its TTIR (Triton's type checks, ~10x faster: the CPU suite's run of all three head dims; the
 GPU suite compiles them to cubin, ``--jobs`` on the GPU machine's cores).
@@ -58,20 +59,26 @@ def combinations(head_dims: list[int]):
             waves = base.wave_tiles if fvar.plain_variant(p, block_m) else ()
             tiles = [(base, "")] + [(with_tile(base, bn, st), f", {bn} x {st}") for bn, st, _, _ in waves
                                     if (bn, st) != (base.block_n, base.num_stages)]
-            # (label, config, fused merge, direct table, direct split, work rows per program, line)
-            variants = [(f"{name}{tile}", cfg, fused, direct, split, 1, False) for cfg, tile in tiles
+            # (label, config, fused merge, direct table, direct split, work rows per program, line,
+            # block table, total split)
+            variants = [(f"{name}{tile}", cfg, fused, direct, split, 1, False, False, False) for cfg, tile in tiles
                         for name, fused, direct, split in LAYOUTS if not direct or kv == torch.bfloat16]
+            # a block-table plan (decode.py's `_place_table`): the direct table whatever the config
+            split_cfg = with_split_block(base) if base.split_block_n else base
+            variants.append(("block table, split, fused", split_cfg, True, True, True, 1, False, True,
+                             base.table_split_slots > 0))
             # a packed plan: the split block's work array, 2 up to pack_items rows a program (as it
             # needs; the most compiled here, the kernel's body repeated that often)
             if base.pack_items > 1:
                 packed = with_split_block(base) if base.split_block_n else base
                 variants.append((f"packed x{base.pack_items}, fused", packed, True, False, False, base.pack_items,
-                                 False))
+                                 False, False, False))
                 if base.wave_pack_line and p.window_left < 0:  # the merge kernel's line: plain only
-                    variants += [(f"line{merge}", line_variant(packed), fused, True, False, 1, True)
+                    variants += [(f"line{merge}", line_variant(packed), fused, True, False, 1, True, False, False)
                                  for merge, fused in ((", fused", True), ("", False)) if fused or not changes]
-            for label, cfg, fused, direct, split, items, line in variants:
-                consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items, line)
+            for label, cfg, fused, direct, split, items, line, table, total in variants:
+                consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items, line,
+                                               table, total)
                 consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
                 yield f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {label}", consts, kv
 

@@ -225,3 +225,29 @@ def test_block_table_decode_on_the_gpu_reads_nothing_back_and_replays_in_a_cuda_
     tables[1, 0] = 1 << 30  # past the cache: the last page read in its place
     assert call().isfinite().all()
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [-1, 100])
+def test_block_table_plans_under_one_wave_split_by_the_requests_own_total(device, window, monkeypatch):
+    """Under one wave of programs the kernel splits each request by the policy's length for the
+    requests' own total (TOTAL_SPLIT, in table_split_slots times the bound's chunk slots): equal to
+    the reference, as the bound's split (table_split_slots 0) is; a workspace too small for the
+    wider slots keeps the bound's slots."""
+    q, cache, tables, seq = _table_case(device, 16, [2000, 3, 700, 0, 1200, 64], "NHD", width=130, seed=3)
+    want = fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(1 << 22, dtype=torch.uint8, device=device),
+                                                tables, seq, 2000, window_left=window, kv_layout="NHD",
+                                                backend="reference")
+    from flashdispatch.backends.fa2.decode_workspace import partial_bytes
+    plans, small = {}, partial_bytes(6 * 2, 8, 64)  # the bound's 2 slots a request, not 3
+    for slots, ws_bytes in (("0", 1 << 22), ("1.5", 1 << 22), ("1.5", small)):
+        monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", f'{{"table_split_slots": {slots}}}')
+        ws = torch.zeros(ws_bytes, dtype=torch.uint8, device=device)
+        got = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 2000, window_left=window,
+                                                   kv_layout="NHD", backend="fa2")
+        assert rel(got, want) < 4e-3, (slots, ws_bytes)
+        plan = _kept_table_plans()[-1].plan
+        plans[slots, ws_bytes] = (plan.total_split, plan.split_slots)
+    bound = plans["0", 1 << 22]
+    assert not bound[0] and plans["1.5", 1 << 22] == (True, max(2, -(-3 * bound[1] // 2)))
+    assert bound[1] == (2 if window < 0 else 1) and plans["1.5", small] == (True, 2)

@@ -32,9 +32,8 @@ counters take the work array layout's places in the int workspace. Past one wave
 packs (`DecodeConfig.pack_items`) takes the line whatever the lengths, and under one wave too with
 `DecodeConfig.graph_few_line` (d128): its pieces are a function of the batch size too.
 
-Block-table calls (`AttentionParams.block_tables`, FlashInfer's trtllm / xqa functions): the
-kernel reads seq_lens and the table's rows (TABLE) as a direct plan reads kv_indptr; plan() sizes
-the grid from the caller's bound on the lengths and reads nothing (`_place_table`).
+Block-table calls (`AttentionParams.block_tables`): the kernel reads seq_lens and the table's
+rows (TABLE); plan() sizes the grid from a bound on the lengths and reads none (`_place_table`).
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
 `DecodeConfig.wave_pack_line` (every default that packs) the kernel cuts the pages as kv_indptr
@@ -105,6 +104,7 @@ class DecodePlan:
             cfg = without_waves(cfg)  # other variants use other registers: their programs per SM are not known
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         self.table = params.block_tables is not None  # a block-table call: `_place_table`
+        self.total_split = False
         sm_count = device.sm_count or 8
         self.problem, self.units = problem, self.row_blocks * p.num_kv_heads  # units: programs per work item
         programs = params.batch_size * self.units
@@ -396,17 +396,26 @@ class DecodePlan:
         table itself (TABLE), and plan() reads neither. The policy's partition of the planning
         lengths (every request at the caller's bound) sets the grid: whole requests, or the kernel's
         own split (`_place_direct`) into as many chunk slots as the bound takes, of the policy's
-        chunk length, which each program applies to its request's own length."""
+        chunk length, which each program applies to its request's own length. Under one wave
+        of programs the kernel works that length out from the requests' own total (TOTAL_SPLIT),
+        in `DecodeConfig.table_split_slots` times the slots where the workspace holds their
+        partials: the longer requests of a mixed batch take more chunks than the bound's."""
+        cfg = self.config
         _, _, eff, _, chunk = self._partition(device, params, effective_lengths(params, self.problem, self.q_len))
         slots = int(chunk_counts(eff, chunk).max(initial=1)) if chunk is not None else 1
+        few = self.batch * self.units < (device.sm_count or 8) * cfg.ctas_per_sm
+        if few and cfg.table_split_slots > 0 and not never_split(self.batch, params, self.split_target):
+            wide = min(cfg.max_splits, max(slots, math.ceil(cfg.table_split_slots * slots)))
+            slots = wide if self._partial_bytes(self.batch * wide) <= workspace_bytes(params) else slots
+            self.total_split = slots > 1
         if slots == 1 and self._unsplit_config is not None:
             self.config = self._unsplit_config
-        self._place_direct(params, run_device, policy_tokens(eff, self.config, self.units, self.split_target)
-                           if slots > 1 else 0, slots)
+        self.kernel_max_splits = slots  # a request past the bound: its chunks balanced over the slots
+        split = cfg.min_chunk_tokens if self.total_split else policy_tokens(eff, cfg, self.units, self.split_target)
+        self._place_direct(params, run_device, split if slots > 1 else 0, slots)
 
     def _direct_tables(self, params: AttentionParams) -> tuple:
-        """(the kernel's work_ptr, last_ptr) of a direct plan: kv_indptr and kv_last_page_len, or
-        a block-table call's seq_lens (`AttentionParams.kv_lens`) and None."""
+        """The kernel's (work_ptr, last_ptr): (kv_indptr, kv_last_page_len), or a table's (seq_lens, None)."""
         return (params.kv_lens, None) if self.table else (params.kv_indptr, params.kv_last_page_len)
 
     def _place_direct(self, params: AttentionParams, run_device: torch.device, split_tokens: int = 0,
@@ -503,7 +512,7 @@ class DecodePlan:
                                    p.head_dim_vo, self.pdl) if merge_kernel else None)
         self._consts = kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
                                         self.direct, self.split_slots > 1, self.pdl, self.items, self.line,
-                                        self.table)
+                                        self.table, self.total_split)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
         self._set_tables()
 
@@ -516,7 +525,7 @@ class DecodePlan:
                         self.last if self.last is not None else dummy, self.kv_indices,
                         self.slopes if self.slopes is not None else dummy)
         self._plan_scalars = (max(kernel_window(p.window_left), 0), p.logits_soft_cap or 1.0, *self.rope,
-                              self.split_tokens, self.split_slots, self.kernel_max_splits, *self._table_shape(),
+                              self.split_tokens, self.split_slots, self.kernel_max_splits, *self._table_scalars(),
                               self.batch, self.line_gap,
                               self.line_groups, self.line_even_groups)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
@@ -524,12 +533,12 @@ class DecodePlan:
         self._table_addrs = tuple(t.data_ptr() for t in self._tables)
         self._cuda_index = self.kv_indices.device.index if self.kv_indices.is_cuda else None
 
-    def _table_shape(self) -> tuple[int, int]:
-        """(row stride, tokens a row holds) of a block-table plan's table (TABLE), else (0, 0)."""
+    def _table_scalars(self) -> tuple[int, int, int]:
+        """TABLE's row stride and tokens a row holds, TOTAL_SPLIT's target programs (0: unused)."""
         if not self.table:
-            return 0, 0
+            return 0, 0, 0
         t = self.kv_indices
-        return t.stride(0), t.shape[1] * self.problem.page_size
+        return t.stride(0), t.shape[1] * self.problem.page_size, self.split_target if self.total_split else 0
 
     def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
         write_lse, q_t, k_t, v_t = variant

@@ -231,6 +231,15 @@ class DecodeConfig:
     loads of a tile one after the other instead of together (the sm90 SASS of bf16 d128): bf16
     d128 line 128x4096:var 4.15 -> 4.32, 256x2048:var 4.16 -> 4.24 TB/s (H200 32/8, session 26);
     bf16 d64 and d256 read less with it (4.06 -> 3.31, 4.43 -> 3.34).
+    table_split_slots: a block-table plan (trtllm / xqa functions: no lengths on the host, decode.py's
+    `_place_table`) of fewer than ctas_per_sm x SMs programs has this many times the chunk slots
+    per request of its bound's split, and the kernel splits each request by the policy's length
+    for the requests' own total (TOTAL_SPLIT): the long requests of a mixed batch take more
+    chunks. 0: the bound's split. H200 32/8 d128, session 42, `bench decode --backends fa2-fn`,
+    TB/s 0 -> 1.5 (2.0): bf16 48x4096:var 2.63 -> 3.29 (3.29), 16x8192:var 2.32 -> 3.60 (3.56),
+    64x4096:var 3.19 -> 3.47 (3.47); equal lengths lose 1-3.5 % (2x16384 2.73 -> 2.64, 48x8192
+    4.22 -> 4.09: the split variant merges in the kernel, without the register cap). Off for fp8
+    KV: 48x4096 3.21 -> 2.80, 16x8192:var 1.93 -> 1.82, 48x4096:var 1.86 -> 2.33.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -277,6 +286,7 @@ class DecodeConfig:
     line_align_fill: float = 0.9
     few_pack_line: bool = False
     graph_few_line: bool = False
+    table_split_slots: float = 1.5
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -313,7 +323,8 @@ class DecodeConfig:
         for name in ("pack_fill", "line_align_fill"):
             if not _number(getattr(self, name)) or not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"fa2 decode config {name} must be a number in (0, 1], got {getattr(self, name)!r}")
-        for name, low in (("wave_pack_spread", 0.0), ("wave_pack_max_waves", 0.0), ("wave_pack_load", 0.25)):
+        for name, low in (("wave_pack_spread", 0.0), ("wave_pack_max_waves", 0.0), ("wave_pack_load", 0.25),
+                          ("table_split_slots", 0.0)):
             v = getattr(self, name)
             if not _number(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be a number >= {low}, got {v!r}")
@@ -373,7 +384,7 @@ def _small_shared_fp8_config(problem: Problem, shared: int) -> DecodeConfig:
         tile_bytes, tile = 112 * d, dict(block_n=16, num_warps=2, num_stages=3)
     fit = (shared + 1024) // (tile_bytes + 1024)  # the driver reserves 1 KB per block
     return DecodeConfig(**tile, ctas_per_sm=max(1, min(8, fit)), k_rows=True, fp8_dot_dtype="fp16",
-                        page_prefetch=True, fp8_v_convert="staged", swap_ab=True,
+                        page_prefetch=True, fp8_v_convert="staged", swap_ab=True, table_split_slots=0.0,
                         direct_table=problem.num_qo_heads != problem.num_kv_heads and d >= 128)
 
 
@@ -415,13 +426,13 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
-                                lone_wave_split_tokens=3072)
+                                lone_wave_split_tokens=3072, table_split_slots=0.0)
         # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-196 registers, 4 per SM; H200
         # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
         # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
         return DecodeConfig(block_n=32, num_warps=2, num_stages=3, k_rows=True, fp8_dot_dtype="fp16",
                             page_prefetch=True, fp8_v_convert="staged", swap_ab=True, direct_table=gqa, **mixed,
-                            **line)
+                            **line, table_split_slots=0.0)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows

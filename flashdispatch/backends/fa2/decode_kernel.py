@@ -27,10 +27,10 @@ when the request has one chunk), and the merge row is the request (the merge ker
 is written by chunk 0's first unit; its count is 1 for a request not split, which the merge
 kernel skips).
 
-TABLE (with DIRECT, not LINE): the tables are a block-table call's (FlashInfer's trtllm / xqa
-entry points): work_ptr is seq_lens and kv_indices_ptr the ``[batch, width]`` block table, row
-stride ``table_stride``; a request's length is clamped to [0, ``table_tokens``] (its row's pages).
-plan() reads neither (decode.py's `_place_table`).
+TABLE (with DIRECT, not LINE): a block-table call's tables (FlashInfer's trtllm / xqa functions):
+work_ptr is seq_lens, kv_indices_ptr the ``[batch, width]`` table (row stride ``table_stride``); a
+length is clamped to [0, ``table_tokens``] (its row). TOTAL_SPLIT (with DIRECT_SPLIT): each program
+sums the lengths for the policy's split length (decode.py's `_place_table`, `_total_split_tokens`).
 
 ITEMS (DecodeConfig.pack_items; work array only): each program runs ITEMS consecutive work rows
 one after the other, all for its (KV head, row block): a packed plan's equal piece of the requests'
@@ -478,6 +478,21 @@ _decode_item_call = _decode_item if TRITON_INTERPRETED else triton.jit(noinline=
 
 
 @triton.jit
+def _total_split_tokens(lens_ptr, n_requests, table_tokens, window_left, min_tokens, target,
+                        QLEN: tl.constexpr, WINDOW: tl.constexpr, UNITS: tl.constexpr, BLOCK: tl.constexpr):
+    """TOTAL_SPLIT's chunk length: the sum of the requests' KV tokens from their window starts
+    (lengths clamped as TABLE reads them) x UNITS over ``target`` programs, at least ``min_tokens``."""
+    total = tl.zeros([BLOCK], tl.int64)
+    for b in range(0, n_requests, BLOCK):
+        offs = b + tl.arange(0, BLOCK)
+        n = tl.minimum(tl.maximum(tl.load(lens_ptr + offs, mask=offs < n_requests, other=0), 0), table_tokens)
+        if WINDOW:
+            n = tl.minimum(n, QLEN + window_left)
+        total += n.to(tl.int64)
+    return tl.maximum(tl.sum(total) * UNITS // target, min_tokens).to(tl.int32)
+
+
+@triton.jit
 def _line_requests(indptr_ptr, n_requests, line_gap, piece_start, piece_end, BLOCK: tl.constexpr):
     """The requests [first, end) that the line's piece of positions [piece_start, piece_end)
     touches (LINE): the one begun before it whose pages run into it, and every request starting
@@ -499,12 +514,12 @@ def _line_requests(indptr_ptr, n_requests, line_gap, piece_start, piece_end, BLO
 
 @triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests", "line_gap",
                                "line_groups", "line_even_groups", "num_pages", "table_stride",
-                               "table_tokens"])  # per plan, cache and table
+                               "table_tokens", "split_target"])  # per plan, cache and table
 def decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr, counters_ptr,
     work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, v_scale, window_left, soft_cap, rope_rcp_scale, rope_log2_theta, split_tokens, split_slots, max_splits,
-    table_stride, table_tokens, n_requests, line_gap, line_groups, line_even_groups, num_pages,
+    table_stride, table_tokens, split_target, n_requests, line_gap, line_groups, line_even_groups, num_pages,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, QLEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
@@ -516,6 +531,7 @@ def decode_kernel(
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, SWAP_AB: tl.constexpr,
     ITEMS: tl.constexpr, LINE: tl.constexpr, LINE_BLOCK: tl.constexpr, TABLE: tl.constexpr,
+    TOTAL_SPLIT: tl.constexpr,
 ):
     if PDL_TRIGGER:  # the merge kernel may launch now (DecodeConfig.pdl); it waits for this grid
         gdc_launch_dependents()
@@ -535,6 +551,10 @@ def decode_kernel(
     last_page = (num_pages - 1).to(tl.uint32)
     tl.static_assert(not LINE or (DIRECT and not DIRECT_SPLIT), "the line is read from the direct table")
     tl.static_assert(not TABLE or (DIRECT and not LINE), "a block table is read as the direct table")
+    tl.static_assert(not TOTAL_SPLIT or (TABLE and DIRECT_SPLIT), "the total's split is a block table's")
+    if TOTAL_SPLIT:
+        split_tokens = _total_split_tokens(work_ptr, n_requests, table_tokens, window_left, split_tokens, split_target,
+                                           QLEN, WINDOW, UNITS, LINE_BLOCK)
     if LINE:  # this item group's piece of the line (module docstring)
         line_base = tl.load(work_ptr)
         pages = tl.load(work_ptr + n_requests) - line_base

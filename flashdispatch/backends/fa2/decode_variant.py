@@ -49,7 +49,7 @@ def register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool)
 @functools.lru_cache(maxsize=256)
 def kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool,
                      direct: bool, direct_split: bool, pdl: bool, items: int = 1, line: bool = False,
-                     table: bool = False) -> dict:
+                     table: bool = False, total_split: bool = False) -> dict:
     """The decode kernel's constexprs and launch options of a plan (cached: plan() is host-time
     bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
     q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
@@ -67,6 +67,6 @@ def kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: in
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,
         FUSED_MERGE=fused_merge, MERGE_BLOCK_R=merge_r, MERGE_BLOCK_S=merge_s, DIRECT=direct,
         DIRECT_SPLIT=direct_split, PDL_TRIGGER=pdl, SWAP_AB=cfg.swap_ab, ITEMS=items,
-        LINE=line, LINE_BLOCK=LINE_BLOCK, TABLE=table,
+        LINE=line, LINE_BLOCK=LINE_BLOCK, TABLE=table, TOTAL_SPLIT=total_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cap} if cap and not TRITON_INTERPRETED else {}))
