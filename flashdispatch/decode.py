@@ -391,8 +391,6 @@ def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens
     if tables is not None:
         if dev.type == "cpu" or (checks.device_values_checked() and not torch.cuda.is_current_stream_capturing()):
             check_table_values(*tables, kv, page_size, q_len)
-        if max_seq_len is not None:
-            max_seq_len = checks.check_positive_int(max_seq_len, "max_seq_len")
         bound = planning_bound(max_seq_len, tables[0].shape[1], page_size)
         planned = plan_block_table(problem, dev, *tables, bound, sm_scale=sm_scale, workspace=workspace,
                                    requested=backend, total_q=total_q)
@@ -440,6 +438,7 @@ def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_b
     if out_dtype == "nvfp4" or o_sf_scale is not None or o_sf_vec_size is not None:
         raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
     kv = _split_kv_cache(kv_cache, checks.check_layout(kv_layout))
+    max_seq_len = checks.check_positive_int(max_seq_len, "max_seq_len")
     batch = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else 0
     qo_indptr_h, q_len = None, checks.check_positive_int(q_len_per_req or 1, "q_len_per_req")
     if cum_seq_lens_q is not None:
