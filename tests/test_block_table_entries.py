@@ -236,21 +236,39 @@ def test_block_table_plans_under_one_wave_split_by_the_requests_own_total(device
     """Under one wave of programs the kernel splits each request by the policy's length for the
     requests' own total (TOTAL_SPLIT, in table_split_slots times the bound's chunk slots): equal to
     the reference, as the bound's split (table_split_slots 0) is; a workspace too small for the
-    wider slots keeps the bound's slots."""
+    wider slots keeps the bound's slots. Past one wave no request is split by the bound's policy."""
     q, cache, tables, seq = _table_case(device, 16, [2000, 3, 700, 0, 1200, 64], "NHD", width=130, seed=3)
     want = fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(1 << 22, dtype=torch.uint8, device=device),
                                                 tables, seq, 2000, window_left=window, kv_layout="NHD",
                                                 backend="reference")
     from flashdispatch.backends.fa2.decode_workspace import partial_bytes
-    plans, small = {}, partial_bytes(6 * 2, 8, 64)  # the bound's 2 slots a request, not 3
-    for slots, ws_bytes in (("0", 1 << 22), ("1.5", 1 << 22), ("1.5", small)):
+    plans = {}
+    for slots, small in (("0", False), ("1.5", False), ("1.5", True)):
         monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", f'{{"table_split_slots": {slots}}}')
-        ws = torch.zeros(ws_bytes, dtype=torch.uint8, device=device)
+        # small: room for the bound's chunk slots only (a partial is 8 heads x 64 floats + lse)
+        ws = torch.zeros(partial_bytes(6 * plans["0"][1], 8, 64) if small else 1 << 22, dtype=torch.uint8,
+                         device=device)
         got = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 2000, window_left=window,
                                                    kv_layout="NHD", backend="fa2")
-        assert rel(got, want) < 4e-3, (slots, ws_bytes)
+        assert rel(got, want) < 4e-3, (slots, small)
         plan = _kept_table_plans()[-1].plan
-        plans[slots, ws_bytes] = (plan.total_split, plan.split_slots)
-    bound = plans["0", 1 << 22]
-    assert not bound[0] and plans["1.5", 1 << 22] == (True, max(2, -(-3 * bound[1] // 2)))
-    assert bound[1] == (2 if window < 0 else 1) and plans["1.5", small] == (True, 2)
+        plans[slots if not small else "small"] = (plan.total_split, plan.split_slots)
+    bound = plans["0"]
+    assert not bound[0] and plans["1.5"] == (True, max(2, -(-3 * bound[1] // 2)))
+    assert plans["small"] == (bound[1] > 1, bound[1])  # the total split in the bound's slots, if any
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_table_plans_past_one_wave_read_whole_requests(device):
+    """More programs than ctas_per_sm x SMs (8 SMs on the CPU, 132 on the H200): no split, one
+    program per request and KV head, equal to the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 8
+    batch = 4 * sms // 2 + 3  # x 2 KV heads: past 4 programs per SM
+    lens = [(37 * b) % 300 for b in range(batch)]
+    q, cache, tables, seq = _table_case(device, 16, lens, "NHD", width=20, seed=4)
+    ws = torch.zeros(1 << 22, dtype=torch.uint8, device=device)
+    got, want = (fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 300, kv_layout="NHD", backend=b)
+                 for b in ("fa2", "reference"))
+    assert rel(got, want) < 4e-3
+    plan = _kept_table_plans()[-1].plan
+    assert plan.split_slots == 1 and not plan.total_split and plan._grid == (batch * 2,)

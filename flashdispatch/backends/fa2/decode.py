@@ -411,8 +411,11 @@ class DecodePlan:
         if slots == 1 and self._unsplit_config is not None:
             self.config = self._unsplit_config
         self.kernel_max_splits = slots  # a request past the bound: its chunks balanced over the slots
-        split = cfg.min_chunk_tokens if self.total_split else policy_tokens(eff, cfg, self.units, self.split_target)
-        self._place_direct(params, run_device, split if slots > 1 else 0, slots)
+        if slots == 1:
+            self._place_direct(params, run_device)
+        else:  # (the kernel's total split: at least min_chunk_tokens)
+            self._place_direct(params, run_device, cfg.min_chunk_tokens if self.total_split else
+                               policy_tokens(eff, cfg, self.units, self.split_target), slots)
 
     def _direct_tables(self, params: AttentionParams) -> tuple:
         """The kernel's (work_ptr, last_ptr): (kv_indptr, kv_last_page_len), or a table's (seq_lens, None)."""
