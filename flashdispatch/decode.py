@@ -14,8 +14,8 @@ import torch
 
 from . import checks
 from .backends.base import PagedKV
-from .block_table_plan import check_table_values, plan_block_table, planning_bound, table_tensors
 from .backends.cudnn import direct as cudnn_direct
+from .block_table_plan import check_table_values, plan_block_table, planning_bound, table_tensors
 from .deferred_check import DeferredPageCheck
 from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported

@@ -224,7 +224,7 @@ def _decode_item(
             req = item
             chunk_idx = 0
         if TABLE:  # work_ptr is seq_lens, kv_indices_ptr the block table: the request's row, its
-            # length clamped to the row's pages (plan() reads neither: no length reads past the row)
+            # length clamped to that row (plan() read neither, so nothing checked them)
             page_base = req.to(tl.int64) * table_stride
             kv_len = tl.minimum(tl.maximum(tl.load(work_ptr + req), 0), table_tokens)
         else:
