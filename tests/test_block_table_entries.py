@@ -151,7 +151,7 @@ def test_trtllm_decode_on_fa2_reads_the_block_table_itself(device, page, layout,
 def test_block_table_calls_reuse_their_plan_for_new_tables_and_longer_lengths(device, monkeypatch):
     """Later calls run the kept plan as it is (the same tensors, new values) or refreshed for
     other tensors, without planning afresh; lengths past max_seq_len still read every token (the
-    kernel's last chunk slot takes the rest); xqa plans for the table's rows."""
+    kernel balances them over the plan's chunk slots); xqa plans for the table's rows."""
     from flashdispatch.dispatch.registry import get_backend
     backend = get_backend("fa2")
     planned_afresh = []
