@@ -63,14 +63,19 @@ def check_table_values(block_tables: torch.Tensor, seq_lens: torch.Tensor, kv: P
     (an empty one gets 0 and lse -inf), a page outside the cache (see the module docstring for
     when this runs)."""
     tables = block_table_to_indptr(block_tables, seq_lens, page_size)
-    lens = tables.kv_lens.numpy()
-    short = np.nonzero((lens < q_len) & (lens > 0))[0]
-    if short.size:
-        b = int(short[0])
-        raise ValueError(f"request {b} has {q_len} query tokens but only {int(tables.kv_lens[b])} KV tokens")
+    check_queries_fit(np.full(len(tables.kv_lens), q_len), tables.kv_lens.numpy())
     if tables.max_page >= kv.num_pages:
         raise ValueError(f"block_tables references page {tables.max_page}, but the cache has only "
                          f"{kv.num_pages} pages")
+
+
+def check_queries_fit(qo_lens: np.ndarray, kv_lens: np.ndarray) -> None:
+    """Refuse a request of fewer KV tokens than query rows (its KV holds its own new tokens); an
+    empty request is accepted (0 and lse -inf)."""
+    short = np.nonzero((qo_lens > kv_lens) & (kv_lens > 0))[0]
+    if short.size:
+        b = int(short[0])
+        raise ValueError(f"request {b} has {int(qo_lens[b])} query tokens but only {int(kv_lens[b])} KV tokens")
 
 
 def plan_block_table(problem: Problem, torch_device: torch.device, block_tables: torch.Tensor,

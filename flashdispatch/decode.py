@@ -15,7 +15,8 @@ import torch
 from . import checks
 from .backends.base import PagedKV
 from .backends.cudnn import direct as cudnn_direct
-from .block_table_plan import check_table_values, plan_block_table, planning_bound, table_tensors
+from .block_table_plan import (check_queries_fit, check_table_values, plan_block_table, planning_bound,
+                               table_tensors)
 from .deferred_check import DeferredPageCheck
 from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
@@ -389,21 +390,18 @@ def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens
     tables = (table_tensors(block_tables, seq_lens, batch, dev)
               if op == "decode" and packed_mask is None and batch and uniform else None)
     if tables is not None:
-        if dev.type == "cpu" or (checks.device_values_checked() and not torch.cuda.is_current_stream_capturing()):
-            check_table_values(*tables, kv, page_size, q_len)
         bound = planning_bound(max_seq_len, tables[0].shape[1], page_size)
         planned = plan_block_table(problem, dev, *tables, bound, sm_scale=sm_scale, workspace=workspace,
                                    requested=backend, total_q=total_q)
-        if planned is not None:
+        if planned is not None:  # (else the conversion below reads and checks the values)
+            if dev.type == "cpu" or (checks.device_values_checked() and not torch.cuda.is_current_stream_capturing()):
+                check_table_values(*tables, kv, page_size, q_len)
             return run_attention(planned, query, kv, **run)
     if qo_indptr_h is None:
         qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
         qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
     indptr, indices, last, kv_lens_h, max_page = block_table_to_indptr(block_tables, seq_lens, page_size)
-    short = (qo_lens > kv_lens_h) & (kv_lens_h > 0)  # (an empty request gets 0 and lse -inf)
-    if bool(short.any()):
-        b = int(torch.nonzero(short)[0])
-        raise ValueError(f"request {b} has {int(qo_lens[b])} query tokens but only {int(kv_lens_h[b])} KV tokens")
+    check_queries_fit(qo_lens.numpy(), kv_lens_h.numpy())
     params = paged_params(qo_indptr_h.numpy(), kv_lens_h.numpy(), indptr, indices, last, dev, qo_lens.tolist(),
                           sm_scale=sm_scale, workspace=workspace, packed_mask=on_device(packed_mask, dev),
                           mask_indptr=on_device(mask_indptr, dev))

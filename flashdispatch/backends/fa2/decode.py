@@ -170,7 +170,7 @@ class DecodePlan:
         if line:
             self._place_direct(params, run_device, line=line)
         elif self.table:
-            self._place_table(device, params, run_device)
+            self._place_table(device, params, run_device, few)
         elif p.use_cuda_graph and cfg.direct_table and params.fixed_split_size is None:
             self._place_graph_direct(device, params, run_device)
         else:
@@ -391,7 +391,7 @@ class DecodePlan:
         self.kernel_max_splits = slots
         self._place_direct(params, run_device, self.config.min_chunk_tokens if slots > 1 else 0, slots)
 
-    def _place_table(self, device: Device, params: AttentionParams, run_device: torch.device) -> None:
+    def _place_table(self, device: Device, params: AttentionParams, run_device: torch.device, few: bool) -> None:
         """A block-table call (`AttentionParams.block_tables`): the kernel reads seq_lens and the
         table itself (TABLE), and plan() reads neither. The policy's partition of the planning
         lengths (every request at the caller's bound) sets the grid: whole requests, or the kernel's
@@ -399,11 +399,11 @@ class DecodePlan:
         chunk length, which each program applies to its request's own length. Under one wave
         of programs the kernel works that length out from the requests' own total (TOTAL_SPLIT),
         in `DecodeConfig.table_split_slots` times the slots where the workspace holds their
-        partials: the longer requests of a mixed batch take more chunks than the bound's."""
+        partials (``few``: fewer programs than that): the longer requests of a mixed batch take
+        more chunks than the bound's."""
         cfg = self.config
         _, _, eff, _, chunk = self._partition(device, params, effective_lengths(params, self.problem, self.q_len))
         slots = int(chunk_counts(eff, chunk).max(initial=1)) if chunk is not None else 1
-        few = self.batch * self.units < (device.sm_count or 8) * cfg.ctas_per_sm
         if few and cfg.table_split_slots > 0 and not never_split(self.batch, params, self.split_target):
             wide = min(cfg.max_splits, max(slots, math.ceil(cfg.table_split_slots * slots)))
             slots = wide if self._partial_bytes(self.batch * wide) <= workspace_bytes(params) else slots
