@@ -259,16 +259,60 @@ def test_block_table_plans_under_one_wave_split_by_the_requests_own_total(device
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_block_table_plans_past_one_wave_read_whole_requests(device):
-    """More programs than ctas_per_sm x SMs (8 SMs on the CPU, 132 on the H200): no split, one
-    program per request and KV head, equal to the reference."""
+@pytest.mark.parametrize("block", [None, 8], ids=["block256", "block8"])
+def test_block_table_plans_past_one_wave_take_the_line(device, block, monkeypatch):
+    """More programs than ctas_per_sm x SMs (8 SMs on the CPU, 132 on the H200) of a config that
+    packs: the kernel cuts the requests' pages, summed from seq_lens, into the line's pieces, as a
+    CUDA-graph plan does (it cannot know the lengths either), whatever lengths later calls bring
+    in the same tensors: mixed with empty ones, equal, one long request, lengths past max_seq_len
+    (to their rows' end). LINE_BLOCK 8: the requests are counted over several
+    blocks, the running sum carried. Without packing (wave_pack_spread 0) one program per request
+    and KV head. Each call equal to the reference."""
+    from flashdispatch.backends.fa2 import decode_variant
+    if block is not None:
+        if device == "cuda":
+            pytest.skip("LINE_BLOCK is a constexpr of the kernel cache: tried on the interpreter")
+        monkeypatch.setattr(decode_variant, "LINE_BLOCK", block)
+        decode_variant.kernel_constants.cache_clear()
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 8
     batch = 4 * sms // 2 + 3  # x 2 KV heads: past 4 programs per SM
-    lens = [(37 * b) % 300 for b in range(batch)]
-    q, cache, tables, seq = _table_case(device, 16, lens, "NHD", width=20, seed=4)
+    q, cache, tables, seq = _table_case(device, 16, [(37 * b) % 300 for b in range(batch)], "NHD", width=20, seed=4)
     ws = torch.zeros(1 << 22, dtype=torch.uint8, device=device)
-    got, want = (fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 300, kv_layout="NHD", backend=b)
-                 for b in ("fa2", "reference"))
-    assert rel(got, want) < 4e-3
-    plan = _kept_table_plans()[-1].plan
-    assert plan.split_slots == 1 and not plan.total_split and plan._grid == (batch * 2,)
+    rounds = ([(37 * b) % 300 for b in range(batch)], [160] * batch, [0] * (batch - 1) + [320],
+              [320 if b % 3 == 0 else b % 5 for b in range(batch)])
+    try:
+        for lens in rounds:
+            seq.copy_(torch.tensor(lens))
+            got, want = (fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 300, kv_layout="NHD",
+                                                              backend=b) for b in ("fa2", "reference"))
+            assert rel(got, want) < 4e-3, lens[:6]
+        plan = _kept_table_plans()[-1].plan
+        assert plan.line and plan.table and len(_kept_table_plans()) == 1
+        if device == "cpu":
+            assert plan._grid == (plan.line_groups * 2,) and plan._grid[0] < batch * 2
+        monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"wave_pack_spread": 0}')
+        got = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 256, kv_layout="NHD", backend="fa2")
+        assert rel(got, want) < 4e-3
+        plan = _kept_table_plans()[-1].plan
+        assert not plan.line and plan.split_slots == 1 and plan._grid == (batch * 2,)
+    finally:
+        decode_variant.kernel_constants.cache_clear()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_table_plans_under_one_wave_take_the_line_with_graph_few_line(device, monkeypatch):
+    """Under one wave a config that packs with graph_few_line (the d128 defaults) puts a block table's
+    requests on the line too (a batch of one stays off it): mixed and equal lengths, empty ones,
+    fp16 and e4m3 KV, GQA and MHA, q_len_per_req 2, against the reference."""
+    monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"graph_few_line": true, "pack_items": 4}')
+    for seed, (lens, heads, kv_dtype, q_len) in enumerate((
+            ([900, 0, 17, 400, 2, 0], (8, 2), torch.half, 1), ([256] * 6, (8, 2), torch.half, 1),
+            ([700, 3, 0, 250], (4, 4), torch.float8_e4m3fn, 1), ([600, 2, 64, 0, 130], (8, 2), torch.half, 2),
+            ([1000], (8, 2), torch.half, 1))):
+        q, cache, tables, seq = _table_case(device, 16, lens, "HND", q_len, *heads, seed=10 + seed,
+                                            kv_dtype=kv_dtype)
+        ws = torch.zeros(1 << 22, dtype=torch.uint8, device=device)
+        got, want = (fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 1024, kv_layout="HND",
+                                                          q_len_per_req=q_len, backend=b) for b in ("fa2", "reference"))
+        assert rel(got, want) < (4e-3 if kv_dtype == torch.half else 2e-2), lens
+        assert _kept_table_plans()[-1].plan.line == (len(lens) > 1), lens

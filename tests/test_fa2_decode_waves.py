@@ -346,14 +346,14 @@ def test_may_wave_pack_and_its_pieces():
     assert [wave_pack_groups(b, bf16, 132, 8) for b in (100, 132, 133, 256)] == [(66, 132)] * 2 + [(132, 198)] * 2
     assert wave_pack_groups(128, fp8, 132, 8) == (132, 264)
     for batch, even in ((100, 66), (128, 64), (160, 132), (256, 128), (300, 198), (384, 192), (512, 256)):
-        assert line_groups(batch, bf16, 132, 8, graph=True) == (max(66, even), 66, even), batch
+        assert line_groups(batch, bf16, 132, 8, any_lengths=True) == (max(66, even), 66, even), batch
         top = wave_pack_groups(batch, bf16, 132, 8)[0]
-        assert line_groups(batch, replace(bf16, line_align_fill=1.0), 132, 8, graph=True) == (top, 66, top)
+        assert line_groups(batch, replace(bf16, line_align_fill=1.0), 132, 8, any_lengths=True) == (top, 66, top)
     for batch, even in ((100, 66), (128, 64), (160, 66), (256, 64), (300, 60), (512, 64)):
-        assert line_groups(batch, bf16, 132, 8, graph=False) == (66, 66, even), batch
-    assert line_groups(256, fp8, 132, 8, graph=False) == (132, 132, 128)
-    assert line_groups(100, fp8, 132, 8, graph=True) == (132, 132, 132)
-    assert line_groups(512, replace(bf16, line_waves=2), 132, 8, graph=False) == (132, 132, 128)
+        assert line_groups(batch, bf16, 132, 8, any_lengths=False) == (66, 66, even), batch
+    assert line_groups(256, fp8, 132, 8, any_lengths=False) == (132, 132, 128)
+    assert line_groups(100, fp8, 132, 8, any_lengths=True) == (132, 132, 132)
+    assert line_groups(512, replace(bf16, line_waves=2), 132, 8, any_lengths=False) == (132, 132, 128)
     for lens, window_left, ok in (([3000, 1000] * 64, -1, True), ([2000, 1000] * 64, -1, False),
                                   ([3000, 1000] * 64, 999, False), ([150, 50] * 64, -1, False)):
         params = AttentionParams(qo_indptr=None, kv_indptr=None, kv_lens=None, qo_lens_host=[1] * len(lens),

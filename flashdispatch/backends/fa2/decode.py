@@ -33,7 +33,9 @@ packs (`DecodeConfig.pack_items`) takes the line whatever the lengths, and under
 `DecodeConfig.graph_few_line` (d128): its pieces are a function of the batch size too.
 
 Block-table calls (`AttentionParams.block_tables`): the kernel reads seq_lens and the table's
-rows (TABLE); plan() sizes the grid from a bound on the lengths and reads none (`_place_table`).
+rows (TABLE); plan() reads neither, so its grid, like a CUDA graph's, must serve any lengths: the
+line where a CUDA-graph plan of the batch size takes it (the line's positions summed from seq_lens
+in the kernel), else a grid sized from a bound on the lengths (`_place_table`).
 
 Past one wave, mixed lengths pack (`DecodeConfig.wave_pack_spread`): with
 `DecodeConfig.wave_pack_line` (every default that packs) the kernel cuts the pages as kv_indptr
@@ -110,15 +112,18 @@ class DecodePlan:
         programs = params.batch_size * self.units
         few = programs < sm_count * cfg.ctas_per_sm
         # past one wave of programs, lengths spread wide pack too (`DecodeConfig.wave_pack_spread`)
-        packing = policy_splits and cfg.pack_items > 1 and cfg.wave_pack_spread > 0 and not self.table
+        packing = policy_splits and cfg.pack_items > 1 and cfg.wave_pack_spread > 0
         wave_pack = (cfg, sm_count) if packing and not few and packs_these_waves(cfg, programs, sm_count) else None
         self.batch = params.batch_size
-        if p.use_cuda_graph:  # a captured grid replays any later lengths: the kernel's line whatever these are
-            # under one wave too (`DecodeConfig.graph_few_line`), where there are requests to pack
-            graph_line = wave_pack is not None or few and packing and cfg.graph_few_line and self.batch > 1
-            line = self._line_groups(params, cfg, sm_count) if graph_line else None
+        if p.use_cuda_graph or self.table:
+            # a grid for any lengths (a captured one replays later lengths; a block table's are not
+            # read): the kernel's line whatever they are, under one wave too
+            # (`DecodeConfig.graph_few_line`), where there are requests to pack
+            any_line = wave_pack is not None or few and packing and cfg.graph_few_line and self.batch > 1
+            line = self._line_groups(params, cfg, sm_count) if any_line else None
             self._wave_pack, packs = None, line is not None
-            cfg = cfg if line else for_cuda_graph(cfg)  # (the line runs as the eager line does)
+            if p.use_cuda_graph and not line:
+                cfg = for_cuda_graph(cfg)  # (the line runs as the eager line does)
         else:
             self._wave_pack = wave_pack
             packs = wave_pack is not None and self._may_wave_pack(params)
@@ -352,7 +357,7 @@ class DecodePlan:
         else None."""
         if self.problem.window_left >= 0:
             return None
-        groups = line_groups(self.batch, cfg, sm_count, self.units, self.problem.use_cuda_graph)
+        groups = line_groups(self.batch, cfg, sm_count, self.units, self.problem.use_cuda_graph or self.table)
         return groups if self._partial_bytes(groups[0] + self.batch) <= workspace_bytes(params) else None
 
     def _merge_choice(self) -> tuple[int, bool]:

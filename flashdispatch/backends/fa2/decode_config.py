@@ -199,7 +199,8 @@ class DecodeConfig:
     3.33-3.36, 4x8192:var 1.41 -> 1.38-1.39, MHA 4x8192:var 2.73 -> 2.89); off for 16-bit, which
     reads 0-2 % less on it (36x4096 3.91 -> 3.85, 48x4096:var 4.03-4.05 -> 3.99). A single
     request stays off the line (fp8 1x32768 1.95 -> 1.51 on it).
-    graph_few_line: a CUDA-graph plan of fewer than ctas_per_sm x SMs programs of more than one
+    graph_few_line: a CUDA-graph or block-table plan (neither knows the lengths it will run) of
+    fewer than ctas_per_sm x SMs programs of more than one
     request whose config packs (pack_items > 1, wave_pack_spread > 0) takes the line too, in one
     wave of the few-programs target's pieces: the graph's own split (at most its chunk slots per
     request, a function of the batch size alone) leaves a long request of a mixed batch running
@@ -232,7 +233,8 @@ class DecodeConfig:
     d128 line 128x4096:var 4.15 -> 4.32, 256x2048:var 4.16 -> 4.24 TB/s (H200 32/8, session 26);
     bf16 d64 and d256 read less with it (4.06 -> 3.31, 4.43 -> 3.34).
     table_split_slots: a block-table plan (trtllm / xqa functions: no lengths on the host, decode.py's
-    `_place_table`) of fewer than ctas_per_sm x SMs programs has this many times the chunk slots
+    `_place_table`) of fewer than ctas_per_sm x SMs programs not on the line (graph_few_line) has
+    this many times the chunk slots
     per request of its bound's split, and the kernel splits each request by the policy's length
     for the requests' own total (TOTAL_SPLIT): the long requests of a mixed batch take more
     chunks. 0: the bound's split. H200 32/8 d128, session 42, `bench decode --backends fa2-fn`,

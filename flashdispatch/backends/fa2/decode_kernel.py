@@ -27,10 +27,11 @@ when the request has one chunk), and the merge row is the request (the merge ker
 is written by chunk 0's first unit; its count is 1 for a request not split, which the merge
 kernel skips).
 
-TABLE (with DIRECT, not LINE): a block-table call's tables (FlashInfer's trtllm / xqa functions):
-work_ptr is seq_lens, kv_indices_ptr the ``[batch, width]`` table (row stride ``table_stride``); a
-length is clamped to [0, ``table_tokens``] (its row). TOTAL_SPLIT (with DIRECT_SPLIT): each program
-sums the lengths for the policy's split length (decode.py's `_place_table`, `_total_split_tokens`).
+TABLE (with DIRECT): a block-table call's tables (FlashInfer's trtllm / xqa functions): work_ptr
+is seq_lens, kv_indices_ptr the ``[batch, width]`` table (row stride ``table_stride``); a length is
+clamped to [0, ``table_tokens``] (its row). TOTAL_SPLIT (with DIRECT_SPLIT): each program sums the
+lengths for the policy's split length (decode.py's `_place_table`; decode_requests.py). With LINE
+the line's positions are the running sum of the clamped lengths' pages.
 
 ITEMS (DecodeConfig.pack_items; work array only): each program runs ITEMS consecutive work rows
 one after the other, all for its (KV head, row block): a packed plan's equal piece of the requests'
@@ -48,7 +49,7 @@ is cut (decode_split.py's `line_groups`). The grid holds the larger count; the g
 lengths' count end at once. A program runs, one after the other, every request its piece touches:
 the one begun before it (if any) and those whose first page lies in it (an empty request, in the
 piece where it stands; the last piece takes any at the end), found by counting the requests'
-positions below the piece's bounds (`_line_requests`). A request on s pieces from piece f is split
+positions below the piece's bounds (decode_requests.py). A request on s pieces from piece f is split
 into s segments whose partials take slots f + request .. f + request + s - 1 (two segments never
 share a slot: a request's segments come after its predecessors' on the line), and its first
 segment's program writes the merge info row (out row, f + request, s) as DIRECT_SPLIT does, or
@@ -111,6 +112,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..common import TRITON_INTERPRETED
+from .decode_requests import line_requests, table_line_pages, table_line_requests, total_split_tokens
 from .merge import _merge_row_block
 from .paging import page_of, slot_in_page
 from .trig import sincos
@@ -204,13 +206,12 @@ def _decode_item(
     FP16_DOTS: tl.constexpr, PAGE_PREFETCH: tl.constexpr, V_STAGED: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK_R: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     DIRECT: tl.constexpr, DIRECT_SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
-    LINE: tl.constexpr, TABLE: tl.constexpr, piece_start, piece_end, piece, line_base, line_gap, group,
+    LINE: tl.constexpr, TABLE: tl.constexpr, piece_start, piece_end, piece, line_at, group,
 ):
     """Row ``item`` of the work array (or the direct table's request / chunk slot) for one
     (KV head, row block) ``unit``: the program of the module docstring; an idle row returns. LINE:
     ``item`` is a request, read on item group ``group``'s piece of the line (positions
-    [piece_start, piece_end), ``piece`` a piece; kv_indptr starts at ``line_base``, a request's
-    first page after a gap of ``line_gap``)."""
+    [piece_start, piece_end), ``piece`` a piece), its first page at position ``line_at``."""
     UNITS: tl.constexpr = NUM_QO_HEADS // GROUP * ROW_BLOCKS
     wrow = work_ptr + item * 8  # WORK_COLS
     if DIRECT:  # work_ptr is kv_indptr: the request's pages and length from the API's tables
@@ -227,6 +228,7 @@ def _decode_item(
             # length clamped to that row (plan() read neither, so nothing checked them)
             page_base = req.to(tl.int64) * table_stride
             kv_len = tl.minimum(tl.maximum(tl.load(work_ptr + req), 0), table_tokens)
+            pages = (kv_len + PAGE - 1) // PAGE
         else:
             page_base = tl.load(work_ptr + req)
             pages = tl.load(work_ptr + req + 1) - page_base
@@ -262,7 +264,7 @@ def _decode_item(
                 slot = req * split_slots + chunk_idx
             is_first = (chunk_idx == 0).to(tl.int32)
         if LINE:  # the request's segment on this piece (positions on the line: module docstring)
-            at = page_base - line_base + line_gap * (req + 1)  # its first page's position
+            at = line_at
             seg_first = at // piece
             n_chunks = (at + tl.maximum(pages - 1, 0)) // piece - seg_first + 1  # empty: 1
             lo_page = tl.maximum(at, piece_start) - at
@@ -477,41 +479,6 @@ def _decode_item(
 _decode_item_call = _decode_item if TRITON_INTERPRETED else triton.jit(noinline=True)(_decode_item.fn)
 
 
-@triton.jit
-def _total_split_tokens(lens_ptr, n_requests, table_tokens, window_left, min_tokens, target,
-                        QLEN: tl.constexpr, WINDOW: tl.constexpr, UNITS: tl.constexpr, BLOCK: tl.constexpr):
-    """TOTAL_SPLIT's chunk length: the sum of the requests' KV tokens from their window starts
-    (lengths clamped as TABLE reads them) x UNITS over ``target`` programs, at least ``min_tokens``."""
-    total = tl.zeros([BLOCK], tl.int64)
-    for b in range(0, n_requests, BLOCK):
-        offs = b + tl.arange(0, BLOCK)
-        n = tl.minimum(tl.maximum(tl.load(lens_ptr + offs, mask=offs < n_requests, other=0), 0), table_tokens)
-        if WINDOW:
-            n = tl.minimum(n, QLEN + window_left)
-        total += n.to(tl.int64)
-    return tl.maximum(tl.sum(total) * UNITS // target, min_tokens).to(tl.int32)
-
-
-@triton.jit
-def _line_requests(indptr_ptr, n_requests, line_gap, piece_start, piece_end, BLOCK: tl.constexpr):
-    """The requests [first, end) that the line's piece of positions [piece_start, piece_end)
-    touches (LINE): the one begun before it whose pages run into it, and every request starting
-    in it (an empty one too), by counting the requests' first positions below each bound, BLOCK
-    at a time."""
-    base = tl.load(indptr_ptr)
-    before = 0
-    upto = 0
-    for b in range(0, n_requests, BLOCK):
-        offs = b + tl.arange(0, BLOCK)
-        live = offs < n_requests
-        at = tl.load(indptr_ptr + offs, mask=live, other=0) - base + line_gap * (offs + 1)
-        before += tl.sum((live & (at < piece_start)).to(tl.int32))
-        upto += tl.sum((live & (at < piece_end)).to(tl.int32))
-    # the request before the piece ends at its successor's position less the gap
-    runs_in = (before > 0) & (tl.load(indptr_ptr + before) - base + line_gap * before > piece_start)
-    return before - runs_in.to(tl.int32), upto
-
-
 @triton.jit(do_not_specialize=["split_tokens", "split_slots", "max_splits", "n_requests", "line_gap",
                                "line_groups", "line_even_groups", "num_pages", "table_stride",
                                "table_tokens", "split_target"])  # per plan, cache and table
@@ -550,17 +517,21 @@ def decode_kernel(
     # negative one clamps too), so no index the API could not check reads outside the cache
     last_page = (num_pages - 1).to(tl.uint32)
     tl.static_assert(not LINE or (DIRECT and not DIRECT_SPLIT), "the line is read from the direct table")
-    tl.static_assert(not TABLE or (DIRECT and not LINE), "a block table is read as the direct table")
+    tl.static_assert(not TABLE or DIRECT, "a block table is read as the direct table")
     tl.static_assert(not TOTAL_SPLIT or (TABLE and DIRECT_SPLIT), "the total's split is a block table's")
     if TOTAL_SPLIT:
-        split_tokens = _total_split_tokens(work_ptr, n_requests, table_tokens, window_left, split_tokens, split_target,
-                                           QLEN, WINDOW, UNITS, LINE_BLOCK)
+        split_tokens = total_split_tokens(work_ptr, n_requests, table_tokens, window_left, split_tokens, split_target,
+                                          QLEN, WINDOW, UNITS, LINE_BLOCK)
     if LINE:  # this item group's piece of the line (module docstring)
-        line_base = tl.load(work_ptr)
-        pages = tl.load(work_ptr + n_requests) - line_base
+        if TABLE:
+            pages, first_pages = table_line_pages(work_ptr, n_requests, table_tokens, PAGE, LINE_BLOCK)
+        else:
+            line_base = tl.load(work_ptr)
+            pages = tl.load(work_ptr + n_requests) - line_base
+            first_pages = tl.load(work_ptr + 1) - line_base
         # requests as long as the first (likely all equal): line_even_groups pieces, else
         # line_groups; the groups past them idle
-        even = pages == (tl.load(work_ptr + 1) - line_base) * n_requests
+        even = pages == first_pages * n_requests
         n_groups = tl.where(even, line_even_groups, line_groups)
         positions = pages + line_gap * n_requests
         piece = tl.maximum((positions + n_groups - 1) // n_groups, 1)
@@ -568,10 +539,17 @@ def decode_kernel(
         piece_end = piece_start + piece
         first = tl.zeros_like(group)
         end = first
+        at = first  # the next request's first position (TABLE: carried from request to request)
         if group < n_groups:
-            first, end = _line_requests(work_ptr, n_requests, line_gap, piece_start, piece_end, LINE_BLOCK)
+            if TABLE:
+                first, end, at = table_line_requests(work_ptr, n_requests, table_tokens, line_gap, piece_start,
+                                                     piece_end, PAGE, LINE_BLOCK)
+            else:
+                first, end = line_requests(work_ptr, n_requests, line_gap, piece_start, piece_end, LINE_BLOCK)
             end = tl.where(group == n_groups - 1, n_requests, end)  # the last piece: any empty one at the end
         for req in range(first, end):
+            if not TABLE:
+                at = tl.load(work_ptr + req) - line_base + line_gap * (req + 1)
             _decode_item_call(
                 req, unit, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, merge_info_ptr,
                 counters_ptr, work_ptr, last_ptr, kv_indices_ptr, slopes_ptr, sinks_ptr, q_scale_ptr, k_scale_ptr,
@@ -582,8 +560,10 @@ def decode_kernel(
                 PAGE,
                 HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
                 K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
-                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, LINE, False, piece_start, piece_end, piece,
-                line_base, line_gap, group)
+                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, LINE, TABLE, piece_start, piece_end, piece,
+                at, group)
+            if TABLE:
+                at += (tl.minimum(tl.maximum(tl.load(work_ptr + req), 0), table_tokens) + PAGE - 1) // PAGE + line_gap
     else:
         for i in tl.static_range(ITEMS):  # ITEMS: the work rows of a packed plan's program
             _decode_item(
@@ -596,4 +576,4 @@ def decode_kernel(
                 PAGE,
                 HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, ALIBI, ROPE, SINKS, WRITE_LSE, Q_SCALE_T,
                 K_SCALE_T, V_SCALE_T, K_ROWS, FP16_DOTS, PAGE_PREFETCH, V_STAGED, FUSED_MERGE,
-                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, False, TABLE, 0, 0, 1, 0, 0, group)
+                MERGE_BLOCK_R, MERGE_BLOCK_S, DIRECT, DIRECT_SPLIT, SWAP_AB, False, TABLE, 0, 0, 1, 0, group)

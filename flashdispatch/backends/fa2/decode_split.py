@@ -111,18 +111,20 @@ def wave_pack_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int) -
     return waves * wave, (waves + 1) * wave
 
 
-def line_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int, graph: bool) -> tuple[int, int, int]:
+def line_groups(batch: int, cfg: DecodeConfig, sm_count: int, units: int,
+                any_lengths: bool) -> tuple[int, int, int]:
     """(item groups, mixed groups, even groups) of a line plan (`DecodeConfig.wave_pack_line`). The
     kernel cuts requests of mixed lengths into ``line_waves`` waves of pieces (`wave_pieces`),
     and requests as long as the first one into the largest count from ``top`` down to
     line_align_fill x it that divides the batch (else ``top``): then each piece holds whole
     requests, none cut across two (256 requests: 128 pieces of two each, where 132 would cut 124
-    of them). ``top`` is the first of `wave_pack_groups` under CUDA graphs (a replay may bring
-    either kind of lengths: equal ones read ~1 % more in about two requests to a piece than in
-    one wave), else the mixed count. The grid holds the larger count; the programs past a count
+    of them). ``top`` is the first of `wave_pack_groups` for ``any_lengths`` (CUDA graphs, whose
+    replay may bring either kind of lengths, and block tables, whose lengths plan() does not read:
+    equal ones read ~1 % more in about two requests to a piece than in one wave), else the mixed
+    count. The grid holds the larger count; the programs past a count
     idle."""
     mixed = cfg.line_waves * wave_pieces(cfg, sm_count, units)
-    top = wave_pack_groups(batch, cfg, sm_count, units)[0] if graph else mixed
+    top = wave_pack_groups(batch, cfg, sm_count, units)[0] if any_lengths else mixed
     low = max(1, math.ceil(cfg.line_align_fill * top))
     even = next((g for g in range(top, low - 1, -1) if batch % g == 0), top)
     return max(mixed, even), mixed, even
