@@ -76,6 +76,9 @@ def combinations(head_dims: list[int]):
                 if base.wave_pack_line and p.window_left < 0:  # the merge kernel's line: plain only
                     variants += [(f"line{merge}", line_variant(packed), fused, True, False, 1, True, False, False)
                                  for merge, fused in ((", fused", True), ("", False)) if fused or not changes]
+                if base.wave_pack_spread > 0 and p.window_left < 0:  # a block table's line (decode.py)
+                    variants.append(("block table, line, fused", line_variant(packed), True, True, False, 1, True,
+                                     True, False))
             for label, cfg, fused, direct, split, items, line, table, total in variants:
                 consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items, line,
                                                table, total)
