@@ -233,6 +233,23 @@ def test_refreshed_line_plan_and_where_the_host_packs():
     assert not host.line and host.items > 1
 
 
+def test_eager_mixed_batches_under_one_wave_on_the_h200():
+    """bf16 GQA d128 under one wave (`DecodeConfig.few_line_mixed` 16): 16 to 64 requests of mixed
+    lengths take the line whatever their work fill, fewer requests and equal lengths do not (nor
+    MHA, off there); a refresh for equal lengths plans afresh, for other mixed ones keeps the line."""
+    from test_fa2_decode_waves import _H200, _h200_plan
+    lens = np.random.default_rng(20261204).integers(1, 16384, 64).tolist()
+    for batch in (16, 32, 64):
+        plan, _ = _h200_plan(lens[:batch])
+        assert plan.line and plan.direct and plan._grid == (plan.n_work * 8,), batch
+        assert plan.refreshed(_H200, _h200_plan(lens[-batch:])[1]).line
+        assert plan.refreshed(_H200, _h200_plan([8192] * batch)[1]) is None
+        assert not _h200_plan([8192] * batch)[0].line
+    assert not _h200_plan(lens[:15])[0].line
+    assert not _h200_plan(lens[:16], config={"few_line_mixed": 0})[0].line
+    assert not _h200_plan(lens[:16], kv_heads=32)[0].line
+
+
 @interpreted
 @pytest.mark.parametrize("fused, features", [(True, {}), (False, {}), (True, dict(kv_dtype=torch.float8_e4m3fn)),
                                              (False, dict(page_size=1)), (True, dict(num_qo_heads=2))],

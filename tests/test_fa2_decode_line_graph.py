@@ -67,16 +67,16 @@ def test_graph_line_plans_on_the_h200():
         assert not window.line and window.direct
     # under one wave (64 x 8 programs), d128 graph plans of more than one request take the line too
     # (graph_few_line), in one wave of pieces; eager ones of lengths that pack with few_pack_line
-    # (fp8's default; never a single request)
+    # (fp8's default) or of 16 or more mixed requests (bf16's few_line_mixed); never a single request
     for kv, groups in ((F16, 66), (torch.float8_e4m3fn, 132)):
         few = _h200_plan(mixed[:64].tolist(), kv, graph=True)[0]
         assert few.line and few.n_work == groups
         assert few.refreshed(_H200, _h200_plan([4096] * 64, kv, graph=True)[1]).line
         assert not _h200_plan(mixed[:64].tolist(), kv, {"graph_few_line": False}, graph=True)[0].line
         assert not _h200_plan([60000], kv, graph=True)[0].line  # one request: nothing to pack
-        assert _h200_plan(mixed[:48].tolist(), kv)[0].line == (kv != F16)
-        assert _h200_plan(mixed[:48].tolist(), kv, {"few_pack_line": True})[0].line
-        assert not _h200_plan(mixed[:48].tolist(), kv, {"few_pack_line": False})[0].line
+        assert _h200_plan(mixed[:48].tolist(), kv)[0].line
+        assert _h200_plan(mixed[:48].tolist(), kv, {"few_pack_line": True, "few_line_mixed": 0})[0].line
+        assert not _h200_plan(mixed[:48].tolist(), kv, {"few_pack_line": False, "few_line_mixed": 0})[0].line
         assert not _h200_plan([32768], kv, {"few_pack_line": True})[0].line
 
 

@@ -64,12 +64,13 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, shared_per_block,
                       triton_fp8_kv_reasons)
-from .decode_config import (DecodeConfig, for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
+from .decode_config import (for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
                             without_waves)
 from .decode_kernel import WORK_COLS, decode_kernel
+from .decode_packing import DecodePacking
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
-                           few_programs_target, line_groups, may_wave_pack, mean_tokens, packs_these_waves,
-                           never_split, packed_segments, policy_tokens, split_target, wave_pack_groups, work_fill)
+                           few_programs_target, mean_tokens, packs_these_waves, never_split, policy_tokens,
+                           split_target)
 from .decode_variant import kernel_constants, plain_variant, row_block
 from .decode_waves import wave_choice, wave_split_ceiling, wave_split_config
 from .decode_work import work_array
@@ -94,7 +95,7 @@ DECODE_CAPS = Caps(
     max_q_len_per_req=64,
 )
 
-class DecodePlan:
+class DecodePlan(DecodePacking):
     """A planned decode: the work array on the device, the grid, and the launch options."""
 
     def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: dict | None = None):
@@ -303,63 +304,6 @@ class DecodePlan:
         self.n_work, self.n_merge, self.max_chunks, self.items = work.n_work, work.n_merge, work.max_chunks, work.items
         self._place(work.meta, work.n_work, work.n_partial, params, run_device)
 
-    def _few_packs(self, eff: np.ndarray, chunk: np.ndarray | None) -> bool:
-        """Whether an eager few-programs plan packs its requests (whole, or in chunks of ``chunk``
-        tokens): they keep its target's programs less than `DecodeConfig.pack_fill` busy (`work_fill`)."""
-        return self._may_pack and work_fill(eff, chunk, self.split_target // self.units) < self.config.pack_fill
-
-    def _few_line(self, device: Device, eff: np.ndarray, chunk: np.ndarray | None,
-                  params: AttentionParams) -> tuple[int, int] | None:
-        """`_line_groups` of an eager few-programs plan of more than one request that packs
-        (`_few_packs`) and leaves the pieces to the kernel (`DecodeConfig.few_pack_line`), else None."""
-        if not self.config.few_pack_line or len(eff) < 2 or not self._few_packs(eff, chunk):
-            return None
-        return self._line_groups(params, self.config, device.sm_count or 8)
-
-    def _line_packs(self, device: Device, params: AttentionParams) -> bool:
-        """Whether these requests still pack as this eager line plan's did: past one wave
-        `_may_wave_pack`, under it `_few_packs`."""
-        if self._wave_pack is not None:
-            return self._may_wave_pack(params)
-        _, _, eff, _, chunk = self._partition(device, params, effective_lengths(params, self.problem, self.q_len))
-        return self._few_packs(eff, chunk)
-
-    def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> PackedSplit | None:
-        """`decode_split.packed_segments` of a few-programs plan whose requests pack (`_few_packs`),
-        else None (also where the workspace cannot hold its partials: packing is a speed-up)."""
-        if not self._few_packs(eff, chunk):
-            return None
-        cfg, groups = self.config, self.split_target // self.units
-        packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
-        return packed if packed is not None and self._holds(packed, params) else None
-
-    def _may_wave_pack(self, params: AttentionParams) -> bool:
-        """`may_wave_pack` of these requests in a plan past one wave (``self._wave_pack`` set)."""
-        return may_wave_pack(params, self.problem, self.q_len, *self._wave_pack, self.units)
-
-    def _wave_packed(self, params: AttentionParams, eff: np.ndarray) -> tuple[int, PackedSplit] | None:
-        """(split target, `packed_segments`) of a plan past one wave whose requests may pack
-        (`_may_wave_pack`, checked by the caller): the first of `wave_pack_groups`' piece counts
-        that packs, or None (also where the workspace cannot hold its partials)."""
-        cfg, sm_count = self._wave_pack
-        for groups in wave_pack_groups(params.batch_size, cfg, sm_count, self.units):
-            packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
-            if packed is not None:
-                return (groups * self.units, packed) if self._holds(packed, params) else None
-        return None
-
-    def _line_groups(self, params: AttentionParams, cfg: DecodeConfig,
-                     sm_count: int) -> tuple[int, int, int] | None:
-        """The item groups of a plan of config ``cfg`` on ``sm_count`` SMs that leaves the packing
-        to the kernel (the caller checks that it may: `DecodeConfig.wave_pack_line`,
-        few_pack_line, graph_few_line): without a sliding window (the line counts whole requests'
-        pages) and with room in the workspace for a partial per group and request, `line_groups`;
-        else None."""
-        if self.problem.window_left >= 0:
-            return None
-        groups = line_groups(self.batch, cfg, sm_count, self.units, self.problem.use_cuda_graph or self.table)
-        return groups if self._partial_bytes(groups[0] + self.batch) <= workspace_bytes(params) else None
-
     def _merge_choice(self) -> tuple[int, bool]:
         """(the most chunks a request can have, whether the kernel merges them) of a direct plan
         that splits (`_place_direct`): the fused merge up to fused_merge_max_chunks chunks; a line
@@ -372,11 +316,6 @@ class DecodePlan:
         if self.line:
             return self.n_work, cfg.fused_merge_max_chunks > 0
         return self.split_slots, self.split_slots <= cfg.fused_merge_max_chunks
-
-    def _holds(self, packed: PackedSplit, params: AttentionParams) -> bool:
-        """Whether the workspace holds the partials of ``packed``'s split requests."""
-        segments = packed.segments
-        return self._partial_bytes(int(segments[segments > 1].sum())) <= workspace_bytes(params)
 
     def _graph_splits(self, batch: int, units: int, sm_count: int, params: AttentionParams) -> int:
         """Chunks per request in a CUDA-graph grid: a function of the batch size alone."""

@@ -209,6 +209,14 @@ class DecodeConfig:
     8x8192:var 2.61 -> 2.99, fp8 48x4096:var 1.73 -> 3.35, 16x8192:var 1.92 -> 3.00-3.07, MHA
     12x4096:var 2.67 -> 3.82; equal lengths lose 2-8 % (2x16384 2.70 -> 2.49-2.55, 16x8192 3.85 ->
     3.72-3.76, 64x4096 4.18 -> 4.11-4.18) except fp8 48x4096 3.00 -> 3.36.
+    few_line_mixed: an eager plan of fewer than ctas_per_sm x SMs programs of at least this many
+    requests whose lengths differ takes the line (as few_pack_line) whatever its work fill, where
+    its config packs (pack_items > 1); 0: off. 16 for bf16/fp16 GQA d128 (H200 32/8, session 43,
+    eager, two rounds, TB/s own split or host packing -> line): 16x8192:var 3.50 -> 3.74,
+    32x4096:var 3.62 -> 3.69, 24x8192:var 3.90 -> 3.91, 48x4096:var 3.96 -> 3.99, 64x4096:var
+    4.09 -> 4.11; fewer requests read less on it (8x8192:var 3.10 -> 3.07, 4x8192:var 2.26 ->
+    2.25, 2x16384:var 2.76 -> 2.68), as do equal lengths (64x4096 4.20 -> 4.14), which stay off.
+    MHA 32/32 mixed rows -1 to +5 %: off.
     line_waves: the waves of the few-programs target's pieces (`few_programs_target` / units)
     that the kernel cuts requests of mixed lengths into on the line (`decode_split.line_groups`):
     one wave of long pieces ends together; more waves of shorter ones leave a last one partly
@@ -288,6 +296,7 @@ class DecodeConfig:
     line_align_fill: float = 0.9
     few_pack_line: bool = False
     graph_few_line: bool = False
+    few_line_mixed: int = 0
     table_split_slots: float = 1.5
 
     def __post_init__(self):
@@ -312,7 +321,7 @@ class DecodeConfig:
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
                           ("wave_split_ctas", 0), ("wave_split_slots", 0), ("split_chunk_tokens", 0),
-                          ("lone_wave_split_tokens", 0), ("line_waves", 1)):
+                          ("lone_wave_split_tokens", 0), ("line_waves", 1), ("few_line_mixed", 0)):
             v = getattr(self, name)
             if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
@@ -463,7 +472,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
-                            wave_split_slots=4 if group == 4 else 0, line_page_prefetch=True, **pack)
+                            wave_split_slots=4 if group == 4 else 0, line_page_prefetch=True, few_line_mixed=16,
+                            **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16, **mixed, **line)
 
