@@ -336,8 +336,8 @@ class DecodePlan(DecodePacking):
         self._place_direct(params, run_device, self.config.min_chunk_tokens if slots > 1 else 0, slots)
 
     def _place_table(self, device: Device, params: AttentionParams, run_device: torch.device, few: bool) -> None:
-        """A block-table call (`AttentionParams.block_tables`): the kernel reads seq_lens and the
-        table itself (TABLE), and plan() reads neither. The policy's partition of the planning
+        """A block-table call (`AttentionParams.block_tables`) not on the line: the kernel reads
+        seq_lens and the table itself (TABLE), and plan() reads neither. The policy's partition of the planning
         lengths (every request at the caller's bound) sets the grid: whole requests, or the kernel's
         own split (`_place_direct`) into as many chunk slots as the bound takes, of the policy's
         chunk length, which each program applies to its request's own length. Under one wave
