@@ -316,3 +316,33 @@ def test_block_table_plans_under_one_wave_take_the_line_with_graph_few_line(devi
                                                           q_len_per_req=q_len, backend=b) for b in ("fa2", "reference"))
         assert rel(got, want) < (4e-3 if kv_dtype == torch.half else 2e-2), lens
         assert _kept_table_plans()[-1].plan.line == (len(lens) > 1), lens
+
+
+@pytest.mark.gpu
+def test_block_table_line_on_the_gpu_replays_in_a_cuda_graph():
+    """bf16 32/8 d128 (the defaults with graph_few_line): 16 requests under one wave and 160 past
+    it take the line; a captured call replays for mixed, equal, empty and one-long lengths written
+    into its tensors (the fused merge's counters back at zero after each replay), equal to the
+    reference."""
+    for batch, seed in ((16, 20), (160, 21)):
+        g = torch.Generator().manual_seed(seed)
+        width, page = 64, 16
+        q = torch.randn(batch, 32, 128, generator=g).to("cuda", torch.bfloat16)
+        cache = torch.randn(batch * width + 3, 2, page, 8, 128, generator=g).to("cuda", torch.bfloat16)
+        tables = torch.randperm(batch * width, generator=g).int().view(batch, width).cuda()
+        seq = torch.randint(1, width * page, (batch,), generator=g).int().cuda()
+        ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+        call = lambda: fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, width * page,  # noqa: E731
+                                                             kv_layout="NHD", backend="fa2")
+        call()
+        assert _kept_table_plans()[-1].plan.line, batch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        for lens in (torch.randint(0, width * page, (batch,), generator=g), torch.full((batch,), 700),
+                     torch.tensor([0] * (batch - 1) + [width * page])):
+            seq.copy_(lens)
+            graph.replay()
+            ref = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, width * page, kv_layout="NHD",
+                                                       backend="reference")
+            assert rel(captured, ref) < 1e-2, (batch, lens[:4].tolist())
