@@ -233,7 +233,7 @@ def test_block_table_decode_on_the_gpu_reads_nothing_back_and_replays_in_a_cuda_
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [-1, 100])
 def test_block_table_plans_under_one_wave_split_by_the_requests_own_total(device, window, monkeypatch):
-    """Under one wave of programs the kernel splits each request by the policy's length for the
+    """Under one wave of programs off the line (graph_few_line off) the kernel splits each request by the policy's length for the
     requests' own total (TOTAL_SPLIT, in table_split_slots times the bound's chunk slots): equal to
     the reference, as the bound's split (table_split_slots 0) is; a workspace too small for the
     wider slots keeps the bound's slots. Past one wave no request is split by the bound's policy."""
@@ -244,7 +244,7 @@ def test_block_table_plans_under_one_wave_split_by_the_requests_own_total(device
     from flashdispatch.backends.fa2.decode_workspace import partial_bytes
     plans = {}
     for slots, small in (("0", False), ("1.5", False), ("1.5", True)):
-        monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", f'{{"table_split_slots": {slots}}}')
+        monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", f'{{"table_split_slots": {slots}, "graph_few_line": false}}')
         # small: room for the bound's chunk slots only (a partial is 8 heads x 64 floats + lse)
         ws = torch.zeros(partial_bytes(6 * plans["0"][1], 8, 64) if small else 1 << 22, dtype=torch.uint8,
                          device=device)

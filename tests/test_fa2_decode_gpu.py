@@ -141,17 +141,20 @@ def _assert_replay_is_replanned(case, graph, prm_b):
     assert_close(inputs.out, inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])
 
 
-@pytest.mark.parametrize("head_dim, kv_heads, kv_dtype", [
-    (128, 2, torch.bfloat16), (64, 2, torch.bfloat16), (256, 2, torch.float8_e4m3fn), (128, 8, torch.float8_e4m3fn)],
-    ids=["gqa", "d64", "d256-fp8kv", "mha-fp8kv"])
-def test_cuda_graph_replay_after_replan(head_dim, kv_heads, kv_dtype):
+@pytest.mark.parametrize("head_dim, kv_heads, kv_dtype, own_split", [
+    (128, 2, torch.bfloat16, False), (64, 2, torch.bfloat16, False), (256, 2, torch.float8_e4m3fn, False),
+    (128, 8, torch.float8_e4m3fn, False), (64, 2, torch.bfloat16, True), (256, 2, torch.float8_e4m3fn, True)],
+    ids=["gqa", "d64", "d256-fp8kv", "mha-fp8kv", "d64-own-split", "d256-fp8kv-own-split"])
+def test_cuda_graph_replay_after_replan(head_dim, kv_heads, kv_dtype, own_split):
     """Capture on one plan, re-plan (same batch size, other lengths and pages, same buffers),
-    replay: the result is the new plan's. The d128 GQA and fp8 MHA defaults (on the line under
-    one wave, `DecodeConfig.graph_few_line`), the d64 and fp8 d256 ones (their own tiles and split)."""
+    replay: the result is the new plan's. The defaults (on the line under one wave,
+    `DecodeConfig.graph_few_line`) and, for d64 and fp8 d256, each request split on its own."""
     case = _case([100, 5000, 0, 64], use_cuda_graph=True, extra_pages=400, seed=4, head_dim_qk=head_dim,
                  num_kv_heads=kv_heads, kv_dtype=kv_dtype, **_fp8_scales(kv_dtype))
-    _, graph = _captured(case, 2048)
-    _, prm_b = _replanned(case, [3000, 17, 900, 1])
+    config = OWN_SPLIT if own_split else None
+    plan, graph = _captured(case, 2048, config)
+    assert plan.line != own_split
+    _, prm_b = _replanned(case, [3000, 17, 900, 1], config)
     _assert_replay_is_replanned(case, graph, prm_b)
 
 

@@ -30,7 +30,8 @@ so a graph captured once replays correctly after a later plan() of the same batc
 indptr / last_page_len buffers and splits each request into the slots itself; its merge rows and
 counters take the work array layout's places in the int workspace. Past one wave, a config that
 packs (`DecodeConfig.pack_items`) takes the line whatever the lengths, and under one wave too with
-`DecodeConfig.graph_few_line` (d128): its pieces are a function of the batch size too.
+`DecodeConfig.graph_few_line` (d128, GQA d64 and d256): its pieces are a function of the batch
+size too.
 
 Block-table calls (`AttentionParams.block_tables`): the kernel reads seq_lens and the table's
 rows (TABLE); plan() reads neither, so its grid, like a CUDA graph's, must serve any lengths: the

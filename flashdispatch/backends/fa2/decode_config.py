@@ -208,7 +208,13 @@ class DecodeConfig:
     48x4096:var 2.50 -> 3.91-3.98, 32x4096:var 2.72 -> 3.63-3.67, 16x8192:var 2.89 -> 3.67-3.73,
     8x8192:var 2.61 -> 2.99, fp8 48x4096:var 1.73 -> 3.35, 16x8192:var 1.92 -> 3.00-3.07, MHA
     12x4096:var 2.67 -> 3.82; equal lengths lose 2-8 % (2x16384 2.70 -> 2.49-2.55, 16x8192 3.85 ->
-    3.72-3.76, 64x4096 4.18 -> 4.11-4.18) except fp8 48x4096 3.00 -> 3.36.
+    3.72-3.76, 64x4096 4.18 -> 4.11-4.18) except fp8 48x4096 3.00 -> 3.36. On for GQA d64 and d256
+    too (session 43, one round, TB/s own split -> line, graphs / block table): d64 48x4096:var
+    2.61 -> 3.49 / 2.85 -> 3.46, 16x8192:var 2.49 -> 3.10 / 2.93 -> 3.05, fp8 32x4096:var 1.59 ->
+    2.25 / 1.02 -> 2.23; d256 48x4096:var 2.72 -> 4.25 / 3.27 -> 4.24, 8x8192:var 3.05 -> 3.59 /
+    3.21 -> 3.57, fp8 32x4096:var 1.97 -> 3.27 / 1.39 -> 3.25; equal lengths -9 to +8 % (d64
+    2x16384 2.10 -> 1.92 / 1.97 -> 1.90, 48x4096 3.69 -> 3.55 / 3.41 -> 3.52; d256 48x4096 4.21 ->
+    4.27 / 3.93 -> 4.26, fp8 16x8192 3.45 -> 3.31 / 3.47 -> 3.35).
     few_line_mixed: an eager plan of fewer than ctas_per_sm x SMs programs of at least this many
     requests whose lengths differ takes the line (as few_pack_line) whatever its work fill, where
     its config packs (pack_items > 1); 0: off. 16 for bf16/fp16 GQA d128 (H200 32/8, session 43,
@@ -414,8 +420,9 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     # 3.16 -> 4.30, fp8 36x4096:var 2.60 -> 3.35, 48x4096:var 2.10 -> 3.50, 16x8192:var 2.69 -> 3.29;
     # d64 bf16 2.89 -> 3.20, 2.85 -> 3.47, 2.79 -> 3.68, fp8 2.01 -> 2.36, 1.97 -> 2.36, 2.19 -> 2.25)
     mixed = dict(pack_items=4, pack_fill=0.65) if gqa and d in (64, 256) and problem.page_size > 1 else {}
-    # past one wave the kernel packs (DecodeConfig.wave_pack_line): it read within about 2 % of the host's packing
-    line = dict(wave_pack_line=True) if mixed else {}
+    # past one wave the kernel packs (DecodeConfig.wave_pack_line): it read within about 2 % of the host's packing;
+    # CUDA-graph and block-table plans under one wave take the line too (DecodeConfig.graph_few_line)
+    line = dict(wave_pack_line=True, graph_few_line=True) if mixed else {}
     if problem.kv_dtype in FP8_DTYPES and 0 < shared < FP8_SMALL_SHARED:
         return _small_shared_fp8_config(problem, shared)
     if problem.kv_dtype in FP8_DTYPES:
