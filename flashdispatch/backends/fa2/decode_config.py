@@ -209,7 +209,7 @@ class DecodeConfig:
     8x8192:var 2.61 -> 2.99, fp8 48x4096:var 1.73 -> 3.35, 16x8192:var 1.92 -> 3.00-3.07, MHA
     12x4096:var 2.67 -> 3.82; equal lengths lose 2-8 % (2x16384 2.70 -> 2.49-2.55, 16x8192 3.85 ->
     3.72-3.76, 64x4096 4.18 -> 4.11-4.18) except fp8 48x4096 3.00 -> 3.36. On for GQA d64 and d256
-    too (session 43, one round, TB/s own split -> line, graphs / block table): d64 48x4096:var
+    too (sessions 43-44, TB/s own split -> line, graphs / block table): d64 48x4096:var
     2.61 -> 3.49 / 2.85 -> 3.46, 16x8192:var 2.49 -> 3.10 / 2.93 -> 3.05, fp8 32x4096:var 1.59 ->
     2.25 / 1.02 -> 2.23; d256 48x4096:var 2.72 -> 4.25 / 3.27 -> 4.24, 8x8192:var 3.05 -> 3.59 /
     3.21 -> 3.57, fp8 32x4096:var 1.97 -> 3.27 / 1.39 -> 3.25; equal lengths -9 to +8 % (d64
