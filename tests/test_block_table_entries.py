@@ -233,10 +233,11 @@ def test_block_table_decode_on_the_gpu_reads_nothing_back_and_replays_in_a_cuda_
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [-1, 100])
 def test_block_table_plans_under_one_wave_split_by_the_requests_own_total(device, window, monkeypatch):
-    """Under one wave of programs off the line (graph_few_line off) the kernel splits each request by the policy's length for the
-    requests' own total (TOTAL_SPLIT, in table_split_slots times the bound's chunk slots): equal to
-    the reference, as the bound's split (table_split_slots 0) is; a workspace too small for the
-    wider slots keeps the bound's slots. Past one wave no request is split by the bound's policy."""
+    """Under one wave of programs off the line (graph_few_line off) the kernel splits each request by
+    the policy's length for the requests' own total (TOTAL_SPLIT, in table_split_slots times the
+    bound's chunk slots): equal to the reference, as the bound's split (table_split_slots 0) is; a
+    workspace too small for the wider slots keeps the bound's slots. Past one wave no request is
+    split by the bound's policy."""
     q, cache, tables, seq = _table_case(device, 16, [2000, 3, 700, 0, 1200, 64], "NHD", width=130, seed=3)
     want = fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(1 << 22, dtype=torch.uint8, device=device),
                                                 tables, seq, 2000, window_left=window, kv_layout="NHD",
@@ -244,7 +245,8 @@ def test_block_table_plans_under_one_wave_split_by_the_requests_own_total(device
     from flashdispatch.backends.fa2.decode_workspace import partial_bytes
     plans = {}
     for slots, small in (("0", False), ("1.5", False), ("1.5", True)):
-        monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", f'{{"table_split_slots": {slots}, "graph_few_line": false}}')
+        monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG",
+                           f'{{"table_split_slots": {slots}, "graph_few_line": false}}')
         # small: room for the bound's chunk slots only (a partial is 8 heads x 64 floats + lse)
         ws = torch.zeros(partial_bytes(6 * plans["0"][1], 8, 64) if small else 1 << 22, dtype=torch.uint8,
                          device=device)
@@ -301,9 +303,10 @@ def test_block_table_plans_past_one_wave_take_the_line(device, block, monkeypatc
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_table_plans_under_one_wave_take_the_line_with_graph_few_line(device, monkeypatch):
-    """Under one wave a config that packs with graph_few_line (the d128 defaults) puts a block table's
-    requests on the line too (a batch of one stays off it): mixed and equal lengths, empty ones,
-    fp16 and e4m3 KV, GQA and MHA, q_len_per_req 2, against the reference."""
+    """Under one wave a config that packs with graph_few_line (the GQA defaults: the last call, fp16
+    d64, without the override) puts a block table's requests on the line too (a batch of one stays
+    off it): mixed and equal lengths, empty ones, fp16 and e4m3 KV, GQA and MHA, q_len_per_req 2,
+    against the reference."""
     monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"graph_few_line": true, "pack_items": 4}')
     for seed, (lens, heads, kv_dtype, q_len) in enumerate((
             ([900, 0, 17, 400, 2, 0], (8, 2), torch.half, 1), ([256] * 6, (8, 2), torch.half, 1),
@@ -316,6 +319,13 @@ def test_block_table_plans_under_one_wave_take_the_line_with_graph_few_line(devi
                                                           q_len_per_req=q_len, backend=b) for b in ("fa2", "reference"))
         assert rel(got, want) < (4e-3 if kv_dtype == torch.half else 2e-2), lens
         assert _kept_table_plans()[-1].plan.line == (len(lens) > 1), lens
+    monkeypatch.delenv("FLASHDISPATCH_FA2_DECODE_CONFIG")
+    q, cache, tables, seq = _table_case(device, 16, [900, 0, 17, 400, 2, 0], "HND", 1, 8, 2, seed=10)
+    got = fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(1 << 22, dtype=torch.uint8, device=device),
+                                               tables, seq, 1024, kv_layout="HND", backend="fa2")
+    want = fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(1 << 22, dtype=torch.uint8, device=device),
+                                                tables, seq, 1024, kv_layout="HND", backend="reference")
+    assert rel(got, want) < 4e-3 and _kept_table_plans()[-1].plan.line
 
 
 @pytest.mark.gpu
@@ -335,7 +345,8 @@ def test_block_table_line_on_the_gpu_replays_in_a_cuda_graph():
         call = lambda: fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, width * page,  # noqa: E731
                                                              kv_layout="NHD", backend="fa2")
         call()
-        assert _kept_table_plans()[-1].plan.line, batch
+        plan = _kept_table_plans()[-1].plan
+        assert plan.line and plan.fused_merge, batch
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = call()
@@ -346,3 +357,4 @@ def test_block_table_line_on_the_gpu_replays_in_a_cuda_graph():
             ref = fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, width * page, kv_layout="NHD",
                                                        backend="reference")
             assert rel(captured, ref) < 1e-2, (batch, lens[:4].tolist())
+            assert not plan.counters.any(), batch  # the fused merge's counters, left at zero by the replay

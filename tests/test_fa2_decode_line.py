@@ -236,7 +236,8 @@ def test_refreshed_line_plan_and_where_the_host_packs():
 def test_eager_mixed_batches_under_one_wave_on_the_h200():
     """bf16 GQA d128 under one wave (`DecodeConfig.few_line_mixed` 16): 16 to 64 requests of mixed
     lengths take the line whatever their work fill, fewer requests and equal lengths do not (nor
-    MHA, off there); a refresh for equal lengths plans afresh, for other mixed ones keeps the line."""
+    MHA, off there); a refresh for equal lengths plans afresh, for other mixed ones keeps the line, and
+    an equal-length plan refreshed for mixed lengths plans afresh (the line), as a new plan would."""
     from test_fa2_decode_waves import _H200, _h200_plan
     lens = np.random.default_rng(20261204).integers(1, 16384, 64).tolist()
     for batch in (16, 32, 64):
@@ -244,7 +245,13 @@ def test_eager_mixed_batches_under_one_wave_on_the_h200():
         assert plan.line and plan.direct and plan._grid == (plan.n_work * 8,), batch
         assert plan.refreshed(_H200, _h200_plan(lens[-batch:])[1]).line
         assert plan.refreshed(_H200, _h200_plan([8192] * batch)[1]) is None
-        assert not _h200_plan([8192] * batch)[0].line
+        equal = _h200_plan([8192] * batch)[0]
+        assert not equal.line
+        assert equal.refreshed(_H200, _h200_plan(lens[:batch])[1]) is None  # mixed again: afresh, on the line
+    rng = np.random.default_rng(4)
+    for length, low in ((200, 100), (8192, 7000)):  # mixed lengths that keep the equal plan's chunk slots
+        mixed = _h200_plan(rng.integers(low, length, 16).tolist())
+        assert mixed[0].line and _h200_plan([length] * 16)[0].refreshed(_H200, mixed[1]) is None, length
     assert not _h200_plan(lens[:15])[0].line
     assert not _h200_plan(lens[:16], config={"few_line_mixed": 0})[0].line
     assert not _h200_plan(lens[:16], kv_heads=32)[0].line

@@ -46,7 +46,8 @@ largest count that holds them whole, `decode_split.line_groups`) and finds its o
 swaps the tables. Otherwise the host
 lays the requests' tokens end to end and uploads the work rows of equal pieces
 (`decode_split.packed_segments`). Under one wave the host packs too (`DecodeConfig.pack_items`),
-or with `DecodeConfig.few_pack_line` the kernel does, as on the line.
+or with `DecodeConfig.few_pack_line` (and for enough mixed requests, `DecodeConfig.few_line_mixed`)
+the kernel does, as on the line.
 
 Tuning: `DecodeConfig` (decode_config.py) fields can be overridden per plan
 (``plan_decode(..., config={...})``) or through
@@ -192,7 +193,7 @@ class DecodePlan(DecodePacking):
         target (`split_target` of the new mean length), only the tables and
         the split length change (a copy of the plan with the new ones, its config too:
         FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
-        plan afresh."""
+        plan afresh (so too an eager plan under one wave whose new lengths take the line or pack)."""
         if not self.direct or params.batch_size != self.batch:
             return None
         if self.table:  # (the caller keeps a block-table plan per planning length)
@@ -211,13 +212,16 @@ class DecodePlan(DecodePacking):
         split = (0, 1)
         if self.problem.use_cuda_graph:  # `_place_graph_direct`: a function of the batch size alone
             split = (self.split_tokens, self.split_slots)
-        elif not never_split(self.batch, params, self.split_target):
-            lengths = effective_lengths(params, self.problem, self.q_len)
-            _, _, eff, _, chunk = self._partition(device, params, lengths)
-            if self._may_pack and self._packed(eff, chunk, params) is not None:
-                return None  # these lengths pack: a work array
-            if chunk is not None:
-                split = self._direct_split(eff, chunk, params)
+        else:
+            splits = not never_split(self.batch, params, self.split_target)
+            if splits or self._may_pack:
+                lengths = effective_lengths(params, self.problem, self.q_len)
+                _, _, eff, _, chunk = self._partition(device, params, lengths)
+                if self._may_pack and (self._takes_few_line(eff, chunk)
+                                       or self._packed(eff, chunk, params) is not None):
+                    return None  # these lengths take the line or pack (a work array): as `_build` plans them
+                if splits and chunk is not None:
+                    split = self._direct_split(eff, chunk, params)
         if split is None or split[1] != self.split_slots:
             return None
         return self._with_tables(params, split[0])

@@ -161,8 +161,8 @@ class DecodeConfig:
     SMs programs, mixed lengths pack too (``wave_pack_spread``). At most `MAX_PACK_ITEMS`.
     pack_fill: see pack_items (fp8 0.95, 16-bit 0.65 where they pack).
     wave_pack_spread: a plan of at least ctas_per_sm x SMs programs (up to wave_pack_max_waves
-    waves) under the default policy, eager (CUDA-graph plans take the line whatever the lengths:
-    wave_pack_line), with pack_items > 1, whose longest request holds at least this many times the
+    waves) under the default policy, eager (CUDA-graph and block-table plans take the line whatever
+    the lengths: wave_pack_line), with pack_items > 1, whose longest request holds at least this many times the
     mean tokens (and whose pieces would hold min_chunk_tokens: `decode_split.may_wave_pack`) is
     packed too, into whole waves of the few-programs target's pieces, on the split block
     (`decode_split.wave_pack_groups`): unpacked, a long request that starts late runs on after the
@@ -187,10 +187,11 @@ class DecodeConfig:
     25-26, TB/s host -> line: 32/8 bf16 d128 128x4096:var 4.37 -> 4.32, 512x1024:var 4.19 -> 4.11,
     fp8 d128 256x1024:var 3.37 -> 3.49, bf16 d256 4.07 -> 4.38; MHA 32/32 since session 29, for the
     host time (plan() 166-351 -> 4.5-8.7 us a re-plan, dev CPU): 64x2048:var 4.15 -> 4.12, 32x4096:var 4.17
-    -> 4.13; the others in docs/perf-notes.md). Under CUDA graphs, where the host cannot pack, a plan
-    that packs takes the line whatever this flag and the lengths (the captured grid replays any
-    later ones): mixed lengths read up to 1.6x the graph's own split, equal ones 0-3 % less
-    (docs/perf-notes.md, sessions 27-28; wave_pack_spread 0: no packing).
+    -> 4.13; the others in docs/perf-notes.md). Under CUDA graphs and for block tables, where the
+    host cannot pack (it does not read the lengths the kernel runs), a plan that packs takes the
+    line whatever this flag and the lengths (a captured grid replays any later ones): mixed lengths
+    read up to 1.6x the graph's own split, equal ones 0-3 % less (docs/perf-notes.md, sessions
+    27-28; wave_pack_spread 0: no packing).
     few_pack_line: an eager plan of fewer than ctas_per_sm x SMs programs of more than one request
     that packs (pack_items) leaves the pieces to the kernel as wave_pack_line does past one wave
     (plan() lays out and uploads nothing: 105-195 us against the host's 300-680, H200 session 31).

@@ -34,7 +34,7 @@ class DecodePacking:
             cfg.few_pack_line and self._few_packs(eff, chunk))
 
     def _few_line(self, device: Device, eff: np.ndarray, chunk: np.ndarray | None,
-                  params: AttentionParams) -> tuple[int, int] | None:
+                  params: AttentionParams) -> tuple[int, int, int] | None:
         """`_line_groups` of an eager few-programs plan that takes the line (`_takes_few_line`), else None."""
         if not self._takes_few_line(eff, chunk):
             return None
@@ -76,8 +76,8 @@ class DecodePacking:
                      sm_count: int) -> tuple[int, int, int] | None:
         """The item groups of a plan of config ``cfg`` on ``sm_count`` SMs that leaves the packing
         to the kernel (the caller checks that it may: `DecodeConfig.wave_pack_line`,
-        few_pack_line, graph_few_line): without a sliding window (the line counts whole requests'
-        pages) and with room in the workspace for a partial per group and request, `line_groups`;
+        few_pack_line, few_line_mixed, graph_few_line): without a sliding window (the line counts
+        whole requests' pages) and with room in the workspace for a partial per group and request, `line_groups`;
         else None."""
         if self.problem.window_left >= 0:
             return None
