@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flashdispatch as fi
+from flashdispatch.dispatch.registry import backend_class
 from flashdispatch.page import block_table_to_indptr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -73,10 +74,9 @@ def test_trtllm_decode_calls_refresh_the_last_plan_for_new_tables(device, monkey
     """Calls of one problem and batch size refresh the last call's plan for their own lengths and
     tables (fa2 refreshes what it can, plans afresh otherwise): each equals the reference; a call
     with another workspace plans into that one."""
-    from flashdispatch.dispatch.registry import get_backend
-    backend = get_backend("fa2")
-    real, refreshed = backend.replan, []
-    monkeypatch.setattr(backend, "replan", lambda *a: refreshed.append(real(*a)) or refreshed[-1])
+    fa2 = backend_class("fa2")  # on the class: an older pytest's undo leaves a patched instance's bound method behind
+    real, refreshed = fa2.replan, []
+    monkeypatch.setattr(fa2, "replan", lambda *a: refreshed.append(real(*a)) or refreshed[-1])
     torch.manual_seed(6)
     page, hq, hkv, d = 16, 4, 2, 64
     cache = torch.randn(100, 2, hkv, page, d).half().to(device)
@@ -152,11 +152,10 @@ def test_block_table_calls_reuse_their_plan_for_new_tables_and_longer_lengths(de
     """Later calls run the kept plan as it is (the same tensors, new values) or refreshed for
     other tensors, without planning afresh; lengths past max_seq_len still read every token (the
     kernel balances them over the plan's chunk slots); xqa plans for the table's rows."""
-    from flashdispatch.dispatch.registry import get_backend
-    backend = get_backend("fa2")
+    fa2 = backend_class("fa2")  # on the class: an older pytest's undo leaves a patched instance's bound method behind
     planned_afresh = []
-    real_plan = backend.plan
-    monkeypatch.setattr(backend, "plan", lambda *a: planned_afresh.append(1) or real_plan(*a))
+    real_plan = fa2.plan
+    monkeypatch.setattr(fa2, "plan", lambda *a: planned_afresh.append(1) or real_plan(*a))
     q, cache, tables, seq = _table_case(device, 16, [200, 40, 90], "NHD", width=40, seed=1)
     ws = torch.zeros(1 << 21, dtype=torch.uint8, device=device)
     for i, lens in enumerate(([200, 40, 90], [3, 256, 128], [600, 5, 640])):  # the last past max_seq_len=256

@@ -214,11 +214,13 @@ def test_a_graph_capture_on_no_rows_is_refused(op):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, max_len, split", [(128, 640, False), (16, 2048, True), (2, 9000, True)],
                          ids=["unsplit", "split-fused", "split-merge-kernel"])
-def test_replan_on_the_gpu_matches_the_reference(fresh_plans, batch, max_len, split):
+def test_replan_on_the_gpu_matches_the_reference(fresh_plans, batch, max_len, split, monkeypatch):
     """bf16, 32/8 heads: batch 128 splits nothing (on a GPU of up to 256 SMs); 16 requests of up to
     2048 tokens split into at most 16 chunks (the fused merge), 2 of up to 9000 into more (the
-    merge kernel, after the decode kernel's info rows). Re-plans with new lengths and pages, on
-    device tables, each run against the reference backend's, lse too."""
+    merge kernel, after the decode kernel's info rows), each request on its own (16 mixed requests
+    would take the line: few_line_mixed off). Re-plans with new lengths and pages, on device
+    tables, each run against the reference backend's, lse too."""
+    monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"few_line_mixed": 0}')
     torch.manual_seed(3)
     hq, hkv, d = 32, 8, 128
     pages = batch * (max_len // PAGE + 1)
