@@ -74,7 +74,7 @@ def test_trtllm_decode_calls_refresh_the_last_plan_for_new_tables(device, monkey
     """Calls of one problem and batch size refresh the last call's plan for their own lengths and
     tables (fa2 refreshes what it can, plans afresh otherwise): each equals the reference; a call
     with another workspace plans into that one."""
-    fa2 = backend_class("fa2")  # on the class: an older pytest's undo leaves a patched instance's bound method behind
+    fa2 = backend_class("fa2")  # patched on the class: pytest < 9.2 leaves an instance's bound method behind
     real, refreshed = fa2.replan, []
     monkeypatch.setattr(fa2, "replan", lambda *a: refreshed.append(real(*a)) or refreshed[-1])
     torch.manual_seed(6)
@@ -152,7 +152,7 @@ def test_block_table_calls_reuse_their_plan_for_new_tables_and_longer_lengths(de
     """Later calls run the kept plan as it is (the same tensors, new values) or refreshed for
     other tensors, without planning afresh; lengths past max_seq_len still read every token (the
     kernel balances them over the plan's chunk slots); xqa plans for the table's rows."""
-    fa2 = backend_class("fa2")  # on the class: an older pytest's undo leaves a patched instance's bound method behind
+    fa2 = backend_class("fa2")  # patched on the class: pytest < 9.2 leaves an instance's bound method behind
     planned_afresh = []
     real_plan = fa2.plan
     monkeypatch.setattr(fa2, "plan", lambda *a: planned_afresh.append(1) or real_plan(*a))
@@ -320,10 +320,9 @@ def test_block_table_plans_under_one_wave_take_the_line_with_graph_few_line(devi
         assert _kept_table_plans()[-1].plan.line == (len(lens) > 1), lens
     monkeypatch.delenv("FLASHDISPATCH_FA2_DECODE_CONFIG")
     q, cache, tables, seq = _table_case(device, 16, [900, 0, 17, 400, 2, 0], "HND", 1, 8, 2, seed=10)
-    got = fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(1 << 22, dtype=torch.uint8, device=device),
-                                               tables, seq, 1024, kv_layout="HND", backend="fa2")
-    want = fi.trtllm_batch_decode_with_kv_cache(q, cache, torch.zeros(1 << 22, dtype=torch.uint8, device=device),
-                                                tables, seq, 1024, kv_layout="HND", backend="reference")
+    ws = torch.zeros(1 << 22, dtype=torch.uint8, device=device)
+    got, want = (fi.trtllm_batch_decode_with_kv_cache(q, cache, ws, tables, seq, 1024, kv_layout="HND", backend=b)
+                 for b in ("fa2", "reference"))
     assert rel(got, want) < 4e-3 and _kept_table_plans()[-1].plan.line
 
 

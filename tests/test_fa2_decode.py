@@ -157,8 +157,8 @@ class _GraphBuffers:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "work-array"])
 def test_cuda_graph_replan_in_place(direct):
-    """Graph mode off the line (graph_few_line off): fixed grid; the kernel reads the wrapper's fixed buffers and splits itself
-    (direct table) or reads plan arrays from the int workspace. A plan made first and run after a
+    """Graph mode off the line (graph_few_line off): fixed grid; the kernel reads the wrapper's fixed
+    buffers and splits itself (direct table) or reads plan arrays from the int workspace. A plan made first and run after a
     second plan (same batch size, other lengths and page table, same buffers) equals the second:
     what a graph captured on the first plan replays."""
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
@@ -185,9 +185,10 @@ def test_cuda_graph_replan_in_place(direct):
 
 
 def test_cuda_graph_grid_of_one_chunk_with_a_long_request():
-    """Graph mode off the line (graph_few_line off), more than half the split target's programs (9 requests x 2 KV heads against
-    the interpreter's 8 SMs x 4): the grid holds one chunk per request, and one request far longer
-    than the others must not ask the policy for more chunks (plan() raised before)."""
+    """Graph mode off the line (graph_few_line off), more than half the split target's programs (9
+    requests x 2 KV heads against the interpreter's 8 SMs x 4): the grid holds one chunk per
+    request, and one request far longer than the others must not ask the policy for more chunks
+    (plan() raised before)."""
     plan = _check(_case([3000] + [1] * 8, use_cuda_graph=True, seed=11), config={"graph_few_line": False})
     assert plan.max_chunks == 1 and plan.n_merge == 0
 

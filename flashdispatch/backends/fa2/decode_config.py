@@ -162,8 +162,8 @@ class DecodeConfig:
     pack_fill: see pack_items (fp8 0.95, 16-bit 0.65 where they pack).
     wave_pack_spread: a plan of at least ctas_per_sm x SMs programs (up to wave_pack_max_waves
     waves) under the default policy, eager (CUDA-graph and block-table plans take the line whatever
-    the lengths: wave_pack_line), with pack_items > 1, whose longest request holds at least this many times the
-    mean tokens (and whose pieces would hold min_chunk_tokens: `decode_split.may_wave_pack`) is
+    the lengths: wave_pack_line), with pack_items > 1, whose longest request holds at least this
+    many times the mean tokens (and whose pieces would hold min_chunk_tokens: `decode_split.may_wave_pack`) is
     packed too, into whole waves of the few-programs target's pieces, on the split block
     (`decode_split.wave_pack_groups`): unpacked, a long request that starts late runs on after the
     others, and with one wave of requests the longest sets the time. H200 32/8, session 24, TB/s
@@ -421,8 +421,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     # 3.16 -> 4.30, fp8 36x4096:var 2.60 -> 3.35, 48x4096:var 2.10 -> 3.50, 16x8192:var 2.69 -> 3.29;
     # d64 bf16 2.89 -> 3.20, 2.85 -> 3.47, 2.79 -> 3.68, fp8 2.01 -> 2.36, 1.97 -> 2.36, 2.19 -> 2.25)
     mixed = dict(pack_items=4, pack_fill=0.65) if gqa and d in (64, 256) and problem.page_size > 1 else {}
-    # past one wave the kernel packs (DecodeConfig.wave_pack_line): it read within about 2 % of the host's packing;
-    # CUDA-graph and block-table plans under one wave take the line too (DecodeConfig.graph_few_line)
+    # past one wave the kernel packs (DecodeConfig.wave_pack_line): it read within about 2 % of the
+    # host's packing; CUDA-graph and block-table plans under one wave take the line too (graph_few_line)
     line = dict(wave_pack_line=True, graph_few_line=True) if mixed else {}
     if problem.kv_dtype in FP8_DTYPES and 0 < shared < FP8_SMALL_SHARED:
         return _small_shared_fp8_config(problem, shared)

@@ -77,8 +77,8 @@ class DecodePacking:
         """The item groups of a plan of config ``cfg`` on ``sm_count`` SMs that leaves the packing
         to the kernel (the caller checks that it may: `DecodeConfig.wave_pack_line`,
         few_pack_line, few_line_mixed, graph_few_line): without a sliding window (the line counts
-        whole requests' pages) and with room in the workspace for a partial per group and request, `line_groups`;
-        else None."""
+        whole requests' pages) and with room in the workspace for a partial per group and request,
+        `line_groups`; else None."""
         if self.problem.window_left >= 0:
             return None
         groups = line_groups(self.batch, cfg, sm_count, self.units, self.problem.use_cuda_graph or self.table)
