@@ -6,6 +6,7 @@ the decode's are:
   ptr:  pointer loads, ``--block-pages`` pages of token rows a step (Triton pipelines them as
         cp.async, no hint; ``--stages``)
   tma:  a 3-D descriptor [pages*32, 8, 128], block [16, 1, 128], one load per page tile
+        (``--block-pages`` of them a step, ``--stages``)
   tma+hint: the same with `.L2::cache_hint` + an evict_first policy added to its PTX (stages hook)
 Each variant in its own process (own Triton cache: the hook is not in Triton's cache key):
   python scripts/paged_read_probe.py ptr --shapes 16x8192,64x4096 --programs 512,1024 --block-pages 1,4
@@ -72,20 +73,21 @@ def paged_ptr_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D:
 
 @triton.jit
 def paged_tma_sum(cache_ptr, idx_ptr, out_ptr, per_prog, n_rows, HEADS: tl.constexpr, D: tl.constexpr,
-                  PAGE: tl.constexpr):
-    """`paged_ptr_sum` with one descriptor load per page tile."""
+                  PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr):
+    """`paged_ptr_sum` with one descriptor load per page tile, BLOCK_PAGES pages a step."""
     pid = tl.program_id(0)
     h, c = pid % HEADS, pid // HEADS
     desc = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, HEADS, D], strides=[HEADS * D, D, 1],
                                      block_shape=[PAGE, 1, D])
     acc = tl.zeros([PAGE, D], tl.float32)
-    for i in tl.range(c * per_prog, c * per_prog + per_prog, num_stages=3):
-        row = tl.load(idx_ptr + i) * (2 * PAGE)
-        k = desc.load([row, h, 0]).reshape(PAGE, D)
-        v = desc.load([row + PAGE, h, 0]).reshape(PAGE, D)
-        ones = tl.full([PAGE, PAGE], 1.0, k.dtype)
-        acc = tl.dot(ones, k, acc)
-        acc = tl.dot(ones, v, acc)
+    ones = tl.full([PAGE, PAGE], 1.0, cache_ptr.dtype.element_ty)
+    for i in tl.range(c * per_prog, c * per_prog + per_prog, BLOCK_PAGES, num_stages=STAGES):
+        for j in tl.static_range(BLOCK_PAGES):
+            row = tl.load(idx_ptr + i + j) * (2 * PAGE)
+            k = desc.load([row, h, 0]).reshape(PAGE, D)
+            v = desc.load([row + PAGE, h, 0]).reshape(PAGE, D)
+            acc = tl.dot(ones, k, acc)
+            acc = tl.dot(ones, v, acc)
     tl.store(out_ptr + pid * D + tl.arange(0, D), tl.sum(acc, 0) / PAGE)
 
 
@@ -96,8 +98,8 @@ def parse_args():
                     "16-token pages of 8 heads x 128; requests play no part in a bare read)")
     ap.add_argument("--programs", default="512", help="programs (chunks x 8 heads), a list; each must split the "
                     "pages evenly")
-    ap.add_argument("--block-pages", default="1", help="pages a step (ptr only), a list")
-    ap.add_argument("--stages", default="3", help="num_stages of the page loop (ptr only), a list")
+    ap.add_argument("--block-pages", default="1", help="pages a step, a list")
+    ap.add_argument("--stages", default="3", help="num_stages of the page loop, a list")
     ap.add_argument("--group", default="1", help="heads a program reads (ptr only; 8: whole NHD pages), a list")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--flush", default="write,read")
@@ -145,7 +147,8 @@ def main():
             else:
                 triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
                 run = lambda: paged_tma_sum[grid](cache, idx, out, per, pages * 2 * page, HEADS=heads,  # noqa: E731
-                                                  D=d, PAGE=page, num_warps=args.warps)
+                                                  D=d, PAGE=page, BLOCK_PAGES=block_pages, STAGES=stages,
+                                                  num_warps=args.warps)
             try:
                 run()
             except triton.runtime.errors.OutOfResources as e:

@@ -8,7 +8,8 @@ interpreter (GQA and MHA, fp16 and e4m3) against the float64 oracle: empty reque
 request over many pieces, indptr not starting at 0, a refreshed plan; plans under one wave on the
 line (`DecodeConfig.few_pack_line`). GPU (``-m gpu``): line plans (bf16 and fp8, d64/d128/d256,
 MHA d128) against the reference backend, past one wave beside the host-packed plans and under it,
-a refreshed line plan, a long request merged in the kernel and by the merge kernel.
+a refreshed line plan, a long request merged in the kernel and by the merge kernel, fp8 requests of
+equal length that the wave model packs (`DecodeConfig.wave_pack_below`).
 """
 from __future__ import annotations
 
@@ -210,6 +211,23 @@ def test_line_plan_of_equal_requests(fused):
 
 
 @interpreted
+def test_equal_lengths_on_the_line_for_the_wave_model():
+    """`DecodeConfig.wave_pack_below`: 17 requests of equal length x 2 KV heads past one wave of the
+    interpreter's 8 SMs (wave_slots 4: 34 programs in 1.06 waves, predicted 0.69 of full-wave
+    throughput) take the line whatever their spread and match the oracle; at 0.6 they keep the
+    direct table."""
+    lens = [100] * 17
+    case = _case(lens, seed=84)
+    ref_out, ref_lse = case.oracle()
+    waves = dict(wave_pack_spread=100.0, wave_slots=4)
+    plan = run_fa2_decode(case, _config(True, wave_pack_below=0.96, **waves))
+    assert plan.line
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+    plain = run_fa2_decode(_case(lens, seed=84), _config(True, wave_pack_below=0.6, **waves))
+    assert plain.direct and not plain.line
+
+
+@interpreted
 def test_refreshed_line_plan_and_where_the_host_packs():
     """A line plan refreshed for other lengths of the same batch runs them right; a sliding window
     or wave_pack_line false packs on the host (work rows)."""
@@ -353,3 +371,18 @@ def test_gpu_line_plan_refreshed_and_a_long_request(kv):
         assert plan.line and plan.fused_merge == fused and (plan._merge is None) == fused
         assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
         _assert_empty_rows(case, [3, 200])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim, kv_heads, batch, kv_len", [(128, 8, 200, 1024), (256, 8, 100, 2048),
+                                                               (128, 32, 24, 4096)], ids=["128", "256", "mha-128"])
+def test_gpu_equal_fp8_lengths_on_the_line(head_dim, kv_heads, batch, kv_len):
+    """fp8 KV of equal lengths past one wave whose last wave the tiles would leave partly filled
+    (`DecodeConfig.wave_pack_below`) on the line by default, against the reference backend."""
+    case = _case([kv_len] * batch, device="cuda", kv_dtype=torch.float8_e4m3fn, num_qo_heads=32, num_kv_heads=kv_heads,
+                 head_dim_qk=head_dim, k_scale=0.8, v_scale=1.5, seed=85)
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case)
+    assert plan.line
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2)

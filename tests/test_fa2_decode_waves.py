@@ -132,10 +132,11 @@ def test_wave_plans_on_the_h200():
                 assert getattr(again, name) == getattr(fresh, name), (batch, name)
     assert refreshed == len(expect)
     # fp8 (no split block; one-warp programs: a partly filled single wave splits too): the split
-    # runs the fastest tile, 32 x 3
+    # runs the fastest tile, 32 x 3 (wave_pack_below off: by default a last wave partly filled packs
+    # on the line instead, test_equal_lengths_pack_where_a_wave_is_partly_filled)
     fp8 = {80: 3, 128: 1, 160: 4, 198: 2, 256: 1, 270: 3}
     for batch, chunks in fp8.items():
-        plan, _ = _h200_plan(gen.integers(3500, 4700, batch).tolist(), torch.float8_e4m3fn)
+        plan, _ = _h200_plan(gen.integers(3500, 4700, batch).tolist(), torch.float8_e4m3fn, {"wave_pack_below": 0})
         assert ((plan.config.block_n, plan.config.num_stages), plan.max_chunks) == ((32, 3), chunks), batch
 
 
@@ -325,6 +326,33 @@ def test_bf16_d64_packs_up_to_four_waves():
         assert not many.line and many.items == 1 and many.direct, graph
         assert _h200_plan(lens, config={"wave_pack_max_waves": 0}, graph=graph, head_dim=64)[0].line
         assert _h200_plan(lens, torch.float8_e4m3fn, graph=graph, head_dim=64)[0].line
+
+
+def test_equal_lengths_pack_where_a_wave_is_partly_filled():
+    """The fp8 d128 (GQA and MHA) and d256 defaults (`DecodeConfig.wave_pack_below` 0.96) on 132
+    SMs: equal lengths past one wave take the kernel's line where the wave model predicts their
+    best unpacked grid under 0.96 of full-wave throughput (d128 200x1024 and 400x4096 0.86-0.90,
+    MHA 24x4096 0.92, d256 100x2048 0.86), not where a last wave fills (256x1024, 128x2048,
+    1000x512, MHA 64x4096, d256 256x1024: 0.97-0.98); a line plan re-planned for the same lengths
+    refreshes. bf16 and fp8 d64 keep them unpacked, as do a sliding window and wave_pack_below 0."""
+    from flashdispatch.backends.fa2.decode_config import default_config
+    from flashdispatch.backends.fa2.decode_waves import unpacked_fraction
+    fp8 = torch.float8_e4m3fn
+    for head_dim, kv_heads, batch, kv_len, line in (
+            (128, 8, 200, 1024, True), (128, 8, 400, 4096, True), (128, 32, 24, 4096, True),
+            (256, 8, 100, 2048, True), (128, 8, 256, 1024, False), (128, 8, 128, 2048, False),
+            (128, 8, 1000, 512, False), (128, 32, 64, 4096, False), (256, 8, 256, 1024, False)):
+        plan, params = _h200_plan([kv_len] * batch, fp8, head_dim=head_dim, kv_heads=kv_heads)
+        fraction = unpacked_fraction(default_config(plan.problem), batch * kv_heads, 132, kv_len)
+        assert (plan.line, fraction < 0.96) == (line, line), (head_dim, kv_heads, batch, kv_len, fraction)
+        if line:
+            again = plan.refreshed(_H200, _h200_plan([kv_len] * batch, fp8, head_dim=head_dim, kv_heads=kv_heads)[1])
+            assert again is not None and again.line
+    for kv, head_dim, config, problem in ((F16, 128, None, {}), (fp8, 64, None, {}),
+                                          (fp8, 128, None, {"window_left": 2000}),
+                                          (fp8, 128, {"wave_pack_below": 0}, {})):
+        plan, _ = _h200_plan([1024] * 200, kv, config, head_dim=head_dim, **problem)
+        assert not plan.line and plan.items == 1, (kv, head_dim, config, problem)
 
 
 def test_may_wave_pack_and_its_pieces():

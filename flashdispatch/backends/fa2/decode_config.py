@@ -107,8 +107,8 @@ class DecodeConfig:
     264x4096 (2 waves of 8 per SM) 4.53 / 4.15.
     wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile), for a config
     without wave_tiles; 0: not known (a config that overrides block_n, num_stages, num_warps or
-    max_registers resets it). Used by the wave split only: without wave_split_ctas it has no
-    effect.
+    max_registers resets it). Used by the wave split and wave_pack_below only: without either it
+    has no effect.
     wave_split_ctas: > 0: a plan of at least ctas_per_sm x SMs programs may split its requests
     by the default policy as few requests do, into at most this many programs per SM, where
     `wave_split_choice` predicts the split grid faster than the best tile whole (`wave_choice`):
@@ -171,6 +171,20 @@ class DecodeConfig:
     3.17 -> 4.36, 256x2048 3.69 -> 4.31, 512x1024 3.98 -> 4.18; fp8 128x4096 2.43 -> 3.88, 256x1024
     2.84 -> 3.39; d256 bf16 128x4096 3.47 -> 4.29; d64 fp8 128x4096 1.99 -> 2.96; MHA 32x4096 3.35
     -> 4.19 (docs/perf-notes.md). 0: never.
+    wave_pack_below: > 0: such a plan (the kernel's line only: wave_pack_line, no sliding window)
+    packs whatever its lengths where the wave model predicts its best unpacked grid (the wave tile,
+    or the wave split where that beats it: `decode_waves.unpacked_fraction`) under this fraction of
+    full-wave throughput: requests of equal length in a last wave partly filled. 0: by
+    wave_pack_spread alone. fp8 GQA and MHA d128 0.96, fp8 d256 0.96 on its compile's 4 programs
+    per SM (wave_slots). H200, session 45, TB/s by spread -> any lengths, equal lengths (the
+    predicted fraction): fp8 32/8 d128 200x1024 2.89 -> 3.33 (0.86), 100x2048 3.22 -> 3.38 (0.86),
+    160x2048 3.42 -> 3.62 (0.86), 80x4096 3.45 -> 3.66 (0.90), 300x2048 3.64 -> 3.87 (0.89),
+    400x4096 3.86 -> 4.05 (0.90), 210x4096 3.83 -> 3.98 (0.93), 160x1024 3.20 -> 3.22 (0.86), but
+    at 0.97-1.0: 256x1024 3.58 -> 3.55, 512x1024 3.82 -> 3.74, 1000x512 3.68 -> 3.54, 264x4096 4.11
+    -> 4.07, 128x2048 3.62 -> 3.60; 32/32 17x8192 3.58 -> 3.93 (0.89), 100x1024 3.47 -> 3.73
+    (0.86), 24x4096 3.60 -> 3.79 (0.92), 48x2048 3.66 -> 3.76 (0.95), 64x4096 4.10 -> 4.03
+    (0.98); fp8 d256 100x2048 2.76 -> 3.49 (0.86), 200x1024 3.11 -> 3.47 (0.86), 256x1024 3.51 ->
+    3.49 (0.98).
     wave_pack_max_waves: packing past one wave only up to this many waves of programs (ctas_per_sm
     x SMs each; 0: any): bf16 d64 4 (H200 32/8, session 27, TB/s line -> unpacked at 7.8 waves:
     512x1024:var 3.62 -> 3.86, 512x2048:var 3.96 -> 3.98; at 3.9, 256x1024:var 3.41 both).
@@ -294,6 +308,7 @@ class DecodeConfig:
     pack_items: int = 1
     pack_fill: float = 0.95
     wave_pack_spread: float = 1.5
+    wave_pack_below: float = 0.0
     wave_pack_max_waves: float = 0.0
     wave_pack_load: float = 2.0
     line_waves: int = 1
@@ -341,6 +356,9 @@ class DecodeConfig:
         for name in ("pack_fill", "line_align_fill"):
             if not _number(getattr(self, name)) or not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"fa2 decode config {name} must be a number in (0, 1], got {getattr(self, name)!r}")
+        if not _number(self.wave_pack_below) or not 0 <= self.wave_pack_below <= 1:
+            raise ValueError("fa2 decode config wave_pack_below must be a number in [0, 1], "
+                             f"got {self.wave_pack_below!r}")
         for name, low in (("wave_pack_spread", 0.0), ("wave_pack_max_waves", 0.0), ("wave_pack_load", 0.25),
                           ("table_split_slots", 0.0)):
             v = getattr(self, name)
@@ -441,17 +459,20 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # on the kernel's line (DecodeConfig.few_pack_line; under CUDA graphs graph_few_line)
             few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, few_pack_line=True,
                         graph_few_line=True) if d == 128 else {**mixed, **line})
+            # past one wave, equal lengths pack where the tiles leave a last wave partly filled (wave_pack_below)
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
-                                lone_wave_split_tokens=3072, table_split_slots=0.0)
+                                lone_wave_split_tokens=3072, table_split_slots=0.0,
+                                wave_pack_below=0.96 if tiles else 0.0)
         # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-196 registers, 4 per SM; H200
         # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
         # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
+        # (4 programs per SM in the sm90 compile: equal lengths pack where a last wave is partly filled)
         return DecodeConfig(block_n=32, num_warps=2, num_stages=3, k_rows=True, fp8_dot_dtype="fp16",
                             page_prefetch=True, fp8_v_convert="staged", swap_ab=True, direct_table=gqa, **mixed,
-                            **line, table_split_slots=0.0)
+                            **line, table_split_slots=0.0, wave_slots=4, wave_pack_below=0.96)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows

@@ -12,7 +12,7 @@ import numpy as np
 from ...dispatch.problem import Problem
 from ..base import AttentionParams
 from .decode_config import DecodeConfig
-from .decode_waves import wave_choice, wave_split_choice
+from .decode_waves import unpacked_fraction, wave_choice, wave_split_choice
 
 
 def balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
@@ -80,14 +80,26 @@ def mean_tokens(params: AttentionParams, problem: Problem, q_len: int) -> float:
 
 def may_wave_pack(params: AttentionParams, problem: Problem, q_len: int, cfg: DecodeConfig, sm_count: int,
                   units: int) -> bool:
-    """Whether a plan past one wave may pack these requests (`DecodeConfig.wave_pack_spread`): its
-    longest request holds at least wave_pack_spread x the mean tokens from the window start, and
-    the first pieces `wave_pack_groups` tries hold min_chunk_tokens (`window_stats`)."""
+    """Whether a plan past one wave may pack these requests: its longest request holds at least
+    `DecodeConfig.wave_pack_spread` x the mean tokens from the window start, or (on the kernel's
+    line) the wave model predicts its unpacked grid under `DecodeConfig.wave_pack_below`; and the
+    first pieces `wave_pack_groups` tries hold min_chunk_tokens (`window_stats`)."""
     total, longest = window_stats(params, problem, q_len)
     batch = params.batch_size
-    if not total or longest * batch < cfg.wave_pack_spread * total:
+    if not total:
+        return False
+    if longest * batch < cfg.wave_pack_spread * total and not _waves_pack(cfg, problem, batch * units, sm_count,
+                                                                          total / batch):
         return False
     return total >= wave_pack_groups(batch, cfg, sm_count, units)[0] * cfg.min_chunk_tokens
+
+
+def _waves_pack(cfg: DecodeConfig, problem: Problem, programs: int, sm_count: int, tokens: float) -> bool:
+    """Whether requests of any lengths pack on the line for the wave model (`DecodeConfig.wave_pack_below`)."""
+    if not cfg.wave_pack_below or not cfg.wave_pack_line or problem.window_left >= 0:
+        return False
+    fraction = unpacked_fraction(cfg, programs, sm_count, tokens)
+    return fraction is not None and fraction < cfg.wave_pack_below
 
 
 def packs_these_waves(cfg: DecodeConfig, programs: int, sm_count: int) -> bool:

@@ -105,6 +105,18 @@ def _wave_split_choice(cfg: DecodeConfig, programs: int, sm_count: int, octave32
     return chunks, programs / predicted(chunks)
 
 
+def unpacked_fraction(cfg: DecodeConfig, programs: int, sm_count: int, tokens: float) -> float | None:
+    """The predicted fraction of full-wave throughput of a plan of ``programs`` programs of equal
+    work past one wave, unpacked: its best wave tile (`wave_choice`), or its wave split where that
+    predicts more (`wave_split_choice`, requests of ``tokens`` tokens on average); None where the
+    config carries no programs-per-SM figures (`DecodeConfig.wave_pack_below`)."""
+    choice = wave_choice(cfg, programs, sm_count)
+    if choice is None:
+        return None
+    chunks, split = wave_split_choice(cfg, programs, sm_count, tokens)
+    return max(choice[1], split if chunks > 1 else 0.0)
+
+
 def fastest_wave_tile(cfg: DecodeConfig) -> tuple[int, int]:
     """(block_n, num_stages) of the wave tile with the best full-wave rate (the config's own
     without wave tiles): the tile of a wave-split plan without a split block, whose many short
