@@ -246,14 +246,16 @@ def test_16bit_d128_defaults_pack_only_a_poorly_filled_plan():
     ids=["48x4096", "36x4096", "mixed48", "mha12x4096", "mha9x4096", "bf16-36x4096", "bf16-mixed36", "bf16-mha9x4096"])
 def test_gpu_defaults_pack(lens, heads, kv):
     """The d128 defaults pack batches whose plain plan fills its target poorly (fp8 under 0.95,
-    bf16 under 0.65): fp8 on the kernel's line (few_pack_line), bf16 on the host."""
+    bf16 under 0.65): fp8 on the kernel's line (few_pack_line), bf16 on the host, but 16 or more
+    bf16 GQA requests of mixed lengths on the line (few_line_mixed)."""
     fp8 = kv == "e4m3"
+    line = fp8 or heads[1] < heads[0] and len(set(lens)) > 1
     case = _case(lens, device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
                  num_qo_heads=heads[0], num_kv_heads=heads[1], k_scale=0.8 if fp8 else None,
                  v_scale=1.5 if fp8 else None, seed=len(lens) + heads[1])
     ref_out, ref_lse = reference_backend_result(case)
     plan = run_fa2_decode(case)
-    assert plan.line if fp8 else plan.items == 2
+    assert plan.line if line else plan.items == 2
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
 
 
@@ -288,6 +290,8 @@ def _gpu_mixed_plan(batch: int, empty: list, kv: str, head_dim: int, draw: int, 
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
 def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
     """A serving batch's mix (48 requests, two empty) under the GQA defaults that pack (pack_items
-    4) on the host: pieces touching four requests, the empty requests in a program of their own."""
-    plan = _gpu_mixed_plan(48, [7, 30], kv, head_dim, draw=9, seed=71, config={"few_pack_line": False})
+    4) on the host (few_pack_line and few_line_mixed off): pieces touching four requests, the
+    empty requests in a program of their own."""
+    plan = _gpu_mixed_plan(48, [7, 30], kv, head_dim, draw=9, seed=71,
+                           config={"few_pack_line": False, "few_line_mixed": 0})
     assert plan.items == 4 and not plan.direct
