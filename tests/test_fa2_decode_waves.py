@@ -342,7 +342,7 @@ def test_equal_lengths_pack_where_a_wave_is_partly_filled():
             (128, 8, 200, 1024, True), (128, 8, 400, 4096, True), (128, 32, 24, 4096, True),
             (256, 8, 100, 2048, True), (128, 8, 256, 1024, False), (128, 8, 128, 2048, False),
             (128, 8, 1000, 512, False), (128, 32, 64, 4096, False), (256, 8, 256, 1024, False)):
-        plan, params = _h200_plan([kv_len] * batch, fp8, head_dim=head_dim, kv_heads=kv_heads)
+        plan, _ = _h200_plan([kv_len] * batch, fp8, head_dim=head_dim, kv_heads=kv_heads)
         fraction = unpacked_fraction(default_config(plan.problem), batch * kv_heads, 132, kv_len)
         assert (plan.line, fraction < 0.96) == (line, line), (head_dim, kv_heads, batch, kv_len, fraction)
         if line:
