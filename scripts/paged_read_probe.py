@@ -1,8 +1,8 @@
 """Bare paged reads of a decode's KV cache: how fast can any kernel read it under the bench's
 write flush (docs/perf-notes.md, sessions 13, 14 and 38)? Reads an NHD cache [pages, 2, 16, 8,
-128] bf16 of ``--shapes`` (batch x kv_len: batch x kv_len / 16 pages in one random order), one
-program per (chunk, head) reading that head's K and V tiles of its chunk's pages, fed to dots as
-the decode's are:
+128] bf16 (or fp8 e4m3, ``--kv``: converted to fp16 before the dots) of ``--shapes`` (batch x
+kv_len: batch x kv_len / 16 pages in one random order), one program per (chunk, head) reading that
+head's K and V tiles of its chunk's pages, fed to dots as the decode's are:
   ptr:  pointer loads, ``--block-pages`` pages of token rows a step (Triton pipelines them as
         cp.async, no hint; ``--stages``)
   tma:  a 3-D descriptor [pages*32, 8, 128], block [16, 1, 128], one load per page tile
@@ -50,7 +50,7 @@ if MODE == "tma+hint":
 
 @triton.jit
 def paged_ptr_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr):
+                  BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr, ONES_DTYPE: tl.constexpr):
     """Program (chunk c, head group g of GROUP heads): out[pid] = the column sums of the group's K
     and V rows over its pages, BLOCK_PAGES pages a step (token rows gathered from their pages, as
     the decode's tiles are; GROUP 8 reads whole NHD pages, contiguous)."""
@@ -65,29 +65,29 @@ def paged_ptr_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D:
         base = cache_ptr + page[:, None] * (2 * PAGE * HEADS * D) + within
         k = tl.load(base)
         v = tl.load(base + PAGE * HEADS * D)
-        ones = tl.full([PAGE, BLOCK_PAGES * PAGE * GROUP], 1.0, k.dtype)
-        acc = tl.dot(ones, k, acc)  # the tiles feed dots, as in the decode: Triton pipelines them
-        acc = tl.dot(ones, v, acc)
+        ones = tl.full([PAGE, BLOCK_PAGES * PAGE * GROUP], 1.0, ONES_DTYPE)
+        acc = tl.dot(ones, k.to(ONES_DTYPE), acc)  # the tiles feed dots, as in the decode: Triton pipelines them
+        acc = tl.dot(ones, v.to(ONES_DTYPE), acc)
     tl.store(out_ptr + pid * D + tl.arange(0, D), tl.sum(acc, 0) / PAGE)
 
 
 @triton.jit
 def paged_tma_sum(cache_ptr, idx_ptr, out_ptr, per_prog, n_rows, HEADS: tl.constexpr, D: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr):
+                  PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, ONES_DTYPE: tl.constexpr):
     """`paged_ptr_sum` with one descriptor load per page tile, BLOCK_PAGES pages a step."""
     pid = tl.program_id(0)
     h, c = pid % HEADS, pid // HEADS
     desc = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, HEADS, D], strides=[HEADS * D, D, 1],
                                      block_shape=[PAGE, 1, D])
     acc = tl.zeros([PAGE, D], tl.float32)
-    ones = tl.full([PAGE, PAGE], 1.0, cache_ptr.dtype.element_ty)
+    ones = tl.full([PAGE, PAGE], 1.0, ONES_DTYPE)
     for i in tl.range(c * per_prog, c * per_prog + per_prog, BLOCK_PAGES, num_stages=STAGES):
         for j in tl.static_range(BLOCK_PAGES):
             row = tl.load(idx_ptr + i + j) * (2 * PAGE)
             k = desc.load([row, h, 0]).reshape(PAGE, D)
             v = desc.load([row + PAGE, h, 0]).reshape(PAGE, D)
-            acc = tl.dot(ones, k, acc)
-            acc = tl.dot(ones, v, acc)
+            acc = tl.dot(ones, k.to(ONES_DTYPE), acc)
+            acc = tl.dot(ones, v.to(ONES_DTYPE), acc)
     tl.store(out_ptr + pid * D + tl.arange(0, D), tl.sum(acc, 0) / PAGE)
 
 
@@ -102,6 +102,8 @@ def parse_args():
     ap.add_argument("--stages", default="3", help="num_stages of the page loop, a list")
     ap.add_argument("--group", default="1", help="heads a program reads (ptr only; 8: whole NHD pages), a list")
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--kv", choices=("16bit", "e4m3"), default="16bit",
+                    help="cache dtype: bf16 (fp16 on CPU), or fp8 e4m3 converted to fp16 for the dots as the decode's")
     ap.add_argument("--flush", default="write,read")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--check-small", action="store_true", help="CPU: the sums of a small cache only")
@@ -120,12 +122,15 @@ def main():
     dev = "cpu" if small else "cuda"
     heads, d, page = (2, 16, 16) if small else (8, 128, 16)
     dtype = torch.float16 if small else torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
+    ones_dtype = tl.float16 if small or args.kv == "e4m3" else tl.bfloat16
     shapes = ["1x192"] if small else args.shapes.split(",")
     for shape in shapes:
         batch, kv_len = (int(x) for x in shape.split("x"))
         pages = batch * kv_len // page
         g = torch.Generator(device=dev).manual_seed(0)
         cache = torch.randn(pages, 2, page, heads, d, generator=g, device=dev, dtype=dtype)
+        if args.kv == "e4m3":
+            cache = cache.to(torch.float8_e4m3fn)
         idx = torch.randperm(pages, generator=g, device=dev).to(torch.int32)
         c = cache.float()
         configs = [(p, bp, st, gr) for p in ([6] if small else ints(args.programs)) for bp in ints(args.block_pages)
@@ -143,12 +148,12 @@ def main():
             if MODE == "ptr":
                 run = lambda: paged_ptr_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page,  # noqa: E731
                                                   BLOCK_PAGES=block_pages, STAGES=stages, GROUP=group,
-                                                  num_warps=args.warps)
+                                                  ONES_DTYPE=ones_dtype, num_warps=args.warps)
             else:
                 triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
                 run = lambda: paged_tma_sum[grid](cache, idx, out, per, pages * 2 * page, HEADS=heads,  # noqa: E731
                                                   D=d, PAGE=page, BLOCK_PAGES=block_pages, STAGES=stages,
-                                                  num_warps=args.warps)
+                                                  ONES_DTYPE=ones_dtype, num_warps=args.warps)
             try:
                 run()
             except triton.runtime.errors.OutOfResources as e:
@@ -167,7 +172,7 @@ def main():
             from flashdispatch.bench.timing import L2Flusher, device_times_ms
             for mode in args.flush.split(","):
                 ms = statistics.median(device_times_ms(run, args.reps, L2Flusher(cache.device, mode=mode)))
-                print(f"{label} flush {mode}: {ms * 1e3:6.1f} us  {cache.numel() * 2 / ms / 1e9:5.2f} TB/s "
+                print(f"{label} flush {mode}: {ms * 1e3:6.1f} us  {cache.numel() * cache.element_size() / ms / 1e9:5.2f} TB/s "
                       f"(err {err:.1e})", flush=True)
 
 

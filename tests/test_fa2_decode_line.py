@@ -9,7 +9,8 @@ request over many pieces, indptr not starting at 0, a refreshed plan; plans unde
 line (`DecodeConfig.few_pack_line`). GPU (``-m gpu``): line plans (bf16 and fp8, d64/d128/d256,
 MHA d128) against the reference backend, past one wave beside the host-packed plans and under it,
 a refreshed line plan, a long request merged in the kernel and by the merge kernel, fp8 requests of
-equal length that the wave model packs (`DecodeConfig.wave_pack_below`).
+equal length that the wave model packs (`DecodeConfig.wave_pack_below`) or their mean length does
+(`DecodeConfig.wave_pack_tokens`, fp8 d64).
 """
 from __future__ import annotations
 
@@ -228,6 +229,21 @@ def test_equal_lengths_on_the_line_for_the_wave_model():
 
 
 @interpreted
+def test_long_requests_on_the_line():
+    """`DecodeConfig.wave_pack_tokens`: 17 requests of equal length x 2 KV heads past one wave of
+    the interpreter's 8 SMs take the line whatever their spread where they hold the knob's tokens
+    on average, and match the oracle; under it they keep the direct table."""
+    lens = [100] * 17
+    case = _case(lens, seed=85)
+    ref_out, ref_lse = case.oracle()
+    plan = run_fa2_decode(case, _config(True, wave_pack_spread=100.0, wave_pack_tokens=100))
+    assert plan.line
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
+    plain = run_fa2_decode(_case(lens, seed=85), _config(True, wave_pack_spread=100.0, wave_pack_tokens=101))
+    assert plain.direct and not plain.line
+
+
+@interpreted
 def test_refreshed_line_plan_and_where_the_host_packs():
     """A line plan refreshed for other lengths of the same batch runs them right; a sliding window
     or wave_pack_line false packs on the host (work rows)."""
@@ -376,10 +392,12 @@ def test_gpu_line_plan_refreshed_and_a_long_request(kv):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("head_dim, kv_heads, batch, kv_len", [(128, 8, 200, 1024), (256, 8, 100, 2048),
-                                                               (128, 32, 24, 4096)], ids=["128", "256", "mha-128"])
+                                                               (128, 32, 24, 4096), (64, 8, 256, 1024)],
+                         ids=["128", "256", "mha-128", "64"])
 def test_gpu_equal_fp8_lengths_on_the_line(head_dim, kv_heads, batch, kv_len):
-    """fp8 KV of equal lengths past one wave whose last wave the tiles would leave partly filled
-    (`DecodeConfig.wave_pack_below`) on the line by default, against the reference backend."""
+    """fp8 KV of equal lengths past one wave on the line by default, against the reference backend:
+    d128 and d256 where the tiles would leave a last wave partly filled (`DecodeConfig.wave_pack_below`),
+    d64 from 512 tokens a request (`DecodeConfig.wave_pack_tokens`)."""
     case = _case([kv_len] * batch, device="cuda", kv_dtype=torch.float8_e4m3fn, num_qo_heads=32, num_kv_heads=kv_heads,
                  head_dim_qk=head_dim, k_scale=0.8, v_scale=1.5, seed=85)
     ref_out, ref_lse = reference_backend_result(case)

@@ -334,7 +334,8 @@ def test_equal_lengths_pack_where_a_wave_is_partly_filled():
     best unpacked grid under 0.96 of full-wave throughput (d128 200x1024 and 400x4096 0.86-0.90,
     MHA 24x4096 0.92, d256 100x2048 0.86), not where a last wave fills (256x1024, 128x2048,
     1000x512, MHA 64x4096, d256 256x1024: 0.97-0.98); a line plan re-planned for the same lengths
-    refreshes. bf16 and fp8 d64 keep them unpacked, as do a sliding window and wave_pack_below 0."""
+    refreshes. bf16 and fp8 d64 (which packs by wave_pack_tokens instead) keep 1024 x 64-token
+    requests unpacked, as do a sliding window and wave_pack_below 0."""
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.backends.fa2.decode_waves import unpacked_fraction
     fp8 = torch.float8_e4m3fn
@@ -348,11 +349,31 @@ def test_equal_lengths_pack_where_a_wave_is_partly_filled():
         if line:
             again = plan.refreshed(_H200, _h200_plan([kv_len] * batch, fp8, head_dim=head_dim, kv_heads=kv_heads)[1])
             assert again is not None and again.line
-    for kv, head_dim, config, problem in ((F16, 128, None, {}), (fp8, 64, None, {}),
+    for kv, head_dim, config, problem in ((F16, 128, None, {}), (fp8, 64, {"wave_pack_tokens": 0}, {}),
                                           (fp8, 128, None, {"window_left": 2000}),
                                           (fp8, 128, {"wave_pack_below": 0}, {})):
         plan, _ = _h200_plan([1024] * 200, kv, config, head_dim=head_dim, **problem)
         assert not plan.line and plan.items == 1, (kv, head_dim, config, problem)
+
+
+def test_fp8_d64_packs_from_512_tokens():
+    """The fp8 GQA d64 default (`DecodeConfig.wave_pack_tokens` 512) on 132 SMs: equal lengths past
+    one wave take the kernel's line from 512 tokens a request on average (128x4096, 256x1024,
+    1000x512; the mean counts from a request's window start), not at 256 (1000x256), nor with a
+    sliding window, nor with the knob at 0, nor for MHA d64 (no line) or bf16 d64; a line plan
+    re-planned for other lengths of that mean refreshes."""
+    fp8 = torch.float8_e4m3fn
+    for batch, kv_len, line in ((128, 4096, True), (256, 1024, True), (1000, 512, True), (1000, 256, False),
+                                (2000, 300, False)):
+        plan, _ = _h200_plan([kv_len] * batch, fp8, head_dim=64)
+        assert plan.line == line, (batch, kv_len)
+        if line:
+            again = plan.refreshed(_H200, _h200_plan([kv_len] * (batch - 1) + [kv_len + 16], fp8, head_dim=64)[1])
+            assert again is not None and again.line
+    for kv, config, problem in ((fp8, {"wave_pack_tokens": 0}, {}), (fp8, None, {"window_left": 300}),
+                                (fp8, None, {"kv_heads": 32}), (F16, None, {})):
+        plan, _ = _h200_plan([1024] * 256, kv, config, head_dim=64, **problem)
+        assert not plan.line, (kv, config, problem)
 
 
 def test_may_wave_pack_and_its_pieces():

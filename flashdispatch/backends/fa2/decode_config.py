@@ -185,6 +185,16 @@ class DecodeConfig:
     (0.86), 24x4096 3.60 -> 3.79 (0.92), 48x2048 3.66 -> 3.76 (0.95), 64x4096 4.10 -> 4.03
     (0.98); fp8 d256 100x2048 2.76 -> 3.49 (0.86), 200x1024 3.11 -> 3.47 (0.86), 256x1024 3.51 ->
     3.49 (0.98).
+    wave_pack_tokens: > 0: such a plan (the kernel's line only: wave_pack_line, no sliding window)
+    packs whatever its lengths where its requests hold at least this many tokens on average from
+    the window start. 0: by wave_pack_spread and wave_pack_below. fp8 GQA d64 512: one program of
+    its 64 x 3 tile per request and KV head runs 8 to an SM and reads less than the line's 4 to an
+    SM from 512 tokens a request (with 6 stages, 4 to an SM, 128x4096 2.44 -> 2.95), where each
+    request's own costs weigh less than at 256. H200 32/8, sessions 45-46, TB/s by spread -> any
+    lengths, equal lengths: 128x4096 2.44 -> 3.11, 256x4096 2.54 -> 3.24, 300x2048 2.41 -> 2.98,
+    160x2048 2.18 -> 2.91, 256x1024 2.45 -> 2.75, 512x1024 2.56 -> 2.93, 2000x512 2.63 -> 2.78,
+    1000x512 2.62 -> 2.70, 500x512 2.53 -> 2.50, 300x1024 2.46 -> 2.71; but 1500x448 2.66 -> 2.58,
+    1000x384 2.59 -> 2.54, 1000x256 2.56 -> 2.24, 500x256 2.28 -> 1.98, 2000x256 2.70 -> 2.37.
     wave_pack_max_waves: packing past one wave only up to this many waves of programs (ctas_per_sm
     x SMs each; 0: any): bf16 d64 4 (H200 32/8, session 27, TB/s line -> unpacked at 7.8 waves:
     512x1024:var 3.62 -> 3.86, 512x2048:var 3.96 -> 3.98; at 3.9, 256x1024:var 3.41 both).
@@ -309,6 +319,7 @@ class DecodeConfig:
     pack_fill: float = 0.95
     wave_pack_spread: float = 1.5
     wave_pack_below: float = 0.0
+    wave_pack_tokens: int = 0
     wave_pack_max_waves: float = 0.0
     wave_pack_load: float = 2.0
     line_waves: int = 1
@@ -359,6 +370,8 @@ class DecodeConfig:
         if not _number(self.wave_pack_below) or not 0 <= self.wave_pack_below <= 1:
             raise ValueError("fa2 decode config wave_pack_below must be a number in [0, 1], "
                              f"got {self.wave_pack_below!r}")
+        if not _int(self.wave_pack_tokens) or self.wave_pack_tokens < 0:
+            raise ValueError(f"fa2 decode config wave_pack_tokens must be an int >= 0, got {self.wave_pack_tokens!r}")
         for name, low in (("wave_pack_spread", 0.0), ("wave_pack_max_waves", 0.0), ("wave_pack_load", 0.25),
                           ("table_split_slots", 0.0)):
             v = getattr(self, name)
@@ -459,13 +472,15 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # on the kernel's line (DecodeConfig.few_pack_line; under CUDA graphs graph_few_line)
             few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, few_pack_line=True,
                         graph_few_line=True) if d == 128 else {**mixed, **line})
-            # past one wave, equal lengths pack where the tiles leave a last wave partly filled (wave_pack_below)
+            # past one wave, equal lengths pack where the tiles leave a last wave partly filled
+            # (wave_pack_below), GQA d64 from 512 tokens a request (wave_pack_tokens)
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
                                 lone_wave_split_tokens=3072, table_split_slots=0.0,
-                                wave_pack_below=0.96 if tiles else 0.0)
+                                wave_pack_below=0.96 if tiles else 0.0,
+                                wave_pack_tokens=512 if line and d == 64 else 0)
         # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-196 registers, 4 per SM; H200
         # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
         # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)

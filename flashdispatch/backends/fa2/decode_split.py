@@ -82,21 +82,27 @@ def may_wave_pack(params: AttentionParams, problem: Problem, q_len: int, cfg: De
                   units: int) -> bool:
     """Whether a plan past one wave may pack these requests: its longest request holds at least
     `DecodeConfig.wave_pack_spread` x the mean tokens from the window start, or (on the kernel's
-    line) the wave model predicts its unpacked grid under `DecodeConfig.wave_pack_below`; and the
-    first pieces `wave_pack_groups` tries hold min_chunk_tokens (`window_stats`)."""
+    line) the requests pack whatever their lengths (`_any_lengths_pack`); and the first pieces
+    `wave_pack_groups` tries hold min_chunk_tokens (`window_stats`)."""
     total, longest = window_stats(params, problem, q_len)
     batch = params.batch_size
     if not total:
         return False
-    if longest * batch < cfg.wave_pack_spread * total and not _waves_pack(cfg, problem, batch * units, sm_count,
-                                                                          total / batch):
+    if longest * batch < cfg.wave_pack_spread * total and not _any_lengths_pack(cfg, problem, batch * units,
+                                                                                sm_count, total / batch):
         return False
     return total >= wave_pack_groups(batch, cfg, sm_count, units)[0] * cfg.min_chunk_tokens
 
 
-def _waves_pack(cfg: DecodeConfig, problem: Problem, programs: int, sm_count: int, tokens: float) -> bool:
-    """Whether requests of any lengths pack on the line for the wave model (`DecodeConfig.wave_pack_below`)."""
-    if not cfg.wave_pack_below or not cfg.wave_pack_line or problem.window_left >= 0:
+def _any_lengths_pack(cfg: DecodeConfig, problem: Problem, programs: int, sm_count: int, tokens: float) -> bool:
+    """Whether ``programs`` programs of requests of ``tokens`` mean tokens pack on the line whatever
+    their lengths: they reach `DecodeConfig.wave_pack_tokens`, or the wave model predicts their
+    unpacked grid under `DecodeConfig.wave_pack_below`."""
+    if not cfg.wave_pack_line or problem.window_left >= 0:
+        return False
+    if cfg.wave_pack_tokens and tokens >= cfg.wave_pack_tokens:
+        return True
+    if not cfg.wave_pack_below:
         return False
     fraction = unpacked_fraction(cfg, programs, sm_count, tokens)
     return fraction is not None and fraction < cfg.wave_pack_below
