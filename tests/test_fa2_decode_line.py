@@ -392,12 +392,13 @@ def test_gpu_line_plan_refreshed_and_a_long_request(kv):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("head_dim, kv_heads, batch, kv_len", [(128, 8, 200, 1024), (256, 8, 100, 2048),
-                                                               (128, 32, 24, 4096), (64, 8, 256, 1024)],
-                         ids=["128", "256", "mha-128", "64"])
+                                                               (128, 32, 24, 4096), (64, 8, 256, 1024),
+                                                               (64, 32, 64, 1024)],
+                         ids=["128", "256", "mha-128", "64", "mha-64"])
 def test_gpu_equal_fp8_lengths_on_the_line(head_dim, kv_heads, batch, kv_len):
     """fp8 KV of equal lengths past one wave on the line by default, against the reference backend:
     d128 and d256 where the tiles would leave a last wave partly filled (`DecodeConfig.wave_pack_below`),
-    d64 from 512 tokens a request (`DecodeConfig.wave_pack_tokens`)."""
+    d64 from 512 tokens a request, MHA d64 from 1024 (`DecodeConfig.wave_pack_tokens`)."""
     case = _case([kv_len] * batch, device="cuda", kv_dtype=torch.float8_e4m3fn, num_qo_heads=32, num_kv_heads=kv_heads,
                  head_dim_qk=head_dim, k_scale=0.8, v_scale=1.5, seed=85)
     ref_out, ref_lse = reference_backend_result(case)

@@ -3,7 +3,7 @@ equal piece per program, up to ``pack_items`` segments of different requests in 
 
 CPU: `decode_split.packed_segments` on its own, and packed plans under the Triton interpreter
 (fp16) against the float64 oracle. GPU (``-m gpu``): the d128 defaults' packed plans (fp8 and
-bf16) against the reference backend.
+bf16) and fp8 MHA d64's against the reference backend.
 """
 from __future__ import annotations
 
@@ -295,3 +295,13 @@ def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
     plan = _gpu_mixed_plan(48, [7, 30], kv, head_dim, draw=9, seed=71,
                            config={"few_pack_line": False, "few_line_mixed": 0})
     assert plan.items == 4 and not plan.direct
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_mha_d64_packs_mixed_lengths():
+    """The fp8 MHA d64 default packs as GQA d64 does: 16 mixed requests (one empty) on the host
+    under one wave, 64 on the kernel's line past it."""
+    few = _gpu_mixed_plan(16, [5], "e4m3", 64, draw=10, seed=72, kv_heads=32)
+    assert few.items > 1 and not few.direct and not few.line
+    assert _gpu_mixed_plan(64, [3, 40], "e4m3", 64, draw=11, seed=73, kv_heads=32).line

@@ -356,24 +356,30 @@ def test_equal_lengths_pack_where_a_wave_is_partly_filled():
         assert not plan.line and plan.items == 1, (kv, head_dim, config, problem)
 
 
-def test_fp8_d64_packs_from_512_tokens():
-    """The fp8 GQA d64 default (`DecodeConfig.wave_pack_tokens` 512) on 132 SMs: equal lengths past
-    one wave take the kernel's line from 512 tokens a request on average (128x4096, 256x1024,
-    1000x512; the mean counts from a request's window start), not at 256 (1000x256), nor with a
-    sliding window, nor with the knob at 0, nor for MHA d64 (no line) or bf16 d64; a line plan
-    re-planned for other lengths of that mean refreshes."""
+def test_fp8_d64_packs_long_requests():
+    """The fp8 d64 defaults (`DecodeConfig.wave_pack_tokens`: GQA 512, MHA 1024) on 132 SMs: equal
+    lengths past one wave take the kernel's line from that many tokens a request on average (GQA
+    128x4096, 256x1024, 1000x512, MHA 64x1024; the mean counts from a request's window start), not
+    under it (GQA 1000x256, MHA 64x512), nor with a sliding window, nor with the knob at 0, nor for
+    bf16 d64; a line plan re-planned for other lengths of that mean refreshes. MHA mixed lengths
+    pack as GQA's do: on the host under one wave, on the line past it."""
     fp8 = torch.float8_e4m3fn
-    for batch, kv_len, line in ((128, 4096, True), (256, 1024, True), (1000, 512, True), (1000, 256, False),
-                                (2000, 300, False)):
-        plan, _ = _h200_plan([kv_len] * batch, fp8, head_dim=64)
-        assert plan.line == line, (batch, kv_len)
+    for kv_heads, batch, kv_len, line in ((8, 128, 4096, True), (8, 256, 1024, True), (8, 1000, 512, True),
+                                          (8, 1000, 256, False), (8, 2000, 300, False), (32, 64, 1024, True),
+                                          (32, 64, 512, False)):
+        plan, _ = _h200_plan([kv_len] * batch, fp8, head_dim=64, kv_heads=kv_heads)
+        assert plan.line == line, (kv_heads, batch, kv_len)
         if line:
-            again = plan.refreshed(_H200, _h200_plan([kv_len] * (batch - 1) + [kv_len + 16], fp8, head_dim=64)[1])
+            lens = [kv_len] * (batch - 1) + [kv_len + 16]
+            again = plan.refreshed(_H200, _h200_plan(lens, fp8, head_dim=64, kv_heads=kv_heads)[1])
             assert again is not None and again.line
-    for kv, config, problem in ((fp8, {"wave_pack_tokens": 0}, {}), (fp8, None, {"window_left": 300}),
-                                (fp8, None, {"kv_heads": 32}), (F16, None, {})):
+    for kv, config, problem in ((fp8, {"wave_pack_tokens": 0}, {}), (fp8, None, {"window_left": 300}), (F16, None, {})):
         plan, _ = _h200_plan([1024] * 256, kv, config, head_dim=64, **problem)
         assert not plan.line, (kv, config, problem)
+    lens = np.random.default_rng(20261204).integers(1, 8192, 64).tolist()
+    few = _h200_plan(lens[:16], fp8, head_dim=64, kv_heads=32)[0]
+    assert few.items > 1 and not few.line and not few.direct
+    assert _h200_plan(lens, fp8, head_dim=64, kv_heads=32)[0].line
 
 
 def test_may_wave_pack_and_its_pieces():

@@ -187,7 +187,7 @@ class DecodeConfig:
     3.49 (0.98).
     wave_pack_tokens: > 0: such a plan (the kernel's line only: wave_pack_line, no sliding window)
     packs whatever its lengths where its requests hold at least this many tokens on average from
-    the window start. 0: by wave_pack_spread and wave_pack_below. fp8 GQA d64 512: one program of
+    the window start. 0: by wave_pack_spread and wave_pack_below. fp8 d64 MHA 1024, GQA 512: one program of
     its 64 x 3 tile per request and KV head runs 8 to an SM and reads less than the line's 4 to an
     SM from 512 tokens a request (with 6 stages, 4 to an SM, 128x4096 2.44 -> 2.95), where each
     request's own costs weigh less than at 256. H200 32/8, sessions 45-46, TB/s by spread -> any
@@ -472,15 +472,22 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # on the kernel's line (DecodeConfig.few_pack_line; under CUDA graphs graph_few_line)
             few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, few_pack_line=True,
                         graph_few_line=True) if d == 128 else {**mixed, **line})
+            # MHA d64 packs as GQA d64 does, on the line past one wave, but under CUDA graphs only past
+            # one wave (H200 32/32, session 46, eager, TB/s default -> packed: 32x4096:var 2.27 -> 2.99,
+            # 64x4096:var 2.57 -> 3.17, 16x8192:var 2.14 -> 3.02, 128x1024:var 2.68 -> 2.83; equal
+            # lengths 32x4096 2.72 -> 3.17, 100x2048 2.93 -> 3.13, 16x4096 and 8x8192 the same)
+            if not gqa and d == 64 and problem.page_size > 1:
+                few = dict(pack_items=4, pack_fill=0.65, wave_pack_line=True)
             # past one wave, equal lengths pack where the tiles leave a last wave partly filled
-            # (wave_pack_below), GQA d64 from 512 tokens a request (wave_pack_tokens)
+            # (wave_pack_below), d64 from 512 tokens a request on average, MHA from 1024 (wave_pack_tokens;
+            # MHA 250x512 2.99 -> 2.75 at 512)
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
                                 lone_wave_split_tokens=3072, table_split_slots=0.0,
                                 wave_pack_below=0.96 if tiles else 0.0,
-                                wave_pack_tokens=512 if line and d == 64 else 0)
+                                wave_pack_tokens=(0 if d != 64 or not few else 512 if gqa else 1024))
         # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-196 registers, 4 per SM; H200
         # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
         # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
