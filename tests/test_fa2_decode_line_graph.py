@@ -170,20 +170,22 @@ def test_graph_wrapper_past_one_wave_replays_the_line():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kv, kv_heads, batch", [
-    (torch.bfloat16, 8, 256), (torch.float8_e4m3fn, 8, 256), (torch.bfloat16, 32, 256),
-    (torch.bfloat16, 8, 48), (torch.float8_e4m3fn, 8, 48), (torch.bfloat16, 32, 12)],
-    ids=["bf16", "fp8kv", "mha", "bf16-few", "fp8kv-few", "mha-few"])
-def test_gpu_graph_line_replays_later_lengths(kv, kv_heads, batch):
-    """A graph captured on a line plan of the defaults, of 256 mixed requests (32/8 heads d128,
-    MHA 32/32; two empty) or of a batch under one wave (graph_few_line), replayed after re-plans to
-    equal requests (256: cut into the line's even groups) and to a mix with one request of 60000
-    tokens: each replay gives the re-plan's reference result (poisoned out/lse, new q)."""
+@pytest.mark.parametrize("kv, kv_heads, batch, head_dim", [
+    (torch.bfloat16, 8, 256, 128), (torch.float8_e4m3fn, 8, 256, 128), (torch.bfloat16, 32, 256, 128),
+    (torch.bfloat16, 8, 48, 128), (torch.float8_e4m3fn, 8, 48, 128), (torch.bfloat16, 32, 12, 128),
+    (torch.float8_e4m3fn, 32, 64, 64), (torch.float8_e4m3fn, 32, 12, 64)],
+    ids=["bf16", "fp8kv", "mha", "bf16-few", "fp8kv-few", "mha-few", "fp8kv-mha-d64", "fp8kv-mha-d64-few"])
+def test_gpu_graph_line_replays_later_lengths(kv, kv_heads, batch, head_dim):
+    """A graph captured on a line plan of the defaults, of mixed requests past one wave (256 of
+    32/8 heads d128, MHA 32/32; 64 of fp8 MHA d64; two empty) or of a batch under one wave
+    (graph_few_line), replayed after re-plans to equal requests (256: cut into the line's even
+    groups) and to a mix with one request of 60000 tokens: each replay gives the re-plan's
+    reference result (poisoned out/lse, new q)."""
     from test_fa2_decode_gpu import _assert_replay_is_replanned, _captured, _case, _fp8_scales, _replanned
     lens = np.random.default_rng(95).integers(1, 8192, batch)
     lens[[4, batch - 3]] = 0
     case = _case(lens.tolist(), num_qo_heads=32, num_kv_heads=kv_heads, kv_dtype=kv, use_cuda_graph=True,
-                 extra_pages=12000, seed=96, **_fp8_scales(kv))
+                 head_dim_qk=head_dim, extra_pages=12000, seed=96, **_fp8_scales(kv))
     plan, graph = _captured(case, 128 << 10)
     assert plan.line and (batch % plan.line_even_groups == 0 or batch < 256)  # (MHA: every group)
     long_one = np.random.default_rng(97).integers(1, 4096, batch)

@@ -362,7 +362,8 @@ def test_fp8_d64_packs_long_requests():
     128x4096, 256x1024, 1000x512, MHA 64x1024; the mean counts from a request's window start), not
     under it (GQA 1000x256, MHA 64x512), nor with a sliding window, nor with the knob at 0, nor for
     bf16 d64; a line plan re-planned for other lengths of that mean refreshes. MHA mixed lengths
-    pack as GQA's do: on the host under one wave, on the line past it."""
+    pack as GQA's do: on the host under one wave (under CUDA graphs on the line: graph_few_line), on
+    the line past it."""
     fp8 = torch.float8_e4m3fn
     for kv_heads, batch, kv_len, line in ((8, 128, 4096, True), (8, 256, 1024, True), (8, 1000, 512, True),
                                           (8, 1000, 256, False), (8, 2000, 300, False), (32, 64, 1024, True),
@@ -379,6 +380,7 @@ def test_fp8_d64_packs_long_requests():
     lens = np.random.default_rng(20261204).integers(1, 8192, 64).tolist()
     few = _h200_plan(lens[:16], fp8, head_dim=64, kv_heads=32)[0]
     assert few.items > 1 and not few.line and not few.direct
+    assert _h200_plan(lens[:16], fp8, graph=True, head_dim=64, kv_heads=32)[0].line
     assert _h200_plan(lens, fp8, head_dim=64, kv_heads=32)[0].line
 
 

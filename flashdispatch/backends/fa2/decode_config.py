@@ -472,12 +472,13 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # on the kernel's line (DecodeConfig.few_pack_line; under CUDA graphs graph_few_line)
             few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, few_pack_line=True,
                         graph_few_line=True) if d == 128 else {**mixed, **line})
-            # MHA d64 packs as GQA d64 does, on the line past one wave, but under CUDA graphs only past
-            # one wave (H200 32/32, session 46, eager, TB/s default -> packed: 32x4096:var 2.27 -> 2.99,
-            # 64x4096:var 2.57 -> 3.17, 16x8192:var 2.14 -> 3.02, 128x1024:var 2.68 -> 2.83; equal
-            # lengths 32x4096 2.72 -> 3.17, 100x2048 2.93 -> 3.13, 16x4096 and 8x8192 the same)
+            # MHA d64 packs as GQA d64 does (H200 32/32, session 46, TB/s default -> packed, eager:
+            # 32x4096:var 2.27 -> 2.99, 64x4096:var 2.57 -> 3.17, 16x8192:var 2.14 -> 3.02, 128x1024:var
+            # 2.68 -> 2.83; equal lengths 32x4096 2.72 -> 3.17, 100x2048 2.93 -> 3.13, 16x4096 and 8x8192
+            # the same; graphs under one wave: 16x8192:var 2.15 -> 3.06, 12x4096:var 1.55 -> 2.55,
+            # 4x8192:var 1.64 -> 2.12, equal 16x4096, 8x8192 and 2x16384 the same)
             if not gqa and d == 64 and problem.page_size > 1:
-                few = dict(pack_items=4, pack_fill=0.65, wave_pack_line=True)
+                few = dict(pack_items=4, pack_fill=0.65, wave_pack_line=True, graph_few_line=True)
             # past one wave, equal lengths pack where the tiles leave a last wave partly filled
             # (wave_pack_below), d64 from 512 tokens a request on average, MHA from 1024 (wave_pack_tokens;
             # MHA 250x512 2.99 -> 2.75 at 512)
