@@ -172,8 +172,8 @@ def main():
             from flashdispatch.bench.timing import L2Flusher, device_times_ms
             for mode in args.flush.split(","):
                 ms = statistics.median(device_times_ms(run, args.reps, L2Flusher(cache.device, mode=mode)))
-                print(f"{label} flush {mode}: {ms * 1e3:6.1f} us  {cache.numel() * cache.element_size() / ms / 1e9:5.2f} TB/s "
-                      f"(err {err:.1e})", flush=True)
+                tbs = cache.numel() * cache.element_size() / ms / 1e9
+                print(f"{label} flush {mode}: {ms * 1e3:6.1f} us  {tbs:5.2f} TB/s (err {err:.1e})", flush=True)
 
 
 if __name__ == "__main__":

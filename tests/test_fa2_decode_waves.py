@@ -334,8 +334,8 @@ def test_equal_lengths_pack_where_a_wave_is_partly_filled():
     best unpacked grid under 0.96 of full-wave throughput (d128 200x1024 and 400x4096 0.86-0.90,
     MHA 24x4096 0.92, d256 100x2048 0.86), not where a last wave fills (256x1024, 128x2048,
     1000x512, MHA 64x4096, d256 256x1024: 0.97-0.98); a line plan re-planned for the same lengths
-    refreshes. bf16 and fp8 d64 (which packs by wave_pack_tokens instead) keep 1024 x 64-token
-    requests unpacked, as do a sliding window and wave_pack_below 0."""
+    refreshes. bf16 d64, fp8 d64 with wave_pack_tokens off (`test_fp8_d64_packs_long_requests`),
+    a sliding window and wave_pack_below 0 keep 200x1024 unpacked."""
     from flashdispatch.backends.fa2.decode_config import default_config
     from flashdispatch.backends.fa2.decode_waves import unpacked_fraction
     fp8 = torch.float8_e4m3fn
@@ -359,11 +359,10 @@ def test_equal_lengths_pack_where_a_wave_is_partly_filled():
 def test_fp8_d64_packs_long_requests():
     """The fp8 d64 defaults (`DecodeConfig.wave_pack_tokens`: GQA 512, MHA 1024) on 132 SMs: equal
     lengths past one wave take the kernel's line from that many tokens a request on average (GQA
-    128x4096, 256x1024, 1000x512, MHA 64x1024; the mean counts from a request's window start), not
-    under it (GQA 1000x256, MHA 64x512), nor with a sliding window, nor with the knob at 0, nor for
-    bf16 d64; a line plan re-planned for other lengths of that mean refreshes. MHA mixed lengths
-    pack as GQA's do: on the host under one wave (under CUDA graphs on the line: graph_few_line), on
-    the line past it."""
+    128x4096, 256x1024, 1000x512, MHA 64x1024), not under it (GQA 1000x256, MHA 64x512), nor with
+    a sliding window, nor with the knob at 0, nor for bf16 d64; a line plan re-planned for other
+    lengths of that mean refreshes. MHA mixed lengths pack as GQA's do: on the host under one wave
+    (under CUDA graphs on the line: graph_few_line), on the line past it."""
     fp8 = torch.float8_e4m3fn
     for kv_heads, batch, kv_len, line in ((8, 128, 4096, True), (8, 256, 1024, True), (8, 1000, 512, True),
                                           (8, 1000, 256, False), (8, 2000, 300, False), (32, 64, 1024, True),
