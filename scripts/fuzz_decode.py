@@ -63,7 +63,7 @@ KNOBS = {  # decode_config.DecodeConfig overrides
     "few_pack_line": [True, False], "graph_few_line": [True, False], "split_ctas_per_sm": [0, 2, 8],
     "wave_split_ctas": [0, 8, 24], "line_segment_tokens": [0, 16, 64], "wave_pack_spread": [0.0, 1.5, 4.0],
     "wave_pack_max_waves": [0.0, 4.0], "wave_pack_below": [0.0, 0.96], "wave_pack_tokens": [0, 64, 512],
-    "line_waves": [1, 2], "fp8_dot_dtype": ["q", "fp16"],
+    "wave_pack_below_tokens": [0, 128], "line_waves": [1, 2], "fp8_dot_dtype": ["q", "fp16"],
     "num_stages": [1, 2, 3], "num_warps": [1, 2, 4], "lone_wave_split_tokens": [0, 64],
     "split_chunk_tokens": [0, 48], "wave_slots": [0, 2, 4], "line_page_prefetch": [True, False],
     "line_align_fill": [0.5, 0.9], "fused_merge_values": [256, 4096],

@@ -10,7 +10,8 @@ line (`DecodeConfig.few_pack_line`). GPU (``-m gpu``): line plans (bf16 and fp8,
 MHA d128) against the reference backend, past one wave beside the host-packed plans and under it,
 a refreshed line plan, a long request merged in the kernel and by the merge kernel, fp8 requests of
 equal length that the wave model packs (`DecodeConfig.wave_pack_below`) or their mean length does
-(`DecodeConfig.wave_pack_tokens`, fp8 d64).
+(`DecodeConfig.wave_pack_tokens`, fp8 d64), bf16 d64 requests of equal length that the wave model
+packs from 1024 tokens (`DecodeConfig.wave_pack_below_tokens`).
 """
 from __future__ import annotations
 
@@ -215,17 +216,20 @@ def test_line_plan_of_equal_requests(fused):
 def test_equal_lengths_on_the_line_for_the_wave_model():
     """`DecodeConfig.wave_pack_below`: 17 requests of equal length x 2 KV heads past one wave of the
     interpreter's 8 SMs (wave_slots 4: 34 programs in 1.06 waves, predicted 0.69 of full-wave
-    throughput) take the line whatever their spread and match the oracle; at 0.6 they keep the
-    direct table."""
+    throughput) take the line whatever their spread and match the oracle; at 0.6, or with
+    `wave_pack_below_tokens` above their 100 tokens, they keep the direct table."""
     lens = [100] * 17
     case = _case(lens, seed=84)
     ref_out, ref_lse = case.oracle()
-    waves = dict(wave_pack_spread=100.0, wave_slots=4)
+    waves = dict(wave_pack_spread=100.0, wave_slots=4, wave_pack_below_tokens=0)
     plan = run_fa2_decode(case, _config(True, wave_pack_below=0.96, **waves))
     assert plan.line
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
     plain = run_fa2_decode(_case(lens, seed=84), _config(True, wave_pack_below=0.6, **waves))
     assert plain.direct and not plain.line
+    short = run_fa2_decode(_case(lens, seed=84),
+                           _config(True, wave_pack_below=0.96, **{**waves, "wave_pack_below_tokens": 101}))
+    assert short.direct and not short.line
 
 
 @interpreted
@@ -405,3 +409,17 @@ def test_gpu_equal_fp8_lengths_on_the_line(head_dim, kv_heads, batch, kv_len):
     plan = run_fa2_decode(case)
     assert plan.line
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_equal_bf16_d64_lengths_on_the_line():
+    """bf16 d64 equal lengths past one wave whose last wave the wave model finds partly filled
+    (100x2048: `DecodeConfig.wave_pack_below` from `wave_pack_below_tokens`) on the line by
+    default, against the reference backend."""
+    case = _case([2048] * 100, device="cuda", kv_dtype=torch.bfloat16, num_qo_heads=32, num_kv_heads=8,
+                 head_dim_qk=64, seed=86)
+    ref_out, ref_lse = reference_backend_result(case)
+    plan = run_fa2_decode(case)
+    assert plan.line
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 2e-2)

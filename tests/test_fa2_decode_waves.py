@@ -266,9 +266,9 @@ def test_wave_split_ceiling():
 
 def test_wave_split_defaults_by_config():
     """The defaults carry the sm90 programs per SM where the wave split was measured (bf16 d128
-    GQA as wave tiles; MHA 4, page-1 GQA 3, d256 GQA 4) and none where it was not (d64, MHA d64
-    and d256, page-1 MHA and d256; fp8 d128 has wave tiles); overriding the kernel's tile or
-    registers drops them."""
+    GQA as wave tiles; MHA 4, page-1 GQA 3, d256 GQA 4) or the wave model packs (GQA d64 5, no
+    split) and none where neither was (fp8 d64, MHA d64 and d256, page-1 MHA and d256; fp8 d128
+    has wave tiles); overriding the kernel's tile or registers drops them."""
     from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config
     from flashdispatch.dispatch.problem import Problem
 
@@ -287,7 +287,8 @@ def test_wave_split_defaults_by_config():
     for override in ({"block_n": 64}, {"num_stages": 3}, {"num_warps": 2}, {"max_registers": 0}):
         assert apply_overrides(mha, override).wave_slots == 0, override
     assert apply_overrides(mha, {"ctas_per_sm": 8}).wave_slots == 4
-    for no in (waves((32, 8), 64), waves((32, 32), 64), waves((32, 32), 128, page=1), waves((32, 32), 256),
+    assert waves((32, 8), 64) == (5, False, 0)
+    for no in (waves((32, 32), 64), waves((32, 32), 128, page=1), waves((32, 32), 256),
                waves((32, 8), 256, page=1), waves((32, 8), 64, kv=torch.float8_e4m3fn)):
         assert no[:2] == (0, False), no
 
@@ -356,12 +357,29 @@ def test_equal_lengths_pack_where_a_wave_is_partly_filled():
         assert not plan.line and plan.items == 1, (kv, head_dim, config, problem)
 
 
+def test_bf16_d64_equal_lengths_by_the_wave_model():
+    """The bf16 GQA d64 default (`DecodeConfig.wave_pack_below` 0.88 on its direct table's 5
+    programs per SM, from `wave_pack_below_tokens` 1024) on 132 SMs: equal lengths past one wave
+    take the kernel's line where the model predicts a last wave partly filled (90x4096 0.71,
+    100x2048 0.76, 128x4096 and 256x1024 0.87), not where the waves fill (80x4096 and 160x1024
+    0.98, 200x1024 0.89), nor requests under 1024 tokens (256x512 0.87) unless that floor is 0."""
+    from flashdispatch.backends.fa2.decode_config import default_config
+    from flashdispatch.backends.fa2.decode_waves import unpacked_fraction
+    for batch, kv_len, line in ((90, 4096, True), (100, 2048, True), (128, 4096, True), (256, 1024, True),
+                                (80, 4096, False), (160, 1024, False), (200, 1024, False), (256, 512, False)):
+        plan, _ = _h200_plan([kv_len] * batch, head_dim=64)
+        fraction = unpacked_fraction(default_config(plan.problem), batch * 8, 132, kv_len)
+        assert (plan.line, fraction < 0.88 and kv_len >= 1024) == (line, line), (batch, kv_len, fraction)
+    assert _h200_plan([512] * 256, config={"wave_pack_below_tokens": 0}, head_dim=64)[0].line
+    assert not _h200_plan([1024] * 256, config={"wave_pack_below": 0}, head_dim=64)[0].line
+
+
 def test_fp8_d64_packs_long_requests():
     """The fp8 d64 defaults (`DecodeConfig.wave_pack_tokens`: GQA 512, MHA 1024) on 132 SMs: equal
     lengths past one wave take the kernel's line from that many tokens a request on average (GQA
     128x4096, 256x1024, 1000x512, MHA 64x1024), not under it (GQA 1000x256, MHA 64x512), nor with
-    a sliding window, nor with the knob at 0, nor for bf16 d64; a line plan re-planned for other
-    lengths of that mean refreshes. MHA mixed lengths pack as GQA's do: on the host under one wave
+    a sliding window, nor with the knob at 0; a line plan re-planned for other lengths of that mean
+    refreshes. MHA mixed lengths pack as GQA's do: on the host under one wave
     (under CUDA graphs on the line: graph_few_line), on the line past it."""
     fp8 = torch.float8_e4m3fn
     for kv_heads, batch, kv_len, line in ((8, 128, 4096, True), (8, 256, 1024, True), (8, 1000, 512, True),
@@ -373,9 +391,9 @@ def test_fp8_d64_packs_long_requests():
             lens = [kv_len] * (batch - 1) + [kv_len + 16]
             again = plan.refreshed(_H200, _h200_plan(lens, fp8, head_dim=64, kv_heads=kv_heads)[1])
             assert again is not None and again.line
-    for kv, config, problem in ((fp8, {"wave_pack_tokens": 0}, {}), (fp8, None, {"window_left": 300}), (F16, None, {})):
-        plan, _ = _h200_plan([1024] * 256, kv, config, head_dim=64, **problem)
-        assert not plan.line, (kv, config, problem)
+    for config, problem in (({"wave_pack_tokens": 0}, {}), (None, {"window_left": 300})):
+        plan, _ = _h200_plan([1024] * 256, fp8, config, head_dim=64, **problem)
+        assert not plan.line, (config, problem)
     lens = np.random.default_rng(20261204).integers(1, 8192, 64).tolist()
     few = _h200_plan(lens[:16], fp8, head_dim=64, kv_heads=32)[0]
     assert few.items > 1 and not few.line and not few.direct

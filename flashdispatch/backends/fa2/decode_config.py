@@ -175,26 +175,28 @@ class DecodeConfig:
     packs whatever its lengths where the wave model predicts its best unpacked grid (the wave tile,
     or the wave split where that beats it: `decode_waves.unpacked_fraction`) under this fraction of
     full-wave throughput: requests of equal length in a last wave partly filled. 0: by
-    wave_pack_spread alone. fp8 GQA and MHA d128 0.96, fp8 d256 0.96 on its compile's 4 programs
-    per SM (wave_slots). H200, session 45, TB/s by spread -> any lengths, equal lengths (the
-    predicted fraction): fp8 32/8 d128 200x1024 2.89 -> 3.33 (0.86), 100x2048 3.22 -> 3.38 (0.86),
-    160x2048 3.42 -> 3.62 (0.86), 80x4096 3.45 -> 3.66 (0.90), 300x2048 3.64 -> 3.87 (0.89),
-    400x4096 3.86 -> 4.05 (0.90), 210x4096 3.83 -> 3.98 (0.93), 160x1024 3.20 -> 3.22 (0.86), but
-    at 0.97-1.0: 256x1024 3.58 -> 3.55, 512x1024 3.82 -> 3.74, 1000x512 3.68 -> 3.54, 264x4096 4.11
-    -> 4.07, 128x2048 3.62 -> 3.60; 32/32 17x8192 3.58 -> 3.93 (0.89), 100x1024 3.47 -> 3.73
-    (0.86), 24x4096 3.60 -> 3.79 (0.92), 48x2048 3.66 -> 3.76 (0.95), 64x4096 4.10 -> 4.03
-    (0.98); fp8 d256 100x2048 2.76 -> 3.49 (0.86), 200x1024 3.11 -> 3.47 (0.86), 256x1024 3.51 ->
-    3.49 (0.98).
+    wave_pack_spread alone. fp8 GQA and MHA d128 0.96, fp8 d256 0.96 on its compile's 4 programs per
+    SM (wave_slots), bf16 GQA d64 0.88 (wave_pack_below_tokens). H200, session 45, TB/s by spread ->
+    any lengths, equal lengths (the predicted fraction): fp8 32/8 d128 200x1024 2.89 -> 3.33 (0.86),
+    100x2048 3.22 -> 3.38 (0.86), 160x2048 3.42 -> 3.62 (0.86), 80x4096 3.45 -> 3.66 (0.90),
+    300x2048 3.64 -> 3.87 (0.89), 400x4096 3.86 -> 4.05 (0.90), 210x4096 3.83 -> 3.98 (0.93),
+    160x1024 3.20 -> 3.22 (0.86), but at 0.97-1.0: 256x1024 3.58 -> 3.55, 512x1024 3.82 -> 3.74,
+    1000x512 3.68 -> 3.54, 264x4096 4.11 -> 4.07, 128x2048 3.62 -> 3.60; 32/32 17x8192 3.58 -> 3.93
+    (0.89), 100x1024 3.47 -> 3.73 (0.86), 24x4096 3.60 -> 3.79 (0.92), 48x2048 3.66 -> 3.76 (0.95),
+    64x4096 4.10 -> 4.03 (0.98); fp8 d256 100x2048 2.76 -> 3.49 (0.86), 200x1024 3.11 -> 3.47
+    (0.86), 256x1024 3.51 -> 3.49 (0.98).
+    wave_pack_below_tokens: wave_pack_below applies only to requests of at least this many tokens
+    on average from the window start (0: any). bf16 GQA d64 1024, with wave_slots 5 (its direct
+    table's sm90 compile) and wave_pack_below 0.88 (H200 32/8, session 46, TB/s by spread -> any
+    lengths, equal lengths, the predicted fraction): 100x2048 2.97 -> 3.55 (0.76), 128x4096 3.90 ->
+    4.14 (0.87), 256x1024 3.58 -> 3.71 (0.87); but 200x1024 3.54 -> 3.50 (0.89), 160x1024 3.54 ->
+    3.36 (0.98), 256x256 2.79 -> 2.63 (0.87; the others in docs/perf-notes.md).
     wave_pack_tokens: > 0: such a plan (the kernel's line only: wave_pack_line, no sliding window)
     packs whatever its lengths where its requests hold at least this many tokens on average from
-    the window start. 0: by wave_pack_spread and wave_pack_below. fp8 d64 MHA 1024, GQA 512: one program of
-    its 64 x 3 tile per request and KV head runs 8 to an SM and reads less than the line's 4 to an
-    SM from 512 tokens a request (with 6 stages, 4 to an SM, 128x4096 2.44 -> 2.95), where each
-    request's own costs weigh less than at 256. H200 32/8, sessions 45-46, TB/s by spread -> any
-    lengths, equal lengths: 128x4096 2.44 -> 3.11, 256x4096 2.54 -> 3.24, 300x2048 2.41 -> 2.98,
-    160x2048 2.18 -> 2.91, 256x1024 2.45 -> 2.75, 512x1024 2.56 -> 2.93, 2000x512 2.63 -> 2.78,
-    1000x512 2.62 -> 2.70, 500x512 2.53 -> 2.50, 300x1024 2.46 -> 2.71; but 1500x448 2.66 -> 2.58,
-    1000x384 2.59 -> 2.54, 1000x256 2.56 -> 2.24, 500x256 2.28 -> 1.98, 2000x256 2.70 -> 2.37.
+    the window start. fp8 d64 MHA 1024, GQA 512: one program of its 64 x 3 tile per request and KV
+    head runs 8 to an SM and reads less than the line's 4 to an SM from 512 tokens a request,
+    where each request's own costs weigh less than at 256 (H200 32/8, session 46, TB/s by spread
+    -> any lengths: 128x4096 2.44 -> 3.11, 1000x512 2.62 -> 2.70, 1000x256 2.56 -> 2.24; perf-notes).
     wave_pack_max_waves: packing past one wave only up to this many waves of programs (ctas_per_sm
     x SMs each; 0: any): bf16 d64 4 (H200 32/8, session 27, TB/s line -> unpacked at 7.8 waves:
     512x1024:var 3.62 -> 3.86, 512x2048:var 3.96 -> 3.98; at 3.9, 256x1024:var 3.41 both).
@@ -319,6 +321,7 @@ class DecodeConfig:
     pack_fill: float = 0.95
     wave_pack_spread: float = 1.5
     wave_pack_below: float = 0.0
+    wave_pack_below_tokens: int = 0
     wave_pack_tokens: int = 0
     wave_pack_max_waves: float = 0.0
     wave_pack_load: float = 2.0
@@ -370,8 +373,9 @@ class DecodeConfig:
         if not _number(self.wave_pack_below) or not 0 <= self.wave_pack_below <= 1:
             raise ValueError("fa2 decode config wave_pack_below must be a number in [0, 1], "
                              f"got {self.wave_pack_below!r}")
-        if not _int(self.wave_pack_tokens) or self.wave_pack_tokens < 0:
-            raise ValueError(f"fa2 decode config wave_pack_tokens must be an int >= 0, got {self.wave_pack_tokens!r}")
+        for name in ("wave_pack_below_tokens", "wave_pack_tokens"):
+            if not _int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"fa2 decode config {name} must be an int >= 0, got {getattr(self, name)!r}")
         for name, low in (("wave_pack_spread", 0.0), ("wave_pack_max_waves", 0.0), ("wave_pack_load", 0.25),
                           ("table_split_slots", 0.0)):
             v = getattr(self, name)
@@ -473,15 +477,12 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, few_pack_line=True,
                         graph_few_line=True) if d == 128 else {**mixed, **line})
             # MHA d64 packs as GQA d64 does (H200 32/32, session 46, TB/s default -> packed, eager:
-            # 32x4096:var 2.27 -> 2.99, 64x4096:var 2.57 -> 3.17, 16x8192:var 2.14 -> 3.02, 128x1024:var
-            # 2.68 -> 2.83; equal lengths 32x4096 2.72 -> 3.17, 100x2048 2.93 -> 3.13, 16x4096 and 8x8192
-            # the same; graphs under one wave: 16x8192:var 2.15 -> 3.06, 12x4096:var 1.55 -> 2.55,
-            # 4x8192:var 1.64 -> 2.12, equal 16x4096, 8x8192 and 2x16384 the same)
+            # 32x4096:var 2.27 -> 2.99, 16x8192:var 2.14 -> 3.02, 32x4096 2.72 -> 3.17; graphs under
+            # one wave 16x8192:var 2.15 -> 3.06; equal lengths under one wave the same: perf-notes)
             if not gqa and d == 64 and problem.page_size > 1:
                 few = dict(pack_items=4, pack_fill=0.65, wave_pack_line=True, graph_few_line=True)
             # past one wave, equal lengths pack where the tiles leave a last wave partly filled
-            # (wave_pack_below), d64 from 512 tokens a request on average, MHA from 1024 (wave_pack_tokens;
-            # MHA 250x512 2.99 -> 2.75 at 512)
+            # (wave_pack_below), d64 from 512 tokens a request, MHA from 1024 (wave_pack_tokens)
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
@@ -513,7 +514,10 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     if d <= 64:
         # 128 x 3 (H200 32/8, session 21, TB/s 64 x 2 -> 128 x 3: 1x32768 1.99 -> 2.11, 16x8192 3.12 ->
         # 3.27, 64x4096 3.43 -> 3.82, 256x1024 3.78 -> 3.74, 256x4096 4.15 -> 4.16)
-        return DecodeConfig(block_n=128, num_stages=3, direct_table=True, wave_pack_max_waves=4.0, **mixed, **line)
+        # equal lengths from 1024 tokens pack past a wave partly filled (DecodeConfig.wave_pack_below_tokens)
+        waves = dict(wave_slots=5, wave_pack_below=0.88, wave_pack_below_tokens=1024) if line else {}
+        return DecodeConfig(block_n=128, num_stages=3, direct_table=True, wave_pack_max_waves=4.0, **mixed, **line,
+                            **waves)
     if d <= 128:
         # the fused merge's 8K tile only where it was measured: group 4 (offline sm90, the direct
         # split with it: groups 2 and 16 152-156 registers, 3 programs per SM; group 4 122, 4)

@@ -96,13 +96,13 @@ def may_wave_pack(params: AttentionParams, problem: Problem, q_len: int, cfg: De
 
 def _any_lengths_pack(cfg: DecodeConfig, problem: Problem, programs: int, sm_count: int, tokens: float) -> bool:
     """Whether ``programs`` programs of requests of ``tokens`` mean tokens pack on the line whatever
-    their lengths: they reach `DecodeConfig.wave_pack_tokens`, or the wave model predicts their
-    unpacked grid under `DecodeConfig.wave_pack_below`."""
+    their lengths: they reach `DecodeConfig.wave_pack_tokens`, or (from `DecodeConfig.wave_pack_below_tokens`)
+    the wave model predicts their unpacked grid under `DecodeConfig.wave_pack_below`."""
     if not cfg.wave_pack_line or problem.window_left >= 0:
         return False
     if cfg.wave_pack_tokens and tokens >= cfg.wave_pack_tokens:
         return True
-    if not cfg.wave_pack_below:
+    if not cfg.wave_pack_below or tokens < cfg.wave_pack_below_tokens:
         return False
     fraction = unpacked_fraction(cfg, programs, sm_count, tokens)
     return fraction is not None and fraction < cfg.wave_pack_below
