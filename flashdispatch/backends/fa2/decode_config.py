@@ -192,11 +192,11 @@ class DecodeConfig:
     4.14 (0.87), 256x1024 3.58 -> 3.71 (0.87); but 200x1024 3.54 -> 3.50 (0.89), 160x1024 3.54 ->
     3.36 (0.98), 256x256 2.79 -> 2.63 (0.87; the others in docs/perf-notes.md).
     wave_pack_tokens: > 0: such a plan (the kernel's line only: wave_pack_line, no sliding window)
-    packs whatever its lengths where its requests hold at least this many tokens on average from
-    the window start. fp8 d64 MHA 1024, GQA 512: one program of its 64 x 3 tile per request and KV
-    head runs 8 to an SM and reads less than the line's 4 to an SM from 512 tokens a request,
-    where each request's own costs weigh less than at 256 (H200 32/8, session 46, TB/s by spread
-    -> any lengths: 128x4096 2.44 -> 3.11, 1000x512 2.62 -> 2.70, 1000x256 2.56 -> 2.24; perf-notes).
+    packs whatever its lengths where its requests hold at least this many tokens on average from the
+    window start (0: off). fp8 d64 MHA 1024, GQA 512: one program of its 64 x 3 tile per request and
+    KV head runs 8 to an SM and reads less than the line's 4 to an SM from 512 tokens a request,
+    where each request's own costs weigh less than at 256 (H200 32/8, session 46, TB/s by spread ->
+    any lengths: 128x4096 2.44 -> 3.11, 1000x512 2.62 -> 2.70, 1000x256 2.56 -> 2.24; perf-notes).
     wave_pack_max_waves: packing past one wave only up to this many waves of programs (ctas_per_sm
     x SMs each; 0: any): bf16 d64 4 (H200 32/8, session 27, TB/s line -> unpacked at 7.8 waves:
     512x1024:var 3.62 -> 3.86, 512x2048:var 3.96 -> 3.98; at 3.9, 256x1024:var 3.41 both).
