@@ -212,39 +212,34 @@ def test_line_plan_of_equal_requests(fused):
             assert rows == [[r, s[0] + r, len(s)] for r, s in enumerate(spans)]
 
 
+# `decode_split._any_lengths_pack`'s rules: (the knobs that pack 17 requests of 100 tokens, the
+# knobs each of which keeps them off the line): the wave model (wave_slots 4: 34 programs in 1.06
+# waves, predicted 0.69 of full-wave throughput), below 0.6 or under wave_pack_below_tokens; the
+# mean length (wave_pack_tokens)
+ANY_LENGTHS = {
+    "wave_model": ({"wave_pack_below": 0.96, "wave_slots": 4, "wave_pack_below_tokens": 0},
+                   [{"wave_pack_below": 0.6}, {"wave_pack_below_tokens": 101}]),
+    "tokens": ({"wave_pack_tokens": 100}, [{"wave_pack_tokens": 101}]),
+}
+
+
 @interpreted
-def test_equal_lengths_on_the_line_for_the_wave_model():
-    """`DecodeConfig.wave_pack_below`: 17 requests of equal length x 2 KV heads past one wave of the
-    interpreter's 8 SMs (wave_slots 4: 34 programs in 1.06 waves, predicted 0.69 of full-wave
-    throughput) take the line whatever their spread and match the oracle; at 0.6, or with
-    `wave_pack_below_tokens` above their 100 tokens, they keep the direct table."""
+@pytest.mark.parametrize("rule", list(ANY_LENGTHS))
+def test_equal_lengths_on_the_line_whatever_their_spread(rule):
+    """`DecodeConfig.wave_pack_below` (from `wave_pack_below_tokens`) and `wave_pack_tokens`: 17
+    requests of equal length x 2 KV heads past one wave of the interpreter's 8 SMs take the line
+    whatever their spread where the rule says so and match the oracle; with the knob that says
+    otherwise they keep the direct table."""
+    on, offs = ANY_LENGTHS[rule]
     lens = [100] * 17
     case = _case(lens, seed=84)
     ref_out, ref_lse = case.oracle()
-    waves = dict(wave_pack_spread=100.0, wave_slots=4, wave_pack_below_tokens=0)
-    plan = run_fa2_decode(case, _config(True, wave_pack_below=0.96, **waves))
+    plan = run_fa2_decode(case, _config(True, wave_pack_spread=100.0, **on))
     assert plan.line
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
-    plain = run_fa2_decode(_case(lens, seed=84), _config(True, wave_pack_below=0.6, **waves))
-    assert plain.direct and not plain.line
-    short = run_fa2_decode(_case(lens, seed=84),
-                           _config(True, wave_pack_below=0.96, **{**waves, "wave_pack_below_tokens": 101}))
-    assert short.direct and not short.line
-
-
-@interpreted
-def test_long_requests_on_the_line():
-    """`DecodeConfig.wave_pack_tokens`: 17 requests of equal length x 2 KV heads past one wave of
-    the interpreter's 8 SMs take the line whatever their spread where they hold the knob's tokens
-    on average, and match the oracle; under it they keep the direct table."""
-    lens = [100] * 17
-    case = _case(lens, seed=85)
-    ref_out, ref_lse = case.oracle()
-    plan = run_fa2_decode(case, _config(True, wave_pack_spread=100.0, wave_pack_tokens=100))
-    assert plan.line
-    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
-    plain = run_fa2_decode(_case(lens, seed=85), _config(True, wave_pack_spread=100.0, wave_pack_tokens=101))
-    assert plain.direct and not plain.line
+    for off in offs:
+        plain = run_fa2_decode(_case(lens, seed=84), _config(True, wave_pack_spread=100.0, **{**on, **off}))
+        assert plain.direct and not plain.line, off
 
 
 @interpreted

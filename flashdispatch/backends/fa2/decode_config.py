@@ -474,13 +474,13 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
             # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
             # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items),
             # on the kernel's line (DecodeConfig.few_pack_line; under CUDA graphs graph_few_line)
+            # d64 (page > 1) packs as GQA d64 and d256 do (`mixed`, `line`), MHA too (H200 32/32, session
+            # 46, TB/s default -> packed, eager: 32x4096:var 2.27 -> 2.99, 16x8192:var 2.14 -> 3.02,
+            # 32x4096 2.72 -> 3.17; graphs under one wave 16x8192:var 2.15 -> 3.06; perf-notes)
+            d64 = (dict(pack_items=4, pack_fill=0.65, wave_pack_line=True, graph_few_line=True)
+                   if d == 64 and problem.page_size > 1 else {})
             few = (dict(split_block_n=32, split_ctas_per_sm=8, pack_items=4, wave_pack_line=True, few_pack_line=True,
-                        graph_few_line=True) if d == 128 else {**mixed, **line})
-            # MHA d64 packs as GQA d64 does (H200 32/32, session 46, TB/s default -> packed, eager:
-            # 32x4096:var 2.27 -> 2.99, 16x8192:var 2.14 -> 3.02, 32x4096 2.72 -> 3.17; graphs under
-            # one wave 16x8192:var 2.15 -> 3.06; equal lengths under one wave the same: perf-notes)
-            if not gqa and d == 64 and problem.page_size > 1:
-                few = dict(pack_items=4, pack_fill=0.65, wave_pack_line=True, graph_few_line=True)
+                        graph_few_line=True) if d == 128 else d64)
             # past one wave, equal lengths pack where the tiles leave a last wave partly filled
             # (wave_pack_below), d64 from 512 tokens a request, MHA from 1024 (wave_pack_tokens)
             return DecodeConfig(block_n=64, num_warps=1, k_rows=True, fp8_dot_dtype="fp16", num_stages=3,
