@@ -41,6 +41,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashdispatch.backends.fa2 import decode_config as fa2_decode_config  # noqa: E402
+from flashdispatch.backends.fa2 import decode_variant as fa2_decode_variant  # noqa: E402
 from flashdispatch.backends.fa2.prefill_config import default_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel  # noqa: E402
@@ -96,25 +97,24 @@ def prefill_variant(head: int, rope: bool, split: bool, tiles: list[int] | None)
 
 
 def decode_variant(head: int, rope: bool, split: bool, tiles: list[int] | None):
-    """(kernel, signature, constexprs, options, config text) of one decode variant (``split`` unused)."""
+    """(kernel, signature, constexprs, options, config text) of one decode variant (``split``
+    unused): the work-array kernel of the default config, its constexprs as a plan gives them
+    (`decode_variant.kernel_constants`) plus run()'s (float scales, lse, a 5-D cache's rows)."""
     del split
-    cfg = fa2_decode_config.default_config(_problem("decode", head, rope))
+    p = _problem("decode", head, rope)
+    cfg = fa2_decode_config.default_config(p)
     if tiles:
-        cfg = dataclasses.replace(cfg, **dict(zip(("block_n", "num_warps", "num_stages"), tiles)))
-    group = QO_HEADS // KV_HEADS
-    const = dict(NUM_QO_HEADS=QO_HEADS, GROUP=group, QLEN=1, ROW_BLOCKS=1, PAGE=PAGE, HEAD_DIM=head,
-                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, CAUSAL=False,
-                 WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, SINKS=False, WRITE_LSE=True,
-                 Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, K_ROWS=cfg.k_rows,
-                 FP16_DOTS=False, HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
-                 V_STAGED=False, FUSED_MERGE=False, MERGE_BLOCK_R=1, MERGE_BLOCK_S=1, DIRECT=False, DIRECT_SPLIT=False,
-                 PDL_TRIGGER=False, SWAP_AB=cfg.swap_ab, ITEMS=1)
+        cfg = dataclasses.replace(cfg, **dict(zip(("block_n", "num_warps", "num_stages"), tiles)), max_registers=0)
+    block_m, row_blocks = fa2_decode_variant.row_block(QO_HEADS // KV_HEADS, cfg)
+    const = dict(fa2_decode_variant.kernel_constants(p, cfg, block_m, row_blocks, False, False, False, False))
+    options = {k: const.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in const}
+    const.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, SHARED_KV_ROWS=cfg.shared_kv_rows)
     fp16 = {name: "*fp16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     f32 = {name: "*fp32" for name in ("lse_ptr", "po_ptr", "plse_ptr", "slopes_ptr", "sinks_ptr",
                                       "q_scale_ptr", "k_scale_ptr", "v_scale_ptr")}
     sig = _signature(decode_kernel, const, {**fp16, **f32})
-    text = f"{const['BLOCK_M']}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-    return decode_kernel, sig, const, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), text
+    text = f"{block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+    return decode_kernel, sig, const, options, text
 
 
 VARIANTS = {"prefill": prefill_variant, "decode": decode_variant}

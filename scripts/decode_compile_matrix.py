@@ -82,7 +82,8 @@ def combinations(head_dims: list[int]):
             for label, cfg, fused, direct, split, items, line, table, total in variants:
                 consts = fvar.kernel_constants(p, cfg, block_m, row_blocks, fused, direct, split, False, items, line,
                                                table, total)
-                consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
+                consts.update(WRITE_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False,
+                              SHARED_KV_ROWS=cfg.shared_kv_rows)
                 yield f"d{d:<4}{str(kv).removeprefix('torch.'):14} {feature:22} {label}", consts, kv
 
 

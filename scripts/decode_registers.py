@@ -107,7 +107,8 @@ def main() -> None:
                                        line=line)
         consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
         # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
-        consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
+        consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False,
+                      SHARED_KV_ROWS=cfg.shared_kv_rows)  # a 5-D cache's
         if capped and "maxnreg" not in consts:  # register_cap: not this variant
             continue
         k = compile_variant(consts, q_dtype, KV[args.kv], args.cc)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashdispatch.backends.base import PagedKV
 from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.dispatch.caps import check_caps
 from flashdispatch.dispatch.problem import Device, Problem
@@ -122,6 +123,34 @@ def test_fp8_kv_and_scales(kv_dtype, tensor_scales):
         scales = tuple(torch.tensor([s]) for s in scales)
     case = _case(kv_dtype=kv_dtype, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2], seed=6)
     _check(case, fixed_split_size=2)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("v_storage", ["5d", "same strides", "other page stride", "other slot stride"])
+def test_fp8_v_rows_at_k_offsets_only_with_k_strides(layout, v_storage):
+    """DecodeConfig.shared_kv_rows (on for fp8): V's token rows are read at K's row offsets only
+    where V's page and slot strides are K's (a 5-D cache, or a pair laid out alike); a V cache
+    inside a wider buffer (another page or slot stride) keeps its own offsets. Either way the
+    result matches the oracle, and the launched variant says which path ran."""
+    case = _case(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.3, kv_layout=layout, seed=61,
+                 kv_storage="5d" if v_storage == "5d" else "tuple")
+    kv = case.inputs.kv
+    if v_storage.startswith("other"):
+        v = kv.v
+        # one dim wider: dim 1 (NHD slots, HND heads) changes the page stride alone; NHD heads and
+        # HND head_dim change the slot stride too
+        wider = list(v.shape)
+        wider[1 if v_storage == "other page stride" else 2 if layout == "NHD" else 3] += 3
+        buf = torch.full(wider, float("nan")).to(v.dtype)  # the rows V does not own hold NaN
+        view = buf[tuple(slice(0, n) for n in v.shape)]
+        view.copy_(v)
+        case.inputs.kv = PagedKV(kv.k, view, layout)
+        assert case.inputs.kv.v.stride()[:3] != kv.k.stride()[:3]
+    plan = _check(case, fixed_split_size=2)
+    shared = v_storage in ("5d", "same strides")
+    assert plan.config.shared_kv_rows and [key[4] for key in plan._launchers] == [shared]
+    plan = _check(case, config={"shared_kv_rows": False}, fixed_split_size=2)
+    assert [key[4] for key in plan._launchers] == [False]
 
 
 def test_window_near_int32_max_is_no_window():

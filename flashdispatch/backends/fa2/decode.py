@@ -465,7 +465,7 @@ class DecodePlan(DecodePacking):
         self._consts = kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
                                         self.direct, self.split_slots > 1, self.pdl, self.items, self.line,
                                         self.table, self.total_split)
-        self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T) -> BoundKernel
+        self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T, SHARED_KV_ROWS) -> BoundKernel
         self._set_tables()
 
     def _set_tables(self) -> None:
@@ -492,10 +492,10 @@ class DecodePlan(DecodePacking):
         t = self.kv_indices
         return t.stride(0), t.shape[1] * self.problem.page_size, self.split_target if self.total_split else 0
 
-    def _bind(self, variant: tuple[bool, bool, bool, bool]) -> BoundKernel:
-        write_lse, q_t, k_t, v_t = variant
+    def _bind(self, variant: tuple[bool, bool, bool, bool, bool]) -> BoundKernel:
+        write_lse, q_t, k_t, v_t, shared_rows = variant
         launch = self._launchers[variant] = bind(decode_kernel, **self._consts, WRITE_LSE=write_lse, Q_SCALE_T=q_t,
-                                                 K_SCALE_T=k_t, V_SCALE_T=v_t)
+                                                 K_SCALE_T=k_t, V_SCALE_T=v_t, SHARED_KV_ROWS=shared_rows)
         return launch
 
     def run(self, inputs: AttentionInputs) -> None:
@@ -522,7 +522,7 @@ class DecodePlan(DecodePacking):
             sinks = dummy
         write_lse = lse is not None
         lse_t = lse if write_lse else dummy
-        variant = (write_lse, q_in, k_in, v_in)
+        variant = (write_lse, q_in, k_in, v_in, self.config.shared_kv_rows and ks[:2] == vs[:2])
         launch = self._launchers.get(variant) or self._bind(variant)
         ls = lse.stride() if write_lse else (0, 0)
         inputs_at = (q.data_ptr(), k_at, v_at, out.data_ptr(), lse_t.data_ptr())

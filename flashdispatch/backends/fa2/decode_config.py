@@ -236,12 +236,8 @@ class DecodeConfig:
     8x8192:var 2.61 -> 2.99, fp8 48x4096:var 1.73 -> 3.35, 16x8192:var 1.92 -> 3.00-3.07, MHA
     12x4096:var 2.67 -> 3.82; equal lengths lose 2-8 % (2x16384 2.70 -> 2.49-2.55, 16x8192 3.85 ->
     3.72-3.76, 64x4096 4.18 -> 4.11-4.18) except fp8 48x4096 3.00 -> 3.36. On for GQA d64 and d256
-    too (sessions 43-44, TB/s own split -> line, graphs / block table): d64 48x4096:var
-    2.61 -> 3.49 / 2.85 -> 3.46, 16x8192:var 2.49 -> 3.10 / 2.93 -> 3.05, fp8 32x4096:var 1.59 ->
-    2.25 / 1.02 -> 2.23; d256 48x4096:var 2.72 -> 4.25 / 3.27 -> 4.24, 8x8192:var 3.05 -> 3.59 /
-    3.21 -> 3.57, fp8 32x4096:var 1.97 -> 3.27 / 1.39 -> 3.25; equal lengths -9 to +8 % (d64
-    2x16384 2.10 -> 1.92 / 1.97 -> 1.90, 48x4096 3.69 -> 3.55 / 3.41 -> 3.52; d256 48x4096 4.21 ->
-    4.27 / 3.93 -> 4.26, fp8 16x8192 3.45 -> 3.31 / 3.47 -> 3.35).
+    too (sessions 43-44, graphs and block tables: mixed d64 48x4096:var 2.61 -> 3.49, d256 2.72 ->
+    4.25; equal lengths -9 to +8 %; the others in docs/perf-notes.md).
     few_line_mixed: an eager plan of fewer than ctas_per_sm x SMs programs of at least this many
     requests whose lengths differ takes the line (as few_pack_line) whatever its work fill, where
     its config packs (pack_items > 1); 0: off. 16 for bf16/fp16 GQA d128 (H200 32/8, session 43,
@@ -283,6 +279,11 @@ class DecodeConfig:
     64x4096:var 3.19 -> 3.47 (3.47); equal lengths lose 1-3.5 % (2x16384 2.73 -> 2.64, 48x8192
     4.22 -> 4.09: the split variant merges in the kernel, without the register cap). Off for fp8
     KV: 48x4096 3.21 -> 2.80, 16x8192:var 1.93 -> 1.82, 48x4096:var 1.86 -> 2.33.
+    shared_kv_rows: where V's page and slot strides are K's (a 5-D cache, or a (k, v) pair laid
+    out alike), V's token rows are read at K's row offsets (decode_kernel.py's SHARED_KV_ROWS).
+    On for fp8 KV (H200 32/8, session 47, TB/s off -> on: d64 64x4096 2.86 -> 3.00, d256 64x4096
+    3.57 -> 3.73, 256x4096 3.86 -> 3.96, d128 within 1 %); 16-bit reads the same or less (d64
+    256x4096 4.19 -> 4.13): off.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
@@ -310,6 +311,7 @@ class DecodeConfig:
     direct_table: bool = False
     max_registers: int = 0
     pdl: bool = True
+    shared_kv_rows: bool = False
     swap_ab: bool = False
     wave_tiles: tuple = ()
     wave_slots: int = 0
@@ -487,16 +489,15 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
                                 page_prefetch=True, fp8_v_convert="staged", swap_ab=True, wave_tiles=tiles,
                                 direct_table=gqa and d == 128, **few,
                                 wave_split_ctas=64 if tiles else 0, split_chunk_tokens=72,
-                                lone_wave_split_tokens=3072, table_split_slots=0.0,
+                                lone_wave_split_tokens=3072, table_split_slots=0.0, shared_kv_rows=True,
                                 wave_pack_below=0.96 if tiles else 0.0,
                                 wave_pack_tokens=(0 if d != 64 or not few else 512 if gqa else 1024))
-        # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-196 registers, 4 per SM; H200
-        # 32/8, session 21, TB/s 4 warps of 64 x 3 -> this: 1x32768 1.95 -> 2.54, 16x8192 2.30 ->
-        # 3.33, 64x4096 2.67 -> 3.49, 256x1024 2.59 -> 3.53, 256x4096 2.76 -> 3.84)
-        # (4 programs per SM in the sm90 compile: equal lengths pack where a last wave is partly filled)
+        # d256: the d128 tile's techniques on 2 warps of 32 x 3 (160-196 registers, 4 per SM; H200 32/8,
+        # session 21, TB/s 4 warps of 64 x 3 -> this: 16x8192 2.30 -> 3.33, 256x4096 2.76 -> 3.84); equal
+        # lengths pack where a last wave of its sm90 compile's 4 programs per SM is partly filled
         return DecodeConfig(block_n=32, num_warps=2, num_stages=3, k_rows=True, fp8_dot_dtype="fp16",
                             page_prefetch=True, fp8_v_convert="staged", swap_ab=True, direct_table=gqa, **mixed,
-                            **line, table_split_slots=0.0, wave_slots=4, wave_pack_below=0.96)
+                            **line, table_split_slots=0.0, wave_slots=4, wave_pack_below=0.96, shared_kv_rows=True)
     # wave_slots: the sm90 programs per SM of the unsplit kernel where the wave split was measured
     # (session 15: bf16 32/32 d128, 32/8 d128 page 1, 32/8 d256 page 16; 32/8 d128 page 16 has wave tiles); 24 per SM
     # read 1-5 % more than 48 on the MHA, page-1 and d256 rows, less on the d128 GQA rows
