@@ -390,10 +390,11 @@ def test_unsplit_plan_direct_table_or_work_array(feature, direct):
         assert plan.work is case.params.kv_indptr and plan.last is case.params.kv_last_page_len
 
 
-def test_default_direct_table_andregister_cap():
+def test_measured_defaults():
     """The measured defaults: the direct table for 16-bit GQA KV up to d128 and fp8 GQA d128 and
     d256 (not MHA, 16-bit d256 or fp8 d64), and the 64-register cap on the d128 GQA config only,
-    dropped where a split plan takes split_block_n or a config overrides block_n."""
+    dropped where a split plan takes split_block_n or a config overrides block_n; the fused
+    merge's tile; V rows at K's offsets for fp8 KV only."""
     from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config, with_split_block
     from flashdispatch.dispatch.problem import Problem
 
@@ -415,6 +416,11 @@ def test_default_direct_table_andregister_cap():
     for other in (cfg(heads=(16, 8)), cfg(heads=(64, 4)), cfg(heads=(32, 32)), cfg(d=64), cfg(page=1),
                   cfg(kv=torch.float8_e4m3fn)):
         assert other.fused_merge_values == 4096
+    # V rows at K's offsets: the fp8 defaults (d64 to d256, GQA and MHA), not 16-bit KV
+    for d in (64, 128, 256):
+        for heads in ((32, 8), (32, 32)):
+            assert cfg(kv=torch.float8_e4m3fn, heads=heads, d=d).shared_kv_rows
+            assert not cfg(heads=heads, d=d).shared_kv_rows
 
 
 @pytest.mark.parametrize("variant, capped", [

@@ -280,10 +280,9 @@ class DecodeConfig:
     4.22 -> 4.09: the split variant merges in the kernel, without the register cap). Off for fp8
     KV: 48x4096 3.21 -> 2.80, 16x8192:var 1.93 -> 1.82, 48x4096:var 1.86 -> 2.33.
     shared_kv_rows: where V's page and slot strides are K's (a 5-D cache, or a (k, v) pair laid
-    out alike), V's token rows are read at K's row offsets (decode_kernel.py's SHARED_KV_ROWS).
-    On for fp8 KV (H200 32/8, session 47, TB/s off -> on: d64 64x4096 2.86 -> 3.00, d256 64x4096
-    3.57 -> 3.73, 256x4096 3.86 -> 3.96, d128 within 1 %); 16-bit reads the same or less (d64
-    256x4096 4.19 -> 4.13): off.
+    out alike), V's token rows are read at K's row offsets (decode_kernel.py's SHARED_KV_ROWS). On
+    for fp8 KV (H200 32/8, session 47, TB/s off -> on: d64 64x4096 2.86 -> 3.00, d256 64x4096 3.57
+    -> 3.73, 256x4096 3.86 -> 3.96, d128 within 1 %); off for 16-bit (d64 256x4096 4.19 -> 4.13).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
     every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
     grid is launched while the decode grid runs, and each merge program waits
