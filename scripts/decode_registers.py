@@ -13,6 +13,7 @@ against 4.24); and session 25 the line kernel's first version (168 registers, 3 
     .venv/bin/python scripts/decode_registers.py                          # bf16, 32/8 heads, d128
     .venv/bin/python scripts/decode_registers.py --heads 64,4 --kv e4m3 --q-len 4
     .venv/bin/python scripts/decode_registers.py --kv e5m2 --cc 80       # an A100's compile
+    .venv/bin/python scripts/decode_registers.py --kv e4m3 --sass        # + each token loop's SASS mix
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from flashdispatch.backends.fa2 import decode_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
 from offline_compile import (compile_like_launch, frontend_like_launch,  # noqa: E402  (scripts/, the script's own folder)
-                             ptxas_usage)
+                             ptxas_usage, sass_loop_mix)
 
 KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
@@ -80,6 +81,8 @@ def main() -> None:
     ap.add_argument("--lse", action="store_true", help="the run variant that writes lse")
     ap.add_argument("--fused", action="store_true", help="the variants with the fused merge (split plans)")
     ap.add_argument("--cc", type=int, default=90, choices=sorted(SM_LIMITS), help="compute capability x 10")
+    ap.add_argument("--sass", action="store_true",
+                    help="after each variant, the instructions of its token loop (the longest loop of its SASS)")
     args = ap.parse_args()
     hq, hk = (int(h) for h in args.heads.split(","))
     q_dtype = torch.bfloat16
@@ -123,6 +126,9 @@ def main() -> None:
         name = ("direct line" if line else "direct split" if split else "direct table" if direct else "work array") + \
             (f", cap {cfg.max_registers}" if capped else "") + (", fused" if args.fused else "")
         print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
+        if args.sass:
+            count, mix = sass_loop_mix(k.asm["cubin"])
+            print(f"  loop: {count} instructions: " + ", ".join(f"{op} {n}" for op, n in mix), flush=True)
 
 if __name__ == "__main__":
     main()

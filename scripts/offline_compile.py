@@ -1,8 +1,10 @@
 """What the offline-compile scripts share (no GPU and no CUDA toolkit needed): compiling a kernel
-the way a launch specializes it, and ptxas -v on its PTX (sm_90a unless told) with the ptxas
-bundled in the Triton wheel (register and spill figures)."""
+the way a launch specializes it, ptxas -v on its PTX (sm_90a unless told) with the ptxas
+bundled in the Triton wheel (register and spill figures), and the instruction mix of the
+cubin's main loop (the bundled nvdisasm)."""
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -65,3 +67,40 @@ def ptxas_usage(ptx: str, gpu: str = "sm_90a") -> tuple[int | None, int | None]:
     regs = re.search(r"Used (\d+) registers", res.stderr)
     spill = re.search(r"(\d+) bytes spill stores", res.stderr)
     return (int(regs.group(1)) if regs else None), (int(spill.group(1)) if spill else None)
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH_TARGET = re.compile(r"`\(\.(L_x_\d+)\)")
+
+
+def sass_loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]]]:
+    """(instructions, [(opcode, count), ...] most frequent first) of the cubin's longest loop,
+    the range of its longest backward branch in the SASS (nvdisasm, bundled with Triton): what
+    one step of a kernel's main loop issues. Opcodes without their modifiers (HMMA.16816.F32:
+    HMMA); (0, []) where the SASS has no loop."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    labels, ops, pending = {}, [], None
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            pending = label.group(1)
+            continue
+        ins = _SASS_LINE.search(line)
+        if ins:
+            at, text = int(ins.group(1), 16), ins.group(2).strip()
+            if pending:
+                labels[pending], pending = at, None
+            ops.append((at, re.sub(r"^@!?U?P\w+\s+", "", text).split()[0], text))
+    loops = [(labels[m.group(1)], at) for at, op, text in ops if op.startswith("BRA")
+             for m in [_BRANCH_TARGET.search(text)] if m and labels.get(m.group(1), at) < at]
+    if not loops:
+        return 0, []
+    first, last = max(loops, key=lambda span: span[1] - span[0])
+    mix = collections.Counter(op.split(".")[0] for at, op, _ in ops if first <= at <= last)
+    return sum(mix.values()), mix.most_common()

@@ -208,3 +208,20 @@ def test_small_shared_fp8_tiles_compile_and_fit(cc, head_dim):
     assert len(rows) == 3 and ctas >= 3, res.stdout
     for _, spill, _, per_sm in rows:
         assert int(spill) == 0 and int(per_sm) >= ctas, res.stdout
+
+
+def test_sass_loop_mix_finds_the_token_loop():
+    """scripts/decode_registers.py --sass (offline sm90 compile and the bundled nvdisasm, no GPU):
+    each variant's line is followed by its longest loop's instruction mix, and that loop is the
+    token loop: fp8 d64's 64-token step converts 64 x 64 K and V values to fp16, two a
+    conversion per thread of its one warp (128 F2FP at least), and runs its dots' HMMAs."""
+    script = os.path.join(ROOT, "scripts", "decode_registers.py")
+    res = subprocess.run([sys.executable, script, "--kv", "e4m3", "--head-dim", "64", "--sass"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()[2:]
+    loops = [dict((op, int(n)) for op, n in (item.split() for item in line.split(": ", 2)[2].split(", ")))
+             for line in lines[1::2]]
+    assert len(lines) == 2 * len(loops) >= 6 and all(line.startswith("  loop: ") for line in lines[1::2]), res.stdout
+    for mix in loops:
+        assert mix["F2FP"] >= 64 * 64 * 2 // 32 // 2 and mix["HMMA"] > 0, res.stdout
