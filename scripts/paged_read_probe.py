@@ -13,7 +13,9 @@ head's K and V tiles of its chunk's pages, fed to dots as the decode's are:
 Each variant in its own process (own Triton cache: the hook is not in Triton's cache key):
   python scripts/paged_read_probe.py ptr --shapes 16x8192,64x4096 --programs 512,1024 --block-pages 1,4
   python scripts/paged_read_probe.py tma|tma+hint
-  TRITON_INTERPRET=1 python scripts/paged_read_probe.py ptr|tma --check-small --block-pages 1,2,4   (CPU)
+  python scripts/paged_read_probe.py steal --shapes 64x4096 --programs 528,1056 --unit-pages 16,32
+  python scripts/paged_read_probe.py ptr --kv e4m3 --warps 1 --head-dim 64 ...   (bf16 d64: fp8 d128's bytes)
+  TRITON_INTERPRET=1 python scripts/paged_read_probe.py ptr|tma|steal --check-small --block-pages 1,2,4   (CPU)
 The hint is a PTX rewrite in a Triton stages hook, an experiment: nothing in flashdispatch uses it."""
 import argparse
 import os
