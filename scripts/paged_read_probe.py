@@ -14,7 +14,7 @@ Each variant in its own process (own Triton cache: the hook is not in Triton's c
   python scripts/paged_read_probe.py ptr --shapes 16x8192,64x4096 --programs 512,1024 --block-pages 1,4
   python scripts/paged_read_probe.py tma|tma+hint
   python scripts/paged_read_probe.py steal --shapes 64x4096 --programs 528,1056 --unit-pages 16,32
-  python scripts/paged_read_probe.py ptr --kv e4m3 --warps 1 --head-dim 64 ...   (bf16 d64: fp8 d128's bytes)
+  python scripts/paged_read_probe.py ptr --warps 1 --head-dim 64 --shapes 256x4096   (fp8 d128's bytes, as bf16)
   TRITON_INTERPRET=1 python scripts/paged_read_probe.py ptr|tma|steal --check-small --block-pages 1,2,4   (CPU)
 The hint is a PTX rewrite in a Triton stages hook, an experiment: nothing in flashdispatch uses it."""
 import argparse
