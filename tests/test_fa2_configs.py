@@ -213,8 +213,9 @@ def test_small_shared_fp8_tiles_compile_and_fit(cc, head_dim):
 def test_sass_loop_mix_finds_the_token_loop():
     """scripts/decode_registers.py --sass (offline sm90 compile and the bundled nvdisasm, no GPU):
     each variant's line is followed by its longest loop's instruction mix, and that loop is the
-    token loop: fp8 d64's 64-token step converts 64 x 64 K and V values to fp16, two a
-    conversion per thread of its one warp (128 F2FP at least), and runs its dots' HMMAs."""
+    token loop: fp8 d64's 64-token step converts 64 x 64 K values and as many V values to fp16,
+    two values an instruction over its one warp's 32 threads (at least 128 F2FP a thread), and
+    runs its dots' HMMAs."""
     script = os.path.join(ROOT, "scripts", "decode_registers.py")
     res = subprocess.run([sys.executable, script, "--kv", "e4m3", "--head-dim", "64", "--sass"],
                          capture_output=True, text=True, timeout=600, check=False)
