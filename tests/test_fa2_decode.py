@@ -343,6 +343,7 @@ def test_fp8_few_programs_run_the_split_block_at_its_wave(graph, config):
     ("line_align_fill", (0, 1.1, None)), ("few_pack_line", (0, "yes")), ("graph_few_line", (1, None)),
     ("line_waves", (0, 1.5, True)), ("few_line_mixed", (-1, 2.5, True)), ("wave_pack_below", (-0.1, 1.5, True, "x")),
     ("wave_pack_tokens", (-1, 1.5, True, "512")), ("wave_pack_below_tokens", (-1, 2.5, False, "1024")),
+    ("shared_kv_rows", (1, "yes", None)),
 ])
 def test_decode_config_refuses_bad_sizes(name, bads, monkeypatch):
     """Every size knob is checked where the config is built (a constructor call, the environment's

@@ -353,7 +353,7 @@ class DecodeConfig:
         if self.fp8_v_convert not in ("operand", "staged"):
             raise ValueError(f"fp8_v_convert must be 'operand' or 'staged', got {self.fp8_v_convert!r}")
         for name in ("k_rows", "heads_fastest", "page_prefetch", "direct_table", "pdl", "swap_ab", "wave_pack_line",
-                     "line_page_prefetch", "few_pack_line", "graph_few_line"):
+                     "line_page_prefetch", "few_pack_line", "graph_few_line", "shared_kv_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
