@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import flashdispatch as fd  # noqa: E402
-from flashdispatch.bench.decode import make_decode_data, our_column, parse_decode_shapes, peer_column  # noqa: E402
+from flashdispatch.bench.decode import (make_decode_data, our_column, parse_decode_shapes, parse_heads,  # noqa: E402
+                                        peer_column)
 from flashdispatch.bench.peers import import_flashinfer  # noqa: E402
 
 
@@ -37,7 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"),
                     help="q, output and 16-bit KV dtype (the interpreter computes bf16 wrongly: fp16 on the CPU)")
     args = ap.parse_args(argv)
-    qo, kv = (int(x) for x in args.heads.split("/"))
+    qo, kv = parse_heads(args.heads)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     shape = parse_decode_shapes(args.shape, dtype, heads=(qo, kv), head_dim=args.head_dim)[0]
     side, name = args.column.split(":", 1)
@@ -63,11 +64,13 @@ def main(argv=None) -> None:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-    reference = our_column(fd, "reference").build(data)
-    reference.plan()
-    err = (out.float() - reference.run().float()).abs().max().item()
+    check = "no output to compare"
+    if out is not None:
+        reference = our_column(fd, "reference").build(data)
+        reference.plan()
+        check = f"max |out - reference| {(out.float() - reference.run().float()).abs().max().item():.3g}"
     print(f"{args.column} {shape.label} d{args.head_dim}: {args.calls} call(s) profiled"
-          + (f"; {job.info()}" if job.info else "") + f"; max |out - reference| {err:.3g}")
+          + (f"; {job.info()}" if job.info else "") + f"; {check}")
 
 
 if __name__ == "__main__":
