@@ -38,10 +38,14 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"),
                     help="q, output and 16-bit KV dtype (the interpreter computes bf16 wrongly: fp16 on the CPU)")
     args = ap.parse_args(argv)
+    side, _, name = args.column.partition(":")
+    if side not in ("fd", "fi") or not name:
+        ap.error(f"--column {args.column!r}: expected fd:NAME or fi:NAME (e.g. fd:auto, fi:xqa-fn)")
+    if args.calls < 1:
+        ap.error(f"--calls {args.calls}: at least 1")
     qo, kv = parse_heads(args.heads)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     shape = parse_decode_shapes(args.shape, dtype, heads=(qo, kv), head_dim=args.head_dim)[0]
-    side, name = args.column.split(":", 1)
     if side == "fd":
         column = our_column(fd, name)
     else:
