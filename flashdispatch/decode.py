@@ -209,8 +209,10 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
                              f"(paged_kv_indptr_buffer), got indptr for batch_size={batch}")
-        if defer:
-            max_page_index = self._begin_page_check(indices, used_pages, max_page_index)
+        if defer:  # indptr and last_page_len go to the device with the check's launch
+            max_page_index, uploaded = self._begin_page_check(indices, used_pages, max_page_index, [indptr_h, last_h])
+            if uploaded is not None:
+                indptr, last_page_len = uploaded
         previous = self._plan_args
         self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
                                           int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars,

@@ -19,6 +19,8 @@ import torch
 from . import checks
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .device_read import IndexRangeReader
     from .planned import PlannedAttention
 
@@ -48,19 +50,22 @@ class DeferredPageCheck:
         """Whether plan() may queue the check: lengths on the host, indices on a GPU, check on."""
         return all(t.is_cpu for t in lengths) and indices.is_cuda and checks.page_indices_checked()
 
-    def _begin_page_check(self, indices: torch.Tensor, used_pages: int, max_page_index: int) -> int:
-        """Queue the check of ``indices[:used_pages]``; the largest index plan() may record until
-        it ends (0: page 0 at least is read), or ``max_page_index`` when nothing is used."""
+    def _begin_page_check(self, indices: torch.Tensor, used_pages: int, max_page_index: int,
+                          upload: list[np.ndarray] | None = None) -> tuple[int, list[torch.Tensor] | None]:
+        """Queue the check of ``indices[:used_pages]``. Returns the largest index plan() may record
+        until it ends (0: page 0 at least is read; ``max_page_index`` when nothing is used) and,
+        with ``upload`` (host int arrays), their int32 copies on the indices' GPU, made by the
+        check's own launch (`IndexRangeReader.start`; None when nothing is used: no launch)."""
         if used_pages <= 0:
-            return max_page_index
+            return max_page_index, None
         if not self._use_cuda_graph:  # (graph replays read the capture's cache and run no Python)
             self._cache_pages = None
         if self._page_reader is None:
             from .device_read import IndexRangeReader  # Triton: only where device values are read
             self._page_reader = IndexRangeReader()
-        self._page_reader.start(indices, used_pages)
+        uploaded = self._page_reader.start(indices, used_pages, upload)
         self._checked_pages = used_pages
-        return 0
+        return 0, uploaded
 
     def _planning_with_page_check(self, plan) -> None:
         """``plan()`` (the wrapper's planning), dropping a queued check if it fails, and ending it

@@ -2,8 +2,10 @@
 (min, max) of the used page indices, gathered by one kernel into a pinned host buffer and read
 after one stream wait. On the H200's host this took a batch-256 read from ~91 us (empty + cat +
 aminmax + a blocking copy) to ~38 us (docs/perf-notes.md, "API host overhead"). `IndexRangeReader`
-queues the same kernel for the page indices alone and does not wait (a decode plan() whose
-lengths are on the host).
+queues the same kernel for the page indices and does not wait (a decode plan() whose lengths
+are on the host); the same launch may upload those lengths (`IndexRangeReader.start`'s
+``upload``: pinned host memory the kernel reads, copied to a device buffer), in place of a
+host->device copy.
 """
 from __future__ import annotations
 
@@ -34,18 +36,18 @@ def _copy(out_ptr, src_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n_a", "n_b", "n_c", "n_indices", "used_host"])  # one compile for any sizes
-def index_summary_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, indices_ptr, n_indices, used_host, out_ptr,
+def index_summary_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, indices_ptr, n_indices, used_host, out_ptr, copy_ptr,
                          BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr, USED_ON_DEVICE: tl.constexpr):
-    """Program 0 copies a, b, c to ``out[:n_a + n_b + n_c]``; program p writes the (min, max) of
-    ``indices[p * PER_PROGRAM:][:PER_PROGRAM]`` within the used ones (the first ``a[-1]`` with
-    USED_ON_DEVICE, else ``used_host``; never past ``n_indices``) to ``out[n + p]`` and
-    ``out[n + programs + p]`` (int32 max / min when it holds none)."""
+    """Program 0 copies a, b, c to ``copy[:n_a + n_b + n_c]`` (``copy`` may be ``out``); program
+    p writes the (min, max) of ``indices[p * PER_PROGRAM:][:PER_PROGRAM]`` within the used ones
+    (the first ``a[-1]`` with USED_ON_DEVICE, else ``used_host``; never past ``n_indices``) to
+    ``out[n + p]`` and ``out[n + programs + p]`` (int32 max / min when it holds none)."""
     pid = tl.program_id(0)
     n = n_a + n_b + n_c
     if pid == 0:
-        _copy(out_ptr, a_ptr, n_a, BLOCK)
-        _copy(out_ptr + n_a, b_ptr, n_b, BLOCK)
-        _copy(out_ptr + n_a + n_b, c_ptr, n_c, BLOCK)
+        _copy(copy_ptr, a_ptr, n_a, BLOCK)
+        _copy(copy_ptr + n_a, b_ptr, n_b, BLOCK)
+        _copy(copy_ptr + n_a + n_b, c_ptr, n_c, BLOCK)
     if USED_ON_DEVICE:
         used = tl.load(a_ptr + n_a - 1)
     else:
@@ -119,35 +121,36 @@ def _summary_programs(num_indices: int) -> int:
 
 
 def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, used_host: int | None,
-                    buf: torch.Tensor | None) -> tuple[torch.Tensor, list[int], int, int]:
+                    buf: torch.Tensor | None, copy_to: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, list[int], int, int]:
     """Launch `index_summary_kernel` (see `read_index_tensors`) into ``buf`` (None: this thread's
-    staging buffer); returns (buffer, tensor sizes, their total, programs)."""
+    staging buffer), the tensors copied to ``copy_to`` (None: ``buf``; else on ``indices``' GPU,
+    the tensors then in pinned host memory); returns (buffer, tensor sizes, their total, programs)."""
     if len(tensors) > MAX_TENSORS or (used_host is None and not tensors):
         raise ValueError(f"read_index_tensors: 1 to {MAX_TENSORS} tensors (the first an indptr when "
                          f"used_host is None), got {len(tensors)}")
     tensors = [t.contiguous() for t in tensors]  # the kernel reads flat memory (free when contiguous)
     indices = None if indices is None else indices.contiguous()
-    device = (tensors[0] if tensors else indices).device
+    device = (tensors[0] if tensors and copy_to is None else indices).device
     sizes = [t.numel() for t in tensors] + [0] * (MAX_TENSORS - len(tensors))
     n = sum(sizes)
     num_indices = 0 if indices is None else indices.numel()
     programs = _summary_programs(num_indices)
     if buf is None:
         buf = _staging.get(device, n + 2 * programs)
-    first = tensors[0] if tensors else indices  # a device tensor first: the launch goes to its GPU
+    first = tensors[0] if tensors else indices  # a placeholder pointer where a tensor is missing
     args = []
     for i in range(MAX_TENSORS):
         args += [tensors[i] if i < len(tensors) else first, sizes[i]]
-    args += [indices if num_indices else first, num_indices, used_host or 0, buf]
+    args += [indices if num_indices else first, num_indices, used_host or 0, buf, buf if copy_to is None else copy_to]
     # Triton specialises this kernel on its pointers' dtypes and 16-byte alignment and its ints'
     # widths alone (every int is do_not_specialize): that key, shorter to work out than spec_key's
-    pointers = args[0:6:2] + args[6:10:3]
-    at = [t.data_ptr() for t in pointers]
-    spec = (*[(t.dtype, a & 15 == 0) for t, a in zip(pointers, at)], max(n, num_indices, used_host or 0) > _I32_MAX)
+    pointers = [args[0], args[2], args[4], args[6], args[9], args[10]]
+    spec = (*[(t.dtype, t.data_ptr() & 15 == 0) for t in pointers], max(n, num_indices, used_host or 0) > _I32_MAX)
     launcher = _summary_launcher(used_host is None, _PER_PROGRAM)
-    # the device tensors as their addresses once the kernel is kept (BoundKernel.launch_addresses);
-    # the host buffer as a tensor: Triton maps pinned host memory to its device address
-    addressed = (at[0], args[1], at[1], args[3], at[2], args[5], at[3], *args[7:])
+    # device tensors as their addresses once the kernel is kept (BoundKernel.launch_addresses);
+    # host tensors (pinned) as tensors: Triton maps pinned host memory to its device address
+    addressed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) and not a.is_cpu else a for a in args)
     if device.type != "cuda" or not launcher.launch_addresses(spec, device.index, (programs,), addressed):
         launcher.launch_with_spec(spec, (programs,), args)
     return buf, sizes, n, programs
@@ -188,20 +191,43 @@ class IndexRangeReader:
 
     def __init__(self):
         self.pending = False
-        self._buf: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None  # pinned: the upload's source, then the (min, max) partials
+        self._buf_np: np.ndarray | None = None
         self._event: torch.cuda.Event | None = None
-        self._programs = 0
+        self._dst: torch.Tensor | None = None  # the upload's device buffer
+        self._views: dict = {}  # upload sizes -> views of _dst
+        self._programs = self._n = 0
 
-    def start(self, indices: torch.Tensor, used: int) -> None:
+    def start(self, indices: torch.Tensor, used: int, upload: list[np.ndarray] | None = None
+              ) -> list[torch.Tensor] | None:
+        """Queue the read; ``upload``: int arrays for the device, copied by the same launch (from
+        this reader's pinned buffer to its device buffer, int32) in place of a host->device
+        copy. Returns their device tensors (None without ``upload``), rewritten by the next
+        `start`: on one stream, every launch queued before it has read them."""
         if self.pending:
             raise RuntimeError("IndexRangeReader.start: the last read has not ended (call result())")
         programs = _summary_programs(indices.numel())
-        if self._buf is None or self._buf.numel() < 2 * programs:
-            self._buf = torch.empty(max(2 * programs, 64), dtype=torch.int32, pin_memory=True)
-            self._event = torch.cuda.Event()
-        _launch_summary([], indices, used, self._buf)
+        sizes = [a.size for a in upload] if upload else []
+        n = sum(sizes)
+        if self._buf is None or self._buf.numel() < n + 2 * programs:
+            self._buf = torch.empty(max(2 * (n + 2 * programs), 64), dtype=torch.int32, pin_memory=True)
+            self._buf_np = self._buf.numpy()
+            self._event = self._event or torch.cuda.Event()
+        views = None
+        if n:
+            if self._dst is None or self._dst.numel() < n or self._dst.device != indices.device:
+                self._dst = torch.empty(max(2 * n, 64), dtype=torch.int32, device=indices.device)
+                self._views = {}
+            np.concatenate(upload, out=self._buf_np[:n], casting="unsafe")
+            views = self._views.get(tuple(sizes))
+            if views is None:
+                views = self._views[tuple(sizes)] = list(self._dst[:n].split_with_sizes(sizes))
+            _launch_summary([self._buf[:n]], indices, used, self._buf, copy_to=self._dst)
+        else:
+            _launch_summary([], indices, used, self._buf)
         self._event.record(current_stream(indices.device.index))
-        self._programs, self.pending = programs, True
+        self._programs, self._n, self.pending = programs, n, True
+        return views
 
     def done(self) -> bool:
         """Whether the queued reduction has run (never waits)."""
@@ -211,8 +237,8 @@ class IndexRangeReader:
         """(min, max) of the used indices, after waiting for the reduction if it has not run yet."""
         self._event.synchronize()
         self.pending = False
-        return _minmax(self._buf.numpy(), 0, self._programs)
+        return _minmax(self._buf_np, self._n, self._programs)
 
     def __del__(self):
-        if self.pending:  # the GPU may still write the pinned buffer: not back to the allocator before
+        if self.pending:  # the GPU may still read and write the pinned buffer: not back to the allocator before
             self._event.synchronize()

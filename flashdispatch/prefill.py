@@ -208,7 +208,7 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
         params = paged_params(qo_param, kv_lens_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                               self._device, qo_lens_h.tolist(), indices_checked=minmax is not None, **extra)
         if defer:  # queued once every argument has passed its check: a plan() that raised leaves none
-            max_page_index = self._begin_page_check(indices, used_pages, max_page_index)
+            max_page_index = self._begin_page_check(indices, used_pages, max_page_index)[0]
         self._planning_with_page_check(lambda: self._set_plan(
             problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
             workload=host_workload(qo_lens_h, kv_lens_h)))

@@ -128,3 +128,38 @@ def test_strided_index_tensors_read_like_the_host():
     for on_host in [(False, False), (True, False), (False, True)]:
         got, got_minmax = checks.read_in_one_copy([indptr, last], on_host, indices)
         assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax, on_host
+
+
+@pytest.mark.parametrize("used", [0, 3, 40])
+def test_summary_copies_to_its_own_destination(used):
+    """With ``copy_to`` the launch copies the tensors there (the host lengths' upload) and leaves
+    the (min, max) partials in the buffer after them, as `IndexRangeReader` reads them."""
+    from flashdispatch import device_read
+    g = torch.Generator().manual_seed(used)
+    indices = torch.randint(-5, 10 ** 6, (40,), generator=g, dtype=torch.int32)
+    src = torch.randint(0, 1000, (9,), generator=g, dtype=torch.int32)
+    dst = torch.full((16,), -1, dtype=torch.int32)
+    buf = torch.zeros(64, dtype=torch.int32)
+    _, _, n, programs = device_read._launch_summary([src], indices, used, buf, copy_to=dst)
+    assert n == 9 and dst[:9].tolist() == src.tolist() and (dst[9:] == -1).all()
+    if used:
+        assert device_read._minmax(buf.numpy(), n, programs) == (int(indices[:used].min()), int(indices[:used].max()))
+
+
+@pytest.mark.gpu
+def test_range_reader_uploads_host_arrays_with_its_launch():
+    """`IndexRangeReader.start` with ``upload``: the arrays arrive on the GPU as int32 (the same
+    tensors again for the same sizes, new ones for new sizes) and the (min, max) reads as without."""
+    import numpy as np
+    from flashdispatch import device_read
+    indices = torch.randint(0, 10 ** 6, (5000,), dtype=torch.int32, device="cuda")
+    reader = device_read.IndexRangeReader()
+    seen = []
+    for sizes, used in [((5, 4), 100), ((5, 4), 4999), ((300, 299), 5000), ((5, 4), 7)]:
+        arrays = [np.random.default_rng(used).integers(0, 1 << 30, n) for n in sizes]
+        got = reader.start(indices, used, arrays)
+        assert reader.result() == (int(indices[:used].min()), int(indices[:used].max()))
+        assert [t.dtype for t in got] == [torch.int32] * 2 and all(t.is_cuda for t in got)
+        assert all(t.cpu().tolist() == a.tolist() for t, a in zip(got, arrays))
+        seen.append(got[0])
+    assert seen[1] is seen[0] and seen[2] is not seen[1]

@@ -129,8 +129,9 @@ class _Reduction:
     def __init__(self):
         self.pending, self.ready = False, False
 
-    def start(self, indices, used):
+    def start(self, indices, used, upload=None):
         self.pending, self.range = True, (int(indices[:used].min()), int(indices[:used].max()))
+        return None if upload is None else [torch.from_numpy(a.astype("int32")) for a in upload]
 
     def done(self):
         return self.ready
@@ -386,3 +387,20 @@ def test_a_graph_replay_of_a_bad_plan_fails_the_next_plan():
     plan(w, c)
     graph.replay()
     assert rel(out, attend("reference", c, on="cuda")) < 2e-2
+
+
+@pytest.mark.gpu
+def test_host_lengths_reach_the_gpu_with_the_check():
+    """A decode plan() with its lengths on the host gets indptr and last_page_len onto the GPU
+    from the page check's own launch: on one wrapper, a batch size, other lengths of it, another
+    size, the first size again (its kept device views), each run as the reference does."""
+    w = None
+    for seed, lens in enumerate([(40, 7, 0, 130), (41, 8, 1, 131), (200, 1, 17, 9, 64, 33), (3, 90, 2, 5)]):
+        c = gpu_case("decode", seed, pages=128, lens=lens)
+        w = w or wrapper(c, "fa2")
+        plan(w, c)
+        assert w._plan_args.indptr.is_cuda and w._plan_args.last_page_len.is_cuda
+        assert w._plan_args.indptr.tolist() == c.indptr.tolist()
+        assert w._plan_args.last_page_len.tolist() == c.last.tolist()
+        out = w.run(c.q, c.cache)
+        assert rel(out, attend("reference", c, on="cuda")) < 2e-2, lens
