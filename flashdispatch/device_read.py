@@ -26,6 +26,7 @@ _BLOCK = 1024
 # kernel 11.6 / 24.4 us with 65536 per program, 2.1 / 2.3 us with 2048; plan() 4-6 % faster.
 _PER_PROGRAM = 2048
 _I32_MAX = (1 << 31) - 1
+_POINTER_ARGS = (0, 2, 4, 6, 9, 10)  # index_summary_kernel's pointers among its runtime arguments
 
 
 @triton.jit
@@ -145,12 +146,16 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
     args += [indices if num_indices else first, num_indices, used_host or 0, buf, buf if copy_to is None else copy_to]
     # Triton specialises this kernel on its pointers' dtypes and 16-byte alignment and its ints'
     # widths alone (every int is do_not_specialize): that key, shorter to work out than spec_key's
-    pointers = [args[0], args[2], args[4], args[6], args[9], args[10]]
-    spec = (*[(t.dtype, t.data_ptr() & 15 == 0) for t in pointers], max(n, num_indices, used_host or 0) > _I32_MAX)
+    at = [args[i].data_ptr() for i in _POINTER_ARGS]
+    spec = (*[(args[i].dtype, a & 15 == 0) for i, a in zip(_POINTER_ARGS, at)],
+            max(n, num_indices, used_host or 0) > _I32_MAX)
     launcher = _summary_launcher(used_host is None, _PER_PROGRAM)
     # device tensors as their addresses once the kernel is kept (BoundKernel.launch_addresses);
     # host tensors (pinned) as tensors: Triton maps pinned host memory to its device address
-    addressed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) and not a.is_cpu else a for a in args)
+    addressed = list(args)
+    for i, a in zip(_POINTER_ARGS, at):
+        if not args[i].is_cpu:
+            addressed[i] = a
     if device.type != "cuda" or not launcher.launch_addresses(spec, device.index, (programs,), addressed):
         launcher.launch_with_spec(spec, (programs,), args)
     return buf, sizes, n, programs
