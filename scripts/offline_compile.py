@@ -73,11 +73,10 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH_TARGET = re.compile(r"`\(\.(L_x_\d+)\)")
 
 
-def sass_loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]]]:
-    """(instructions, [(opcode, count), ...] most frequent first) of the cubin's longest loop,
-    the range of its longest backward branch in the SASS (nvdisasm, bundled with Triton): what
-    one step of a kernel's main loop issues. Opcodes without their modifiers (HMMA.16816.F32:
-    HMMA); (0, []) where the SASS has no loop."""
+def sass_loops(cubin: bytes) -> list[tuple[int, list[tuple[str, int]]]]:
+    """Each loop of the cubin's SASS (nvdisasm, bundled with Triton), in code order, as
+    (instructions, [(opcode, count), ...] most frequent first): the range of each backward branch.
+    Opcodes without their modifiers (HMMA.16816.F32: HMMA)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -99,8 +98,14 @@ def sass_loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]]]:
             ops.append((at, re.sub(r"^@!?U?P\w+\s+", "", text).split()[0], text))
     loops = [(labels[m.group(1)], at) for at, op, text in ops if op.startswith("BRA")
              for m in [_BRANCH_TARGET.search(text)] if m and labels.get(m.group(1), at) < at]
-    if not loops:
-        return 0, []
-    first, last = max(loops, key=lambda span: span[1] - span[0])
-    mix = collections.Counter(op.split(".")[0] for at, op, _ in ops if first <= at <= last)
-    return sum(mix.values()), mix.most_common()
+    result = []
+    for first, last in sorted(loops):
+        mix = collections.Counter(op.split(".")[0] for at, op, _ in ops if first <= at <= last)
+        result.append((sum(mix.values()), mix.most_common()))
+    return result
+
+
+def sass_loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]]]:
+    """(instructions, [(opcode, count), ...]) of the cubin's longest loop (`sass_loops`): what one
+    step of a kernel's main loop issues; (0, []) where the SASS has no loop."""
+    return max(sass_loops(cubin), key=lambda loop: loop[0], default=(0, []))

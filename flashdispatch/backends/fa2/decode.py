@@ -68,6 +68,7 @@ from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_win
                       triton_fp8_kv_reasons)
 from .decode_config import (for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
                             without_waves)
+from .decode_gluon import GluonDecodePlan, gluon_stages
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_packing import DecodePacking
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
@@ -193,9 +194,12 @@ class DecodePlan(DecodePacking):
         target (`split_target` of the new mean length), only the tables and
         the split length change (a copy of the plan with the new ones, its config too:
         FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
-        plan afresh (so too an eager plan under one wave whose new lengths take the line or pack)."""
+        plan afresh (so too an eager plan under one wave whose new lengths take the line or pack, and
+        lengths that take the Gluon fp8 kernel)."""
         if not self.direct or params.batch_size != self.batch:
             return None
+        if gluon_stages(self.problem, device, params, self.config):
+            return None  # these lengths take the Gluon fp8 kernel
         if self.table:  # (the caller keeps a block-table plan per planning length)
             return self._with_tables(params, self.split_tokens)
         if self.line:  # the same pieces (a function of the batch size and workspace): only the tables change
@@ -549,9 +553,15 @@ def decode_extra_checks(problem: Problem, device: Device) -> list[Reason]:
     return triton_fp8_kv_reasons(problem.kv_dtype, device.cc)
 
 
-def plan_decode(problem: Problem, device: Device, params: AttentionParams, config: dict | None = None) -> DecodePlan:
-    """Plan a paged batch decode (see the module docstring); ``config`` overrides `DecodeConfig`."""
+def plan_decode(problem: Problem, device: Device, params: AttentionParams,
+                config: dict | None = None) -> DecodePlan | GluonDecodePlan:
+    """Plan a paged batch decode (see the module docstring; fp8 plans that one program per request
+    and KV head fills evenly run decode_gluon.py's kernel); ``config`` overrides `DecodeConfig`."""
     reasons = decode_extra_checks(problem, device)
     if reasons:
         raise Unsupported("fa2 decode cannot run this problem", {"fa2": reasons})
+    cfg = resolve_config(problem, config, shared_per_block(device))
+    stages = gluon_stages(problem, device, params, cfg)
+    if stages:
+        return GluonDecodePlan(problem, device, params, cfg, stages, config)
     return DecodePlan(problem, device, params, config)

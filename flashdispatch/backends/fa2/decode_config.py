@@ -58,20 +58,18 @@ class DecodeConfig:
     (one ld.shared.b8 per value), "staged" converts it in registers and stages it as fp16 in
     shared memory (more shared memory, far fewer instructions); the interpreter runs "operand".
     Before sm89 (e5m2 KV only there) "staged" converts by byte permutes, so it runs there too.
-    fused_merge_max_chunks: plans whose requests have at most this many chunks merge the partials
-    inside the decode kernel (the last program of each split request to finish merges, through an
-    arrival counter) instead of in a second kernel launch; 0: never. That last program merges
-    alone, so many chunks favour the merge kernel (H200 sweeps, TB/s unfused -> fused: 32x4096 with
-    2 chunks 3.70-3.75 -> 3.82-3.92, 16x8192 with 4 3.74-3.85 -> 3.82-3.92, 1x32768 with 64
-    2.58-2.60 -> 2.47-2.50). A line plan (wave_pack_line) merges in the kernel whenever this is
-    > 0, however many pieces a request spans (decode.py's `DecodePlan._merge_choice`).
-    fused_merge_values: float32 values the fused merge loads per round, a [rows, partials,
-    head_dim] tile (a power of two, >= 256): more values, fewer dependent rounds on the kernel's
-    tail, more registers for the whole kernel (sm90 d128 group 4, direct split: 80 registers and
-    5 programs per SM at 4096, 122 and 4 at 8192). H200 bf16 32/8 heads, TB/s 4096 -> 8192, two
-    rounds: 4x8192 2.69 -> 2.74-2.76, 8x8192 3.39-3.40 -> 3.43, 16x8192 3.88-3.89 -> 3.92,
-    32x4096 3.87-3.88 -> 3.91-3.92, 16x16384 4.20-4.21 -> 4.25; fp8 flat; MHA lost (8x8192 4.17
-    -> 3.01): default_config takes 8192 for 16-bit GQA d128 group 4 only.
+    fused_merge_max_chunks: plans whose requests have at most this many chunks merge the partials inside the decode
+    kernel (the last program of each split request to finish merges, through an arrival counter) instead of in a
+    second kernel launch; 0: never. That last program merges alone, so many chunks favour the merge kernel (H200
+    sweeps, TB/s unfused -> fused: 32x4096 with 2 chunks 3.70-3.75 -> 3.82-3.92, 16x8192 with 4 3.74-3.85 ->
+    3.82-3.92, 1x32768 with 64 2.58-2.60 -> 2.47-2.50). A line plan (wave_pack_line) merges in the kernel whenever
+    this is > 0, however many pieces a request spans (decode.py's `DecodePlan._merge_choice`).
+    fused_merge_values: float32 values the fused merge loads per round, a [rows, partials, head_dim] tile (a power
+    of two, >= 256): more values, fewer dependent rounds on the kernel's tail, more registers for the whole kernel
+    (sm90 d128 group 4, direct split: 80 registers and 5 programs per SM at 4096, 122 and 4 at 8192). H200 bf16 32/8
+    heads, TB/s 4096 -> 8192, two rounds: 4x8192 2.69 -> 2.74-2.76, 8x8192 3.39-3.40 -> 3.43, 16x8192 3.88-3.89 ->
+    3.92, 32x4096 3.87-3.88 -> 3.91-3.92, 16x16384 4.20-4.21 -> 4.25; fp8 flat; MHA lost (8x8192 4.17 -> 3.01):
+    default_config takes 8192 for 16-bit GQA d128 group 4 only.
     direct_table: a plan without fixed_split_size gives the kernel the API's kv_indptr and
     last_page_len instead of a work array: one program per (request, KV head, row block) reads its
     pages and length from them, so plan() builds and uploads nothing (H200 bf16 GQA d128 with
@@ -105,10 +103,9 @@ class DecodeConfig:
     it off. bf16 32/8 d128 (H200, session 16, TB/s 32 x 2 capped at 64 registers, 8 per SM /
     64 x 2, 5 per SM): 160x2048 3.28 / 4.32, 165x4096 3.32 / 4.48, 400x4096 4.14 / 4.55;
     264x4096 (2 waves of 8 per SM) 4.53 / 4.15.
-    wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile), for a config
-    without wave_tiles; 0: not known (a config that overrides block_n, num_stages, num_warps or
-    max_registers resets it). Used by the wave split and wave_pack_below only: without either it
-    has no effect.
+    wave_slots: programs per SM of the config's unsplit kernel (the sm90 compile), for a config without wave_tiles;
+    0: not known (a config that overrides block_n, num_stages, num_warps or max_registers resets it). Used by the
+    wave split and wave_pack_below only: without either it has no effect.
     wave_split_ctas: > 0: a plan of at least ctas_per_sm x SMs programs may split its requests
     by the default policy as few requests do, into at most this many programs per SM, where
     `wave_split_choice` predicts the split grid faster than the best tile whole (`wave_choice`):
@@ -279,16 +276,16 @@ class DecodeConfig:
     64x4096:var 3.19 -> 3.47 (3.47); equal lengths lose 1-3.5 % (2x16384 2.73 -> 2.64, 48x8192
     4.22 -> 4.09: the split variant merges in the kernel, without the register cap). Off for fp8
     KV: 48x4096 3.21 -> 2.80, 16x8192:var 1.93 -> 1.82, 48x4096:var 1.86 -> 2.33.
-    shared_kv_rows: where V's page and slot strides are K's (a 5-D cache, or a (k, v) pair laid
-    out alike), V's token rows are read at K's row offsets (decode_kernel.py's SHARED_KV_ROWS). On
-    for fp8 KV (H200 32/8, session 47, TB/s off -> on: d64 64x4096 2.86 -> 3.00, d256 64x4096 3.57
-    -> 3.73, 256x4096 3.86 -> 3.96, d128 within 1 %); off for 16-bit (d64 256x4096 4.19 -> 4.13).
-    pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch:
-    every decode program signals at its start (griddepcontrol.launch_dependents), so the merge
-    grid is launched while the decode grid runs, and each merge program waits
-    (griddepcontrol.wait) until the decode grid has finished and its stores are visible. The
-    second launch's latency leaves the critical path (H200 bf16 32/8 heads, TB/s off -> on:
-    1x32768 2.66 -> 2.76, 2x16384 2.68 -> 2.75).
+    shared_kv_rows: where V's page and slot strides are K's (a 5-D cache, or a (k, v) pair laid out alike), V's
+    token rows are read at K's row offsets (decode_kernel.py's SHARED_KV_ROWS). On for fp8 KV (H200 32/8, session
+    47, TB/s off -> on: d64 64x4096 2.86 -> 3.00, d256 64x4096 3.57 -> 3.73, 256x4096 3.86 -> 3.96, d128 within 1
+    %); off for 16-bit (d64 256x4096 4.19 -> 4.13).
+    gluon_fp8_stages: stages of decode_gluon.py's fp8 kernel where a plan takes it (-1: most that fit; 0: never).
+    pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch: every decode program
+    signals at its start (griddepcontrol.launch_dependents), so the merge grid is launched while the decode grid
+    runs, and each merge program waits (griddepcontrol.wait) until the decode grid has finished and its stores are
+    visible. The second launch's latency leaves the critical path (H200 bf16 32/8 heads, TB/s off -> on: 1x32768
+    2.66 -> 2.76, 2x16384 2.68 -> 2.75).
     """
 
     block_n: int = 32
@@ -335,6 +332,7 @@ class DecodeConfig:
     graph_few_line: bool = False
     few_line_mixed: int = 0
     table_split_slots: float = 1.5
+    gluon_fp8_stages: int = -1
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -386,6 +384,8 @@ class DecodeConfig:
         v = self.fused_merge_values
         if not _int(v) or v < 256 or v & (v - 1):
             raise ValueError(f"fa2 decode config fused_merge_values must be a power of two >= 256, got {v!r}")
+        if not _int(self.gluon_fp8_stages) or self.gluon_fp8_stages not in (-1, 0, 2, 3, 4, 5, 6, 7, 8):
+            raise ValueError(f"fa2 decode config gluon_fp8_stages must be -1, 0 or 2-8, got {self.gluon_fp8_stages!r}")
         if not _int(self.max_registers) or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
             raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "
                              f"[24, 255], got {self.max_registers!r}")

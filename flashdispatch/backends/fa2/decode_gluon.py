@@ -1,0 +1,149 @@
+"""fa2's fp8 decode on the explicit-layout kernel (decode_gluon_kernel.py): which plans take it,
+and the plan that runs it.
+
+The kernel gives each (request, KV head) one program for its whole KV, no split, no merge, so it
+is taken only where those programs alone fill the GPU evenly (`gluon_stages`): an eager sm90
+plan of e4m3/e5m2 KV with 16-bit q, head_dim 128, page 16, one query row a request, a GQA group
+of 2-8, no positional, window, soft-cap or sink option, the default split policy (a fixed split
+size or disable_split_kv asks for batch-invariant results: the Triton kernel keeps those), at
+least `MIN_PROGRAMS_PER_SM` programs a SM, no more than fit on the GPU at once, and lengths
+within `MIN_LENGTH_FILL` of the longest. It reads at fa2's Triton kernel's rate or above there
+(H200, 32/8 heads, session 49 probe, TB/s Triton -> Gluon: 48x4096 3.47 -> 3.54, 64x4096 3.65 ->
+3.94, 128x4096 3.98 -> 4.22, 200x1024 3.45 -> 3.70); mixed lengths lose without the Triton
+plans' balancing (128x4096:var 3.97 -> 3.63), and more programs than fit read no more.
+`DecodeConfig.gluon_fp8_stages` sets its cp.async stages (-1: the most whose programs all fit on
+the GPU at once, of 4, 3, 2) or turns it off (0).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...dispatch.problem import FP8_DTYPES, Device, Problem
+from ..base import AttentionInputs, AttentionParams
+from ..common import TRITON_INTERPRETED, kernel_scale, shared_per_block
+from .decode_config import DecodeConfig
+from .launch import BoundKernel, SpecKeys, bind, launch_kept
+
+MIN_PROGRAMS_PER_SM = 2.5  # 48x4096 (2.9 a SM on the H200) gained 2 %; fewer split on the Triton kernel
+MIN_LENGTH_FILL = 0.9  # mean tokens / longest request's
+_STAGE_BYTES = 2 * 32 * 128  # one stage: a K and a V tile of 32 tokens, fp8 d128
+_BLOCK_RESERVED = 1024  # shared memory the GPU keeps per block (sm80+)
+
+
+def programs_per_sm(stages: int, shared: int) -> int:
+    """Programs of ``stages`` stages one SM holds by shared memory (``shared``: per block)."""
+    return (shared + _BLOCK_RESERVED) // (stages * _STAGE_BYTES + _BLOCK_RESERVED)
+
+
+def gluon_stages(problem: Problem, device: Device, params: AttentionParams, cfg: DecodeConfig) -> int:
+    """The Gluon kernel's cp.async stages for this plan, 0 where it does not take it (see the
+    module docstring)."""
+    p = problem
+    if (cfg.gluon_fp8_stages == 0 or TRITON_INTERPRETED or device.cc is None or device.cc[0] != 9
+            or p.kv_dtype not in FP8_DTYPES or p.q_dtype not in (torch.float16, torch.bfloat16)
+            or (p.head_dim_qk, p.head_dim_vo, p.page_size, p.q_len_per_req) != (128, 128, 16, 1)
+            or p.features() - {"lse", "fp8_kv"} or p.use_cuda_graph or params.block_tables is not None
+            or params.fixed_split_size is not None or params.disable_split_kv):
+        return 0
+    group, batch, sms = p.num_qo_heads // p.num_kv_heads, params.batch_size, device.sm_count or 8
+    programs = batch * p.num_kv_heads
+    if not 2 <= group <= 8 or programs < MIN_PROGRAMS_PER_SM * sms:
+        return 0
+    total, longest = params.kv_lens_stats()
+    if total < MIN_LENGTH_FILL * longest * batch:
+        return 0
+    if cfg.gluon_fp8_stages > 0:
+        return cfg.gluon_fp8_stages
+    shared = shared_per_block(device)
+    return next((s for s in (4, 3, 2) if programs_per_sm(s, shared) * sms >= programs), 0)
+
+
+class GluonDecodePlan:
+    """A decode planned onto the Gluon fp8 kernel: one program per (request, KV head), reading
+    kv_indptr / kv_indices / kv_last_page_len as the API gives them (nothing built, nothing
+    uploaded, no workspace)."""
+
+    def __init__(self, problem: Problem, device: Device, params: AttentionParams, cfg: DecodeConfig, stages: int,
+                 overrides: dict | None = None):
+        from .decode_gluon_kernel import fp8_decode_gluon_kernel  # (Gluon: imported where it runs)
+        self.problem, self.config, self.stages = problem, cfg, stages
+        self._device, self._overrides = device, {**(overrides or {}), "gluon_fp8_stages": 0}
+        self.batch = params.batch_size
+        self.workspace_bytes = 0
+        self.qk_scale = params.sm_scale * math.log2(math.e)  # the kernel's scores are in base 2
+        self._grid = (self.batch * problem.num_kv_heads,)
+        self._consts = dict(NUM_KV_HEADS=problem.num_kv_heads, GROUP=problem.num_qo_heads // problem.num_kv_heads,
+                            STAGES=stages, E5M2=problem.kv_dtype == torch.float8_e5m2, num_warps=1)
+        self._kernel = fp8_decode_gluon_kernel
+        self._launchers: dict = {}  # (WRITE_LSE, SHARED_KV, Q/K/V_SCALE_T) -> BoundKernel
+        self._set_tables(params)
+
+    def _set_tables(self, params: AttentionParams) -> None:
+        self._params, self._fallback_plan = params, None
+        self._tables = (params.kv_indptr, params.kv_indices, params.kv_last_page_len)
+        self._table_addrs = tuple(t.data_ptr() for t in self._tables)
+        self._cuda_index = params.kv_indptr.device.index
+        self._specs = SpecKeys()
+
+    def refreshed(self, device: Device, params: AttentionParams) -> GluonDecodePlan | None:
+        """This plan with the new tables when the new lengths take the Gluon kernel with as many
+        stages; None otherwise (plan afresh)."""
+        if params.batch_size != self.batch or gluon_stages(self.problem, device, params, self.config) != self.stages:
+            return None
+        plan = object.__new__(GluonDecodePlan)
+        plan.__dict__.update(self.__dict__)
+        plan._set_tables(params)
+        return plan
+
+    def _fallback(self):
+        """The Triton kernel's plan of the same call (decode.py's `DecodePlan`), made at the first
+        run() whose cache is not at 16-byte multiples (its address or a page, token or head stride):
+        cp.async copies 16 bytes."""
+        if self._fallback_plan is None:
+            from .decode import DecodePlan
+            self._fallback_plan = DecodePlan(self.problem, self._device, self._params, self._overrides)
+        return self._fallback_plan
+
+    def _bind(self, variant: tuple) -> BoundKernel:
+        write_lse, shared_kv, q_t, k_t, v_t = variant
+        launch = self._launchers[variant] = bind(self._kernel, **self._consts, SHARED_KV=shared_kv,
+                                                 WRITE_LSE=write_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t)
+        return launch
+
+    def run(self, inputs: AttentionInputs) -> None:
+        """Launch the kernel into inputs.out (and inputs.lse when given)."""
+        if self.batch == 0:
+            return
+        q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
+        k_at, v_at, ks, vs = kv.addresses()
+        qs, os_ = q.stride(), out.stride()
+        if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
+            raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
+        if kv.layout == "HND":
+            ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+        if (k_at | v_at | ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & 15:
+            self._fallback().run(inputs)
+            return
+        dummy = self._tables[0]
+        q_f, q_t, q_in = kernel_scale(inputs.q_scale, "q_scale", dummy)
+        k_f, k_t, k_in = kernel_scale(inputs.k_scale, "k_scale", dummy)
+        v_scale, v_t, v_in = kernel_scale(inputs.v_scale, "v_scale", dummy)
+        qk_scale = self.qk_scale * q_f * k_f
+        write_lse = lse is not None
+        lse_t = lse if write_lse else dummy
+        ls = lse.stride() if write_lse else (0, 0)
+        variant = (write_lse, ks[:3] == vs[:3], q_in, k_in, v_in)
+        launch = self._launchers.get(variant) or self._bind(variant)
+        inputs_at = (q.data_ptr(), k_at, v_at, out.data_ptr(), lse_t.data_ptr())
+        scales_at = (q_t.data_ptr(), k_t.data_ptr(), v_t.data_ptr())
+        scalars = (qk_scale, v_scale, kv.num_pages, qs[0], qs[1], os_[0], os_[1], *ls, ks[0], ks[1], ks[2], vs[0],
+                   vs[1], vs[2])
+        aligned = (inputs_at[0] | inputs_at[1] | inputs_at[2] | inputs_at[3] | inputs_at[4] | scales_at[0]
+                   | scales_at[1] | scales_at[2]) & 15 == 0
+        call = (variant, qs, os_, ls, ks, vs, q.dtype, kv.dtype, out.dtype, lse_t.dtype, q_t.dtype, k_t.dtype,
+                v_t.dtype)
+        launch_kept(launch, self._specs, call if aligned else None, self._cuda_index, self._grid,
+                    (*inputs_at, *self._table_addrs, *scales_at, *scalars),
+                    lambda: (q, kv.k, kv.v, out, lse_t, *self._tables, q_t, k_t, v_t, *scalars))
