@@ -49,6 +49,9 @@ lays the requests' tokens end to end and uploads the work rows of equal pieces
 or with `DecodeConfig.few_pack_line` (and for enough mixed requests, `DecodeConfig.few_line_mixed`)
 the kernel does, as on the line.
 
+fp8 KV on sm90 where one program per (request, KV head) alone fills the GPU evenly: `plan_decode`
+returns decode_gluon.py's plan (an explicit-layout kernel, no split) instead.
+
 Tuning: `DecodeConfig` (decode_config.py) fields can be overridden per plan
 (``plan_decode(..., config={...})``) or through
 FLASHDISPATCH_FA2_DECODE_CONFIG='{"block_n": 64, "num_stages": 3, ...}'.

@@ -8,9 +8,10 @@ of 2-8, no positional, window, soft-cap or sink option, the default split policy
 size or disable_split_kv asks for batch-invariant results: the Triton kernel keeps those), at
 least `MIN_PROGRAMS_PER_SM` programs a SM, no more than fit on the GPU at once, and lengths
 within `MIN_LENGTH_FILL` of the longest. It reads at fa2's Triton kernel's rate or above there
-(H200, 32/8 heads, session 49 probe, TB/s Triton -> Gluon: 48x4096 3.47 -> 3.54, 64x4096 3.65 ->
-3.94, 128x4096 3.98 -> 4.22, 200x1024 3.45 -> 3.70); mixed lengths lose without the Triton
-plans' balancing (128x4096:var 3.97 -> 3.63), and more programs than fit read no more.
+(H200, 32/8 heads, e4m3, TB/s Triton -> Gluon, perf-notes session 50: 48x4096 3.43 -> 3.49,
+64x4096 3.59 -> 3.88, 128x4096 3.90 -> 4.14, 200x1024 3.40 -> 3.61); mixed lengths lose without the
+Triton plans' balancing (session 49: 128x4096:var 3.97 -> 3.63), more programs than fit at once
+read no more (256x4096 4.14 -> 4.12).
 `DecodeConfig.gluon_fp8_stages` sets its cp.async stages (-1: the most whose programs all fit on
 the GPU at once, of 4, 3, 2) or turns it off (0).
 """

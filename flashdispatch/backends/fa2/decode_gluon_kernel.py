@@ -73,7 +73,8 @@ TILES: gl.constexpr = _swizzled_layout()
 @gluon.jit
 def _fp8_to_f16(x, E5M2: gl.constexpr):
     """fp8 -> fp16 (exact), four values a register: e4m3 by cvt.rn.f16x2.e4m3x2 (sm89+), e5m2 as
-    the high byte of the same value's fp16 (byte permutes)."""
+    the high byte of the same value's fp16 (byte permutes); the PTX of decode_kernel.py's
+    `_fp8_to_f16_regs`, pure here (Gluon places each load and layout change itself)."""
     b = x.to(gl.uint8, bitcast=True)
     if E5M2:
         y = gl.inline_asm_elementwise("{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x1404; "
@@ -84,6 +85,15 @@ def _fp8_to_f16(x, E5M2: gl.constexpr):
                                       "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [b], dtype=gl.float16,
                                       is_pure=True, pack=4)
     return y
+
+
+@gluon.jit
+def _scaled(s, col_scale):
+    """s x col_scale per column, rounded (mul.rn: not fused into the softmax's subtraction of the
+    max, so the max token's exponent is exactly 0; fused, scores past ~2^100 put it at +-2^70)."""
+    s, scale = gl.broadcast(s, col_scale[None, :])
+    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [s, scale], dtype=gl.float32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
@@ -147,7 +157,7 @@ def _step(k_buf, v_buf, q_t, m_i, l_i, acc, col_scale, offs_t, tile, kv_len, STA
     gl.thread_barrier()
     k8 = _k_view(k_buf).load(K_LOAD)
     k16 = gl.convert_layout(_fp8_to_f16(k8, E5M2), OP_A)
-    s_t = mma_v2(k16, q_t, gl.full([32, 8], 0.0, gl.float32, layout=MMA)) * col_scale[None, :]
+    s_t = _scaled(mma_v2(k16, q_t, gl.full([32, 8], 0.0, gl.float32, layout=MMA)), col_scale)
     if MASKED:
         s_t = gl.where((tile * 32 + offs_t < kv_len)[:, None], s_t, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s_t, 0))

@@ -52,6 +52,10 @@ DIRECT_LAUNCH = os.environ.get("FLASHDISPATCH_FA2_DIRECT_LAUNCH", "1") != "0"
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _MISSING = object()
+# (name, id(scope)) of a global a kernel reads -> the object last found equal to its compile-time
+# value: an identity test from then on (the compile keeps a copy, and a Gluon layout's == takes ~1 us;
+# a global rebound is compared again, one mutated in place is not: the kernels' globals are frozen)
+_EQUAL_GLOBALS: dict = {}
 
 
 def spec_key(args, _Tensor=torch.Tensor, _int=int, _float=float, _bool=bool) -> tuple | None:
@@ -139,9 +143,12 @@ def _direct_allowed(fn) -> bool:
     rt = knobs.runtime
     if not (_hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)) or fn.pre_run_hooks:
         return False
-    for (name, _), (value, scope) in fn.used_global_vals.items():
-        if scope.get(name, _MISSING) != value:
-            return False
+    for key, (value, scope) in fn.used_global_vals.items():
+        current = scope.get(key[0], _MISSING)
+        if current is not _EQUAL_GLOBALS.get(key, _MISSING):
+            if current != value:
+                return False
+            _EQUAL_GLOBALS[key] = current
     return True
 
 
