@@ -527,3 +527,27 @@ def test_gpu_decode_graph_capture_of_bound_launches(monkeypatch, fresh_launchers
         graph.replay()
         torch.cuda.synchronize()
         _assert_bitwise((case.inputs.out, case.inputs.lse), eager)
+
+
+def test_globals_kept_by_identity_once_equal():
+    """A kernel's globals compared with their compile-time copies once, then by identity: a global
+    rebound to an equal object passes, to a different value fails, and a new global read is checked."""
+    @dataclasses.dataclass(frozen=True)
+    class Layout:
+        bases: tuple
+
+    class Fn:
+        pre_run_hooks: list = []
+
+    fn, scope = Fn(), {"L": Layout((1, 2))}
+    fn.used_global_vals = {("L", id(scope)): (Layout((1, 2)), scope)}  # the compile's copy
+    assert launch._direct_allowed(fn) and launch._direct_allowed(fn)
+    scope["L"] = Layout((1, 2))
+    assert launch._direct_allowed(fn)
+    scope["L"] = Layout((2, 1))
+    assert not launch._direct_allowed(fn)
+    scope["L"] = Layout((1, 2))
+    fn.used_global_vals[("M", id(scope))] = (3, scope)  # read by a later compile; missing from scope
+    assert not launch._direct_allowed(fn)
+    scope["M"] = 3
+    assert launch._direct_allowed(fn)

@@ -52,9 +52,9 @@ DIRECT_LAUNCH = os.environ.get("FLASHDISPATCH_FA2_DIRECT_LAUNCH", "1") != "0"
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _MISSING = object()
-# (name, id(scope)) of a global a kernel reads -> the object last found equal to its compile-time
-# value: an identity test from then on (the compile keeps a copy, and a Gluon layout's == takes ~1 us;
-# a global rebound is compared again, one mutated in place is not: the kernels' globals are frozen)
+# id(fn) -> (how many globals fn reads, ((scope, name, object found equal to its compile-time value),
+# ...)): identity tests from then on (the compile keeps copies, and a Gluon layout's == takes ~1 us).
+# A global rebound is compared again; one mutated in place is not (the kernels' globals are frozen).
 _EQUAL_GLOBALS: dict = {}
 
 
@@ -143,12 +143,21 @@ def _direct_allowed(fn) -> bool:
     rt = knobs.runtime
     if not (_hook_idle(rt.launch_enter_hook) and _hook_idle(rt.launch_exit_hook)) or fn.pre_run_hooks:
         return False
-    for key, (value, scope) in fn.used_global_vals.items():
-        current = scope.get(key[0], _MISSING)
-        if current is not _EQUAL_GLOBALS.get(key, _MISSING):
-            if current != value:
-                return False
-            _EQUAL_GLOBALS[key] = current
+    used = fn.used_global_vals
+    kept = _EQUAL_GLOBALS.get(id(fn))
+    if kept is not None and kept[0] == len(used):
+        for scope, name, obj in kept[1]:
+            if scope.get(name, _MISSING) is not obj:
+                break
+        else:
+            return True
+    found = []
+    for (name, _), (value, scope) in used.items():
+        current = scope.get(name, _MISSING)
+        if current != value:
+            return False
+        found.append((scope, name, current))
+    _EQUAL_GLOBALS[id(fn)] = (len(used), tuple(found))
     return True
 
 
