@@ -84,6 +84,13 @@ def test_e5m2_and_a_configured_stage_count():
     assert _stages([33] * 48, num_qo_heads=16) == 4  # group 2
 
 
+@pytest.mark.usefixtures("compiled_gpu")
+def test_a_triton_without_the_kernel_keeps_the_triton_kernel(monkeypatch):
+    assert decode_gluon._kernel_importable()  # Triton 3.6 here
+    monkeypatch.setattr(decode_gluon, "_kernel_importable", lambda: False)
+    assert _stages([33] * 48) == 0
+
+
 def test_the_interpreter_never_takes_it():
     assert _stages([33] * 48) == 0
 

@@ -17,6 +17,7 @@ the GPU at once, of 4, 3, 2) or turns it off (0).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,6 +39,16 @@ def programs_per_sm(stages: int, shared: int) -> int:
     return (shared + _BLOCK_RESERVED) // (stages * _STAGE_BYTES + _BLOCK_RESERVED)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_importable() -> bool:
+    """Whether this Triton defines the kernel (Gluon is experimental: 3.6's API, as written)."""
+    try:
+        from . import decode_gluon_kernel  # noqa: F401
+    except (ImportError, AttributeError, TypeError):
+        return False
+    return True
+
+
 def gluon_stages(problem: Problem, device: Device, params: AttentionParams, cfg: DecodeConfig) -> int:
     """The Gluon kernel's cp.async stages for this plan, 0 where it does not take it (see the
     module docstring)."""
@@ -54,6 +65,8 @@ def gluon_stages(problem: Problem, device: Device, params: AttentionParams, cfg:
         return 0
     total, longest = params.kv_lens_stats()
     if total < MIN_LENGTH_FILL * longest * batch:
+        return 0
+    if not _kernel_importable():
         return 0
     if cfg.gluon_fp8_stages > 0:
         return cfg.gluon_fp8_stages
