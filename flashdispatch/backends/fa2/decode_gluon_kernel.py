@@ -25,6 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from .decode_kernel import E4M3X4_TO_F16, E5M2X4_TO_F16
+
 PAGE: gl.constexpr = gl.constexpr(16)
 TILE: gl.constexpr = gl.constexpr(32)  # tokens a step: two pages
 
@@ -72,19 +74,11 @@ TILES: gl.constexpr = _swizzled_layout()
 
 @gluon.jit
 def _fp8_to_f16(x, E5M2: gl.constexpr):
-    """fp8 -> fp16 (exact), four values a register: e4m3 by cvt.rn.f16x2.e4m3x2 (sm89+), e5m2 as
-    the high byte of the same value's fp16 (byte permutes); the PTX of decode_kernel.py's
-    `_fp8_to_f16_regs`, pure here (Gluon places each load and layout change itself)."""
-    b = x.to(gl.uint8, bitcast=True)
-    if E5M2:
-        y = gl.inline_asm_elementwise("{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x1404; "
-                                      "prmt.b32 $1, $2, z, 0x3424; }", "=r,=r,r", [b], dtype=gl.float16,
-                                      is_pure=True, pack=4)
-    else:
-        y = gl.inline_asm_elementwise("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
-                                      "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [b], dtype=gl.float16,
-                                      is_pure=True, pack=4)
-    return y
+    """fp8 -> fp16 (exact), four values a register: decode_kernel.py's PTX (e4m3 by
+    cvt.rn.f16x2.e4m3x2, sm89+; e5m2 by byte permutes), pure here (Gluon places each load and
+    layout change itself)."""
+    return gl.inline_asm_elementwise(E5M2X4_TO_F16 if E5M2 else E4M3X4_TO_F16, "=r,=r,r",
+                                     [x.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4)
 
 
 @gluon.jit

@@ -151,21 +151,22 @@ def _row_pow2(x):
     return up, down
 
 
+# fp8 -> fp16 (exact) as inline PTX, four bytes of $2 into the fp16 pairs $0 and $1 (constraints
+# "=r,=r,r", pack 4); decode_gluon_kernel.py converts with them too. e4m3: one cvt.rn.f16x2.e4m3x2
+# per pair (sm89+, as e4m3 KV itself); e5m2 is the high byte of the fp16 of the same value: one
+# byte permute per pair, on any GPU.
+E4M3X4_TO_F16: tl.constexpr = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+                                           "cvt.rn.f16x2.e4m3x2 $1, hi; }")
+E5M2X4_TO_F16: tl.constexpr = tl.constexpr("{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x1404; "
+                                           "prmt.b32 $1, $2, z, 0x3424; }")
+
+
 @triton.jit
 def _fp8_to_f16_regs(x, E5M2: tl.constexpr):
-    """fp8 -> fp16 (exact), four values per 32-bit register, in the layout x is in. e4m3: one
-    cvt.rn.f16x2.e4m3x2 per pair (sm89+, as e4m3 KV itself); e5m2 is the high byte of the fp16 of
-    the same value: one byte permute per pair, on any GPU."""
-    b = x.to(tl.uint8, bitcast=True)
-    if E5M2:
-        y = tl.inline_asm_elementwise("{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x1404; "
-                                      "prmt.b32 $1, $2, z, 0x3424; }", "=r,=r,r", [b], dtype=tl.float16,
-                                      is_pure=False, pack=4)
-    else:
-        y = tl.inline_asm_elementwise("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
-                                      "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [b], dtype=tl.float16,
-                                      is_pure=False, pack=4)
-    return y
+    """fp8 -> fp16 (exact), four values per 32-bit register, in the layout x is in
+    (E4M3X4_TO_F16 / E5M2X4_TO_F16)."""
+    return tl.inline_asm_elementwise(E5M2X4_TO_F16 if E5M2 else E4M3X4_TO_F16, "=r,=r,r",
+                                     [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
