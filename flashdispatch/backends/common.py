@@ -61,6 +61,13 @@ def kernel_scale(scale, name: str, dummy: torch.Tensor) -> tuple[float, torch.Te
     return float(scale), dummy, False
 
 
+def kernel_scales(inputs, dummy: torch.Tensor) -> tuple:
+    """`kernel_scale` of ``inputs``' q_scale, k_scale and v_scale (an `AttentionInputs`), one after
+    the other: nine values."""
+    return (*kernel_scale(inputs.q_scale, "q_scale", dummy), *kernel_scale(inputs.k_scale, "k_scale", dummy),
+            *kernel_scale(inputs.v_scale, "v_scale", dummy))
+
+
 _KERNEL_WINDOW_MAX = 1 << 30
 
 

@@ -67,7 +67,7 @@ from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
-from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, shared_per_block,
+from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scales, kernel_window, shared_per_block,
                       triton_fp8_kv_reasons)
 from .decode_config import (for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
                             without_waves)
@@ -83,6 +83,7 @@ from .decode_work import work_array
 from .decode_workspace import carve_partials, counters_offset, int_workspace_ints, partial_bytes, workspace_bytes
 from .launch import BoundKernel, SpecKeys, bind, launch_kept
 from .merge import MERGE_INFO_COLS, DecodeMerge
+from .paging import decode_strides
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -511,16 +512,9 @@ class DecodePlan(DecodePacking):
         if self.n_work == 0:
             return
         q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
-        k_at, v_at, ks, vs = kv.addresses()  # (a 5-D cache: no views made)
-        qs, os_ = q.stride(), out.stride()  # one call each: run() is host-bound
-        if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
-            raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
-        if kv.layout == "HND":
-            ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+        k_at, v_at, ks, vs, qs, os_ = decode_strides(inputs)
         dummy = self.plse
-        q_f, q_t, q_in = kernel_scale(inputs.q_scale, "q_scale", dummy)
-        k_f, k_t, k_in = kernel_scale(inputs.k_scale, "k_scale", dummy)
-        v_scale, v_t, v_in = kernel_scale(inputs.v_scale, "v_scale", dummy)
+        q_f, q_t, q_in, k_f, k_t, k_in, v_scale, v_t, v_in = kernel_scales(inputs, dummy)
         qk_scale = self.sm_scale * q_f * k_f
         sinks = inputs.sinks
         if sinks is None:

@@ -24,9 +24,10 @@ import torch
 
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ..base import AttentionInputs, AttentionParams
-from ..common import TRITON_INTERPRETED, kernel_scale, shared_per_block
+from ..common import TRITON_INTERPRETED, kernel_scales, shared_per_block
 from .decode_config import DecodeConfig
 from .launch import BoundKernel, SpecKeys, bind, launch_kept
+from .paging import decode_strides
 
 MIN_PROGRAMS_PER_SM = 2.5  # 48x4096 (2.9 a SM on the H200) gained 2 %; fewer split on the Triton kernel
 MIN_LENGTH_FILL = 0.9  # mean tokens / longest request's
@@ -131,19 +132,12 @@ class GluonDecodePlan:
         if self.batch == 0:
             return
         q, kv, out, lse = inputs.q, inputs.kv, inputs.out, inputs.lse
-        k_at, v_at, ks, vs = kv.addresses()
-        qs, os_ = q.stride(), out.stride()
-        if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
-            raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
-        if kv.layout == "HND":
-            ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+        k_at, v_at, ks, vs, qs, os_ = decode_strides(inputs)
         if (k_at | v_at | ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & 15:
             self._fallback().run(inputs)
             return
         dummy = self._tables[0]
-        q_f, q_t, q_in = kernel_scale(inputs.q_scale, "q_scale", dummy)
-        k_f, k_t, k_in = kernel_scale(inputs.k_scale, "k_scale", dummy)
-        v_scale, v_t, v_in = kernel_scale(inputs.v_scale, "v_scale", dummy)
+        q_f, q_t, q_in, k_f, k_t, k_in, v_scale, v_t, v_in = kernel_scales(inputs, dummy)
         qk_scale = self.qk_scale * q_f * k_f
         write_lse = lse is not None
         lse_t = lse if write_lse else dummy

@@ -1,4 +1,5 @@
-"""Page arithmetic of token indices, shared by the fa2 kernels.
+"""Page arithmetic of token indices, shared by the fa2 kernels, and a paged cache's strides as the
+decode kernels take them (`decode_strides`).
 
 Token indices are >= 0, so the division and remainder by the page size run on unsigned ints: no
 sign fix-up per token (a shift and a mask for power-of-two pages). Offline sm90 PTX: the paged
@@ -20,3 +21,17 @@ def page_of(t, PAGE: tl.constexpr):
 def slot_in_page(t, PAGE: tl.constexpr):
     """t % PAGE for token indices t >= 0 (int32)."""
     return (t.to(tl.uint32) % PAGE).to(tl.int32)
+
+
+def decode_strides(inputs) -> tuple:
+    """(k address, v address, k strides, v strides, q strides, out strides) of a decode run()'s
+    ``inputs`` (an `AttentionInputs` of paged KV), the caches' first three strides (page, token,
+    head) whatever the layout; ValueError unless q, out and the caches have a contiguous head_dim."""
+    kv = inputs.kv
+    k_at, v_at, ks, vs = kv.addresses()  # (a 5-D cache: no views made)
+    qs, os_ = inputs.q.stride(), inputs.out.stride()  # one call each: run() is host-bound
+    if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
+        raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
+    if kv.layout == "HND":
+        ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+    return k_at, v_at, ks, vs, qs, os_

@@ -29,7 +29,7 @@ from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
-from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scale, kernel_window, triton_fp8_kv_reasons
+from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scales, kernel_window, triton_fp8_kv_reasons
 from .launch import bind
 from . import tuning
 from .merge import MERGE_INFO_COLS, DecodeMerge
@@ -396,9 +396,7 @@ class PrefillPlan:
             sv = (v.stride(0), 0, v.stride(1), v.stride(2))
             kv_indices = prm.kv_indptr
         lse = inputs.lse
-        q_f, q_ptr, q_t = kernel_scale(inputs.q_scale, "q_scale", prm.qo_indptr)
-        k_f, k_ptr, k_t = kernel_scale(inputs.k_scale, "k_scale", prm.qo_indptr)
-        v_f, v_ptr, v_t = kernel_scale(inputs.v_scale, "v_scale", prm.qo_indptr)
+        q_f, q_ptr, q_t, k_f, k_ptr, k_t, v_f, v_ptr, v_t = kernel_scales(inputs, prm.qo_indptr)
         log2e = 1.0 / math.log(2.0)
         qk_scale = prm.sm_scale * q_f * k_f * log2e
         custom = p.mask_mode == "custom"
