@@ -13,36 +13,29 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)  # Gluon has no interpreter: the kernel must be defined for compiling
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from flashdispatch.backends.fa2.decode_gluon_kernel import fp8_decode_gluon_kernel  # noqa: E402
-from offline_compile import ptxas_usage, sass_loops  # noqa: E402  (scripts/, this script's folder)
+from offline_compile import compile_like_launch, ptxas_usage, sass_loops  # noqa: E402  (scripts/, this folder)
 
 _FLOAT_ARGS = ("qk_scale", "v_scale")
 
 
 def compile_kernel(stages: int, group: int, e5m2: bool, shared_kv: bool, write_lse: bool):
-    """The CompiledKernel of one variant (bf16 q and out, 8 KV heads), pointers and strides
-    divisible by 16 as on contiguous tensors."""
+    """The CompiledKernel of one variant (bf16 q and out, 8 KV heads) as a launch on contiguous
+    tensors specializes it (`offline_compile.compile_like_launch`)."""
     const = dict(NUM_KV_HEADS=8, GROUP=group, STAGES=stages, E5M2=e5m2, SHARED_KV=shared_kv, WRITE_LSE=write_lse,
                  Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False)
     kv = "*fp8e5" if e5m2 else "*fp8e4nv"
     types = {"q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "out_ptr": "*bf16", "lse_ptr": "*fp32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fp8_decode_gluon_kernel.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = types.get(name, "*fp32" if "scale" in name else "*i32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name in _FLOAT_ARGS else "i32"
-            if name.startswith("stride_") and name != "stride_lh":  # (lse's head stride: 1)
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fp8_decode_gluon_kernel, sig, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+
+    def arg_type(name: str) -> str:
+        if name.endswith("_ptr"):
+            return types.get(name, "*fp32" if "scale" in name else "*i32")
+        return "fp32" if name in _FLOAT_ARGS else "i32"
+    return compile_like_launch(fp8_decode_gluon_kernel, const, arg_type, GPUTarget("cuda", 90, 32), {"num_warps": 1},
+                               source=GluonASTSource)
 
 
 def main(argv=None) -> None:

@@ -16,11 +16,12 @@ from triton._C.libtriton import ir
 from triton.compiler import ASTSource, make_backend
 
 
-def _launch_source(kernel, const: dict, arg_type: Callable[[str], str]) -> ASTSource:
+def _launch_source(kernel, const: dict, arg_type: Callable[[str], str], source=ASTSource) -> ASTSource:
     """``kernel`` with the constexprs ``const`` and every other argument typed by ``arg_type(name)``
     (e.g. "*bf16", "i32", "fp32"), pointers and ``stride_*`` marked divisible by 16 as a launch on
     contiguous tensors specializes them (without that, Triton 3.6 emits no cp.async at all and the
-    shared memory figure is not a launch's)."""
+    shared memory figure is not a launch's). ``source``: the class of source, e.g. Gluon's
+    GluonASTSource for a @gluon.jit kernel."""
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in const:
@@ -29,12 +30,13 @@ def _launch_source(kernel, const: dict, arg_type: Callable[[str], str]) -> ASTSo
         sig[name] = arg_type(name)
         if sig[name].startswith("*") or name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+    return source(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
 
 
-def compile_like_launch(kernel, const: dict, arg_type: Callable[[str], str], target, options: dict):
+def compile_like_launch(kernel, const: dict, arg_type: Callable[[str], str], target, options: dict,
+                        source=ASTSource):
     """The CompiledKernel of ``kernel`` as a launch specializes it (`_launch_source`)."""
-    return triton.compile(_launch_source(kernel, const, arg_type), target=target, options=options)
+    return triton.compile(_launch_source(kernel, const, arg_type, source), target=target, options=options)
 
 
 def frontend_like_launch(kernel, const: dict, arg_type: Callable[[str], str], target, options: dict) -> str:
