@@ -87,7 +87,7 @@ def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128, kv_he
     ``graph``: use_cuda_graph, with an int workspace; ``problem``: other `Problem` fields); page
     tables on the CPU."""
     from flashdispatch.backends.base import AttentionParams
-    from flashdispatch.backends.fa2.decode import DecodePlan
+    from flashdispatch.backends.fa2.decode import plan_decode
     from flashdispatch.dispatch.problem import Problem
     pages = [-(-n // 16) for n in lens]
     indptr = np.cumsum([0] + pages)
@@ -101,7 +101,7 @@ def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128, kv_he
         int_workspace=torch.zeros(1 << 20, dtype=torch.uint8) if graph else None)
     problem = Problem("decode", F16, kv_dtype, F16, 32, kv_heads, head_dim, head_dim, page_size=16, use_cuda_graph=graph,
                       **problem)
-    return DecodePlan(problem, _H200, params, config), params
+    return plan_decode(problem, _H200, params, config), params
 
 
 def test_wave_plans_on_the_h200():

@@ -69,7 +69,7 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scales, kernel_window, shared_per_block,
                       triton_fp8_kv_reasons)
-from .decode_config import (for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
+from .decode_config import (DecodeConfig, for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
                             without_waves)
 from .decode_gluon import GluonDecodePlan, gluon_stages
 from .decode_kernel import WORK_COLS, decode_kernel
@@ -105,8 +105,9 @@ DECODE_CAPS = Caps(
 class DecodePlan(DecodePacking):
     """A planned decode: the work array on the device, the grid, and the launch options."""
 
-    def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: dict | None = None):
-        cfg, p = resolve_config(problem, config, shared_per_block(device)), problem
+    def __init__(self, problem: Problem, device: Device, params: AttentionParams, cfg: DecodeConfig):
+        """``cfg``: the problem's config on this device (`plan_decode` resolves it)."""
+        p = problem
         self.q_len = p.q_len_per_req
         self.group = p.num_qo_heads // p.num_kv_heads
         self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
@@ -560,5 +561,5 @@ def plan_decode(problem: Problem, device: Device, params: AttentionParams,
     cfg = resolve_config(problem, config, shared_per_block(device))
     stages = gluon_stages(problem, device, params, cfg)
     if stages:
-        return GluonDecodePlan(problem, device, params, cfg, stages, config)
-    return DecodePlan(problem, device, params, config)
+        return GluonDecodePlan(problem, device, params, cfg, stages)
+    return DecodePlan(problem, device, params, cfg)

@@ -17,6 +17,7 @@ the GPU at once, of 4, 3, 2) or turns it off (0).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -80,11 +81,9 @@ class GluonDecodePlan:
     kv_indptr / kv_indices / kv_last_page_len as the API gives them (nothing built, nothing
     uploaded, no workspace)."""
 
-    def __init__(self, problem: Problem, device: Device, params: AttentionParams, cfg: DecodeConfig, stages: int,
-                 overrides: dict | None = None):
+    def __init__(self, problem: Problem, device: Device, params: AttentionParams, cfg: DecodeConfig, stages: int):
         from .decode_gluon_kernel import fp8_decode_gluon_kernel  # (Gluon: imported where it runs)
-        self.problem, self.config, self.stages = problem, cfg, stages
-        self._device, self._overrides = device, {**(overrides or {}), "gluon_fp8_stages": 0}
+        self.problem, self.config, self.stages, self._device = problem, cfg, stages, device
         self.batch = params.batch_size
         self.workspace_bytes = 0
         self.qk_scale = params.sm_scale * math.log2(math.e)  # the kernel's scores are in base 2
@@ -118,7 +117,8 @@ class GluonDecodePlan:
         cp.async copies 16 bytes."""
         if self._fallback_plan is None:
             from .decode import DecodePlan
-            self._fallback_plan = DecodePlan(self.problem, self._device, self._params, self._overrides)
+            cfg = dataclasses.replace(self.config, gluon_fp8_stages=0)
+            self._fallback_plan = DecodePlan(self.problem, self._device, self._params, cfg)
         return self._fallback_plan
 
     def _bind(self, variant: tuple) -> BoundKernel:
