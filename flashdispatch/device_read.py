@@ -27,6 +27,7 @@ _BLOCK = 1024
 _PER_PROGRAM = 2048
 _I32_MAX = (1 << 31) - 1
 _POINTER_ARGS = (0, 2, 4, 6, 9, 10)  # index_summary_kernel's pointers among its runtime arguments
+_KEPT_VIEWS = 64  # IndexRangeReader: upload layouts whose device views it keeps
 
 
 @triton.jit
@@ -226,6 +227,8 @@ class IndexRangeReader:
             np.concatenate(upload, out=self._buf_np[:n], casting="unsafe")
             views = self._views.get(tuple(sizes))
             if views is None:
+                if len(self._views) >= _KEPT_VIEWS:  # a batch size each: kept for the sizes in use
+                    self._views.clear()
                 views = self._views[tuple(sizes)] = list(self._dst[:n].split_with_sizes(sizes))
             _launch_summary([self._buf[:n]], indices, used, self._buf, copy_to=self._dst)
         else:

@@ -68,7 +68,8 @@ KNOBS = {  # decode_config.DecodeConfig overrides
     "num_stages": [1, 2, 3], "num_warps": [1, 2, 4], "lone_wave_split_tokens": [0, 64],
     "split_chunk_tokens": [0, 48], "wave_slots": [0, 2, 4], "line_page_prefetch": [True, False],
     "line_align_fill": [0.5, 0.9], "fused_merge_values": [256, 4096],
-    "wave_tiles": [[], [[32, 2, 8, 1.0], [64, 3, 4, 0.9]], [[16, 2, 4, 1.0]]]}
+    "wave_tiles": [[], [[32, 2, 8, 1.0], [64, 3, 4, 0.9]], [[16, 2, 4, 1.0]]],
+    "gluon_fp8_stages": [-1, 0, 2, 4], "gluon_fp8_split_tokens": [0, 64, 256, 256]}
 
 
 def _scalars(R: random.Random, large: bool, page: int | None = None) -> dict:

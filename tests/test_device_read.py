@@ -163,3 +163,20 @@ def test_range_reader_uploads_host_arrays_with_its_launch():
         assert all(t.cpu().tolist() == a.tolist() for t, a in zip(got, arrays))
         seen.append(got[0])
     assert seen[1] is seen[0] and seen[2] is not seen[1]
+
+
+@pytest.mark.gpu
+def test_range_reader_keeps_the_views_of_a_few_upload_sizes(monkeypatch):
+    """A reader keeps device views for at most `_KEPT_VIEWS` upload layouts (batch sizes); past
+    them it starts again, and every upload still arrives whole."""
+    import numpy as np
+    from flashdispatch import device_read
+    monkeypatch.setattr(device_read, "_KEPT_VIEWS", 2)
+    indices = torch.randint(0, 1000, (600,), dtype=torch.int32, device="cuda")
+    reader = device_read.IndexRangeReader()
+    for batch in (3, 4, 5, 3, 9):
+        arrays = [np.arange(batch + 1) * 7, np.full(batch, batch)]
+        got = reader.start(indices, 600, arrays)
+        reader.result()
+        assert [t.cpu().tolist() for t in got] == [a.tolist() for a in arrays]
+        assert len(reader._views) <= 2

@@ -1,9 +1,10 @@
-"""Which fa2 decode plans take the Gluon fp8 kernel (decode_gluon.py), and the kernel's sm90
-compile (no GPU: Gluon has no interpreter, so its numerics are tested on the GPU, in
-test_fa2_decode_gluon_gpu.py)."""
+"""Which fa2 decode plans take the Gluon fp8 kernel (decode_gluon.py) and how they split, a split
+plan's partials and merge, and the kernel's sm90 compile (no GPU: Gluon has no interpreter, so
+its numerics are tested on the GPU, in test_fa2_decode_gluon_gpu.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -14,10 +15,10 @@ import torch
 
 from flashdispatch.backends.fa2 import decode_gluon
 from flashdispatch.backends.fa2.decode_config import DecodeConfig, resolve_config
-from flashdispatch.backends.fa2.decode_gluon import gluon_stages, programs_per_sm
+from flashdispatch.backends.fa2.decode_gluon import GluonDecodePlan, GluonLayout, gluon_layout, programs_per_sm
 from flashdispatch.dispatch.problem import Device
 
-from oracle import make_paged_case
+from oracle import assert_close, make_paged_case, reference_backend_result
 
 H200 = Device("cuda", 0, (9, 0), "NVIDIA H200", 132, shared_per_block=232448)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -31,15 +32,23 @@ def compiled_gpu(monkeypatch):
     monkeypatch.setattr(decode_gluon, "TRITON_INTERPRETED", False)
 
 
-def _stages(kv_lens, device=H200, config=None, params=None, problem=None, **case):
+def _layout(kv_lens, device=H200, config=None, params=None, problem=None, workspace=128 << 20, **case):
     case.setdefault("num_qo_heads", 32)
     case.setdefault("num_kv_heads", 8)
     case.setdefault("kv_dtype", E4M3)
     c = make_paged_case("decode", kv_lens=kv_lens, head_dim_qk=128, q_dtype=torch.bfloat16, extra_pages=0, **case)
+    c.params.workspace = torch.empty(workspace, dtype=torch.uint8)
     for name, value in (params or {}).items():
         setattr(c.params, name, value)
     p = dataclasses.replace(c.problem, **(problem or {}))
-    return gluon_stages(p, device, c.params, resolve_config(p, config, device.shared_per_block))
+    return gluon_layout(p, device, c.params, resolve_config(p, config, device.shared_per_block))
+
+
+def _stages(kv_lens, **kw):
+    """The stages of an unsplit Gluon layout; 0 where the Triton kernel plans."""
+    layout = _layout(kv_lens, **kw)
+    assert layout is None or layout.splits == 1, layout
+    return layout.stages if layout else 0
 
 
 def test_programs_per_sm_by_shared_memory():
@@ -101,6 +110,130 @@ def test_config_stages_checked(value):
         DecodeConfig(gluon_fp8_stages=value)
 
 
+@pytest.mark.parametrize("value", [-1, 2.0, True, None])
+def test_config_split_tokens_checked(value):
+    with pytest.raises(ValueError, match="gluon_fp8_split_tokens must be an int >= 0"):
+        DecodeConfig(gluon_fp8_split_tokens=value)
+
+
+SPLIT = {"gluon_fp8_split_tokens": 256}
+
+
+@pytest.mark.usefixtures("compiled_gpu")
+def test_split_is_off_by_default():
+    assert _layout([4096] * 16) is None
+    assert _layout([2048, 4096] * 24) is None
+
+
+@pytest.mark.usefixtures("compiled_gpu")
+@pytest.mark.parametrize("lens,layout", [
+    ([4096] * 48, (4, 2, 64)),       # 384 programs, 792 fit at 4 stages: 2 chunks of 2048 tokens
+    ([8192] * 16, (4, 6, 43)),       # 128 programs: 6 chunks of 43 tiles (the last 41)
+    ([32768], (4, 94, 11)),          # 8 programs: 99 fit, chunks of 11 tiles: 94 of them
+    ([1024] * 16, (4, 4, 8)),        # chunks no shorter than 256 tokens
+    ([2048, 4096] * 24, (4, 2, 64)),  # mixed lengths: chunks of the longest
+    ([4000, 4096] * 32, (4, 1, 0)),  # over half a wave (512 of 792), equal enough: the whole requests
+])
+def test_split_layouts(lens, layout):
+    assert _layout(lens, config=SPLIT) == GluonLayout(*layout)
+
+
+@pytest.mark.usefixtures("compiled_gpu")
+def test_split_configured_stages_fill_their_wave():
+    # 2 stages: 13 x 132 programs fit, 1716 // 128 = 13 chunks of ceil(256 / 13) = 20 tiles
+    assert _layout([8192] * 16, config={**SPLIT, "gluon_fp8_stages": 2}) == GluonLayout(2, 13, 20)
+
+
+@pytest.mark.usefixtures("compiled_gpu")
+@pytest.mark.parametrize("lens,kw", [
+    ([200] * 16, {}),                              # under two chunks of 256 tokens
+    ([32768] + [32] * 15, {}),                     # chunks of the longest idle most of the grid
+    ([8192] * 16, {"workspace": 1 << 20}),         # the partials (6 x 16 x 32 x 129 x 4 B) do not fit
+    ([8192] * 16, {"config": {**SPLIT, "gluon_fp8_stages": 0}}),
+    ([8192] * 16, {"params": {"fixed_split_size": 64}}),
+])
+def test_what_keeps_a_split_on_the_triton_kernel(lens, kw):
+    kw.setdefault("config", SPLIT)
+    assert _layout(lens, **kw) is None
+
+
+def _split_plan(kv_lens, layout, seed=0):
+    """An fp16-KV case and a GluonDecodePlan of ``layout`` on it (CPU: its run() cannot launch the
+    kernel, but its partials and merge are real)."""
+    case = make_paged_case("decode", kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim_qk=128,
+                           q_dtype=torch.float16, seed=seed)
+    case.params.workspace = torch.zeros(1 << 22, dtype=torch.uint8)
+    return case, GluonDecodePlan(case.problem, case.device, case.params, resolve_config(case.problem), layout)
+
+
+def _write_partials(case, plan) -> None:
+    """Fill the plan's partials as the split kernel writes them: row request x splits + chunk, the
+    chunk's softmax-normalised output over its tokens and their base-2 lse (0 and -inf past the
+    request's end), from the case's cache in float64."""
+    p, prm, kv = case.problem, case.params, case.inputs.kv
+    splits, chunk = plan.layout.splits, plan.layout.chunk_tiles * 32
+    group, heads = p.num_qo_heads // p.num_kv_heads, p.num_qo_heads
+    po = plan._po.view(-1, heads, 128)
+    plse = plan._plse.view(-1, heads)
+    for b, n in enumerate(prm.kv_lens_host):
+        pages = prm.kv_indices[prm.kv_indptr[b]:prm.kv_indptr[b + 1]].long()
+        k = kv.k[pages].reshape(-1, p.num_kv_heads, 128)[:n].double()
+        v = kv.v[pages].reshape(-1, p.num_kv_heads, 128)[:n].double()
+        for c in range(splits):
+            row = b * splits + c
+            kc, vc = k[c * chunk:(c + 1) * chunk], v[c * chunk:(c + 1) * chunk]
+            if not len(kc):
+                po[row], plse[row] = 0.0, float("-inf")
+                continue
+            q = case.inputs.q[b].double()
+            s = torch.einsum("hd,thd->ht", q, kc.repeat_interleave(group, 1)) * prm.sm_scale * math.log2(math.e)
+            m = s.amax(1, keepdim=True)
+            w = torch.exp2(s - m)
+            po[row] = (torch.einsum("ht,thd->hd", w, vc.repeat_interleave(group, 1)) / w.sum(1, keepdim=True)).float()
+            plse[row] = (m[:, 0] + torch.log2(w.sum(1))).float()
+
+
+def test_split_partials_merge_into_the_reference():
+    """The merge of the split plan's partials (laid out as the kernel writes them) is the
+    reference's out and lse, empty requests and chunks past a request's end included."""
+    case, plan = _split_plan([0, 100, 700, 33, 640], GluonLayout(4, 3, 8), seed=21)
+    assert plan._grid == (5 * 3 * 2,) and plan.workspace_bytes > 0
+    ref_out, ref_lse = reference_backend_result(case)
+    _write_partials(case, plan)
+    case.inputs.out.fill_(float("nan"))
+    case.inputs.lse.fill_(float("nan"))
+    plan._merge(case.inputs.out, case.inputs.lse)
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 1e-3)
+
+
+SMALL_GPU = Device("cuda", 0, (9, 0), "an sm90 of 8 SMs", 8, shared_per_block=232448)  # 48 programs at 4 stages
+
+
+def _fp8_params(kv_lens, seed):
+    case = make_paged_case("decode", kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim_qk=128,
+                           q_dtype=torch.bfloat16, kv_dtype=E4M3, seed=seed)
+    case.params.workspace = torch.zeros(1 << 22, dtype=torch.uint8)
+    return case
+
+
+@pytest.mark.usefixtures("compiled_gpu")
+def test_split_plan_and_refresh():
+    """plan_decode takes the split layout; a re-plan keeps the plan's partials and merge while the
+    new lengths keep its chunk count (only the chunk length and the tables change)."""
+    from flashdispatch.backends.fa2.decode import plan_decode
+    case = _fp8_params([4096, 4096], seed=1)
+    plan = plan_decode(case.problem, SMALL_GPU, case.params, SPLIT)
+    assert isinstance(plan, GluonDecodePlan) and plan.layout == GluonLayout(4, 12, 11)  # 4 programs x 12 <= 48
+    assert plan._grid == (2 * 12 * 2,)
+    shorter = _fp8_params([3600, 3000], seed=2)  # 113 tiles: still 12 chunks, of 10 tiles
+    again = plan.refreshed(SMALL_GPU, shorter.params)
+    assert again is not None and again.layout == GluonLayout(4, 12, 10)
+    assert again._merge is plan._merge and again._tables[1] is shorter.params.kv_indices
+    assert plan.layout == GluonLayout(4, 12, 11) and plan._tables[1] is case.params.kv_indices
+    assert plan.refreshed(SMALL_GPU, _fp8_params([1024, 1024], seed=3).params) is None  # 4 chunks
+    assert plan.refreshed(SMALL_GPU, _fp8_params([4096] * 3, seed=4).params) is None  # another batch size
+
+
 def test_kernel_compiles_for_sm90_without_spills():
     res = subprocess.run([sys.executable, SCRIPT, "--stages", "2", "--e5m2", "--no-shared-kv"], capture_output=True,
                          text=True, timeout=600, check=False)
@@ -110,6 +243,14 @@ def test_kernel_compiles_for_sm90_without_spills():
     regs, spilled, shared = map(int, found.groups())
     assert 0 < regs <= 255 and spilled == 0 and shared == 2 * 8192, res.stdout
     assert re.search(r"loop of \d+ instructions: .*HMMA 32", res.stdout), res.stdout  # two dots' 32 mma a tile
+
+
+def test_split_kernel_compiles_for_sm90_without_spills():
+    res = subprocess.run([sys.executable, SCRIPT, "--stages", "4", "--split"], capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    found = re.search(r"sm90, 4 stages: (\d+) registers, (\d+) B spilled", res.stdout)
+    assert found and int(found.group(2)) == 0 and 0 < int(found.group(1)) <= 255, res.stdout
 
 
 def test_compile_script_usage_errors():

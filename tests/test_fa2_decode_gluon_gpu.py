@@ -1,6 +1,7 @@
 """fa2's Gluon fp8 decode kernel (decode_gluon.py) on an sm90 GPU (``pytest -m gpu``), against the
-reference backend: the kernel on any lengths (its plan made directly), the plans that take it,
-re-plans, and caches off 16-byte multiples (the Triton kernel's plan runs them)."""
+reference backend: the kernel on any lengths, whole requests or split into chunks and merged (its
+plan made directly), the plans that take it, re-plans, and caches off 16-byte multiples (the
+Triton kernel's plan runs them)."""
 from __future__ import annotations
 
 import math
@@ -29,11 +30,14 @@ def _case(kv_lens, **kw):
     return make_paged_case("decode", kv_lens=list(kv_lens), head_dim_qk=128, device="cuda", **kw)
 
 
-def _gluon_plan(case, stages: int):
-    """The Gluon kernel's plan of the case whatever its lengths (`gluon_stages` not asked)."""
+def _gluon_plan(case, stages: int, splits: int = 1, chunk_tiles: int = 0):
+    """The Gluon kernel's plan of the case whatever its lengths (`gluon_layout` not asked): whole
+    requests, or ``splits`` chunks of ``chunk_tiles`` 32-token tiles a request (a 128 MiB workspace)."""
     from flashdispatch.backends.fa2.decode_config import resolve_config
-    from flashdispatch.backends.fa2.decode_gluon import GluonDecodePlan
-    return GluonDecodePlan(case.problem, case.device, case.params, resolve_config(case.problem), stages)
+    from flashdispatch.backends.fa2.decode_gluon import GluonDecodePlan, GluonLayout
+    case.params.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    return GluonDecodePlan(case.problem, case.device, case.params, resolve_config(case.problem),
+                           GluonLayout(stages, splits, chunk_tiles))
 
 
 def _run_into_poison(plan, case):
@@ -64,6 +68,37 @@ def test_kernel_grid(kv_dtype, layout, group, stages):
     case = _case(LENGTHS, kv_dtype=kv_dtype, kv_layout=layout, num_qo_heads=4 * group, seed=stages + 10 * group,
                  q_dtype=torch.float16 if group == 2 else torch.bfloat16)
     _check(case, _gluon_plan(case, stages))
+
+
+# (stages, chunks a request, tiles a chunk), each covering LENGTHS' longest request (2000 tokens, 63
+# tiles) as a plan's layout does; the shorter requests leave chunks empty
+SPLITS = [(2, 3, 21), (3, 2, 32), (4, 63, 1), (4, 7, 9)]
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_split_kernel_grid(kv_dtype, layout, group, split):
+    case = _case(LENGTHS, kv_dtype=kv_dtype, kv_layout=layout, num_qo_heads=4 * group, seed=split[1] + 10 * group,
+                 q_dtype=torch.float16 if group == 2 else torch.bfloat16)
+    _check(case, _gluon_plan(case, *split))
+
+
+@pytest.mark.parametrize("feature", [
+    dict(return_lse=False), dict(kv_storage="tuple"), dict(o_dtype=torch.float32),
+    dict(tensor_scales=(1.2, 0.5, 2.0)), dict(q_far=True),
+], ids=lambda f: ",".join(sorted(f)))
+def test_split_features(feature):
+    feature = dict(feature)
+    scales, q_far = feature.pop("tensor_scales", None), feature.pop("q_far", False)
+    if scales:
+        feature.update(zip(("q_scale", "k_scale", "v_scale"), (torch.tensor([x], device="cuda") for x in scales)))
+    case = _case([0, 33, 700, 3000], seed=4, **feature)
+    if q_far:
+        case.inputs.q[1].mul_(1e-30)
+        case.inputs.q[2].mul_(1e30)
+    _check(case, _gluon_plan(case, 4, 12, 8))
 
 
 @pytest.mark.parametrize("feature", [
@@ -117,6 +152,24 @@ def test_plans_take_it_where_programs_fill_the_gpu(kv_dtype):
     mixed = _case([50, 400] * (batch // 2), kv_dtype=kv_dtype, num_qo_heads=32, num_kv_heads=8, seed=12)
     assert type(run_fa2_decode(mixed)).__name__ == "DecodePlan"
     assert type(run_fa2_decode(case, config={"gluon_fp8_stages": 0})).__name__ == "DecodePlan"
+
+
+@pytest.mark.parametrize("lens", [[8192], [2048] * 16, [300, 4000] * 20], ids=["1x8192", "16x2048", "40x_var"])
+def test_split_plans(lens):
+    """With gluon_fp8_split_tokens the plans of few programs split on the Gluon kernel, and a re-plan
+    with new lengths and tables keeps its chunks or plans afresh: each against the reference."""
+    config = {"gluon_fp8_split_tokens": 256}
+    case = _case(lens, num_qo_heads=32, num_kv_heads=8, seed=len(lens))
+    ref = reference_backend_result(case)
+    plan = run_fa2_decode(case, config=config)
+    assert type(plan).__name__ == "GluonDecodePlan" and plan.layout.splits > 1, plan
+    assert_close(case.inputs.out, case.inputs.lse, *ref, TOL[E4M3])
+    second = _case([n * 9 // 10 for n in lens], num_qo_heads=32, num_kv_heads=8, seed=len(lens) + 1)
+    second.params.workspace = case.params.workspace
+    again = plan.refreshed(second.device, second.params)
+    if again is not None:
+        assert again.layout.splits == plan.layout.splits
+        _check(second, again)
 
 
 def test_refresh_keeps_the_kernel_for_new_tables():

@@ -49,8 +49,9 @@ lays the requests' tokens end to end and uploads the work rows of equal pieces
 or with `DecodeConfig.few_pack_line` (and for enough mixed requests, `DecodeConfig.few_line_mixed`)
 the kernel does, as on the line.
 
-fp8 KV on sm90 where one program per (request, KV head) alone fills the GPU evenly: `plan_decode`
-returns decode_gluon.py's plan (an explicit-layout kernel, no split) instead.
+fp8 KV on sm90 where one program per (request, KV head) alone fills the GPU evenly (or, with
+`DecodeConfig.gluon_fp8_split_tokens`, where equal chunks of the requests do): `plan_decode`
+returns decode_gluon.py's plan (an explicit-layout kernel) instead.
 
 Tuning: `DecodeConfig` (decode_config.py) fields can be overridden per plan
 (``plan_decode(..., config={...})``) or through
@@ -71,7 +72,7 @@ from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scales, kernel_wi
                       triton_fp8_kv_reasons)
 from .decode_config import (DecodeConfig, for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
                             without_waves)
-from .decode_gluon import GluonDecodePlan, gluon_stages
+from .decode_gluon import GluonDecodePlan, gluon_layout
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_packing import DecodePacking
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
@@ -203,7 +204,7 @@ class DecodePlan(DecodePacking):
         lengths that take the Gluon fp8 kernel)."""
         if not self.direct or params.batch_size != self.batch:
             return None
-        if gluon_stages(self.problem, device, params, self.config):
+        if gluon_layout(self.problem, device, params, self.config) is not None:
             return None  # these lengths take the Gluon fp8 kernel
         if self.table:  # (the caller keeps a block-table plan per planning length)
             return self._with_tables(params, self.split_tokens)
@@ -553,13 +554,13 @@ def decode_extra_checks(problem: Problem, device: Device) -> list[Reason]:
 
 def plan_decode(problem: Problem, device: Device, params: AttentionParams,
                 config: dict | None = None) -> DecodePlan | GluonDecodePlan:
-    """Plan a paged batch decode (see the module docstring; fp8 plans that one program per request
-    and KV head fills evenly run decode_gluon.py's kernel); ``config`` overrides `DecodeConfig`."""
+    """Plan a paged batch decode (see the module docstring; fp8 plans whose programs fill the GPU
+    evenly run decode_gluon.py's kernel); ``config`` overrides `DecodeConfig`."""
     reasons = decode_extra_checks(problem, device)
     if reasons:
         raise Unsupported("fa2 decode cannot run this problem", {"fa2": reasons})
     cfg = resolve_config(problem, config, shared_per_block(device))
-    stages = gluon_stages(problem, device, params, cfg)
-    if stages:
-        return GluonDecodePlan(problem, device, params, cfg, stages)
+    layout = gluon_layout(problem, device, params, cfg)
+    if layout is not None:
+        return GluonDecodePlan(problem, device, params, cfg, layout)
     return DecodePlan(problem, device, params, cfg)

@@ -281,6 +281,7 @@ class DecodeConfig:
     47, TB/s off -> on: d64 64x4096 2.86 -> 3.00, d256 64x4096 3.57 -> 3.73, 256x4096 3.86 -> 3.96, d128 within 1
     %); off for 16-bit (d64 256x4096 4.19 -> 4.13).
     gluon_fp8_stages: stages of decode_gluon.py's fp8 kernel where a plan takes it (-1: most that fit; 0: never).
+    gluon_fp8_split_tokens: its split (`decode_gluon._split_layout`): shortest chunk in tokens; 0: none (not measured).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch: every decode program
     signals at its start (griddepcontrol.launch_dependents), so the merge grid is launched while the decode grid
     runs, and each merge program waits (griddepcontrol.wait) until the decode grid has finished and its stores are
@@ -333,6 +334,7 @@ class DecodeConfig:
     few_line_mixed: int = 0
     table_split_slots: float = 1.5
     gluon_fp8_stages: int = -1
+    gluon_fp8_split_tokens: int = 0
 
     def __post_init__(self):
         for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
@@ -356,7 +358,8 @@ class DecodeConfig:
                 raise ValueError(f"fa2 decode config {name} must be true or false, got {getattr(self, name)!r}")
         for name, low in (("fused_merge_max_chunks", 0), ("split_ctas_per_sm", 0), ("wave_slots", 0),
                           ("wave_split_ctas", 0), ("wave_split_slots", 0), ("split_chunk_tokens", 0),
-                          ("lone_wave_split_tokens", 0), ("line_waves", 1), ("few_line_mixed", 0)):
+                          ("lone_wave_split_tokens", 0), ("line_waves", 1), ("few_line_mixed", 0),
+                          ("gluon_fp8_split_tokens", 0)):
             v = getattr(self, name)
             if not _int(v) or v < low:
                 raise ValueError(f"fa2 decode config {name} must be an int >= {low}, got {v!r}")
@@ -446,10 +449,9 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
     """Defaults by head dim and KV dtype (tuned on an H200, see docs/perf-notes.md); ``shared``:
     the GPU's opt-in shared memory per block (`shared_per_block`; 0: an sm90-class GPU)."""
     d = problem.head_dim_qk
-    # direct_table where the H200 sweeps (TB/s work array / direct) found parity or better:
-    # 16-bit GQA (session 6: group 4 and 16, page 16 and 1, d64 and d128), fp8 GQA d128 (session
-    # 19: -1.5 % to +2 %, see DecodeConfig.direct_table) and d256 (session 21, groups 2 and 4: -1 %
-    # to +3 %); MHA and 16-bit d256 GQA read less with it
+    # direct_table where the H200 sweeps (TB/s work array / direct) found parity or better: 16-bit GQA (session 6: group
+    # 4 and 16, page 16 and 1, d64 and d128), fp8 GQA d128 (session 19: -1.5 % to +2 %, see DecodeConfig.direct_table)
+    # and d256 (session 21, groups 2 and 4: -1 % to +3 %); MHA and 16-bit d256 GQA read less with it
     gqa = problem.num_qo_heads != problem.num_kv_heads
     # GQA d64 and d256 (page > 1) pack few programs, up to 4 to a program, under a work fill of
     # 0.65 (DecodeConfig.pack_items): measured on mixed lengths only (H200 32/8, session 23, TB/s
@@ -464,19 +466,17 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         return _small_shared_fp8_config(problem, shared)
     if problem.kv_dtype in FP8_DTYPES:
         if d <= 128:
-            # the wave tiles' programs per SM and rates: the d128 sm90 compile and H200 sweeps
-            # (32 x 3 4.0-4.1 TB/s at whole waves, 32 x 2 3.85-3.95, 64 x 3 3.65-3.75); the wave
-            # split where no tile fits, up to 64 per SM (sessions 16-17, TB/s tile -> split on
-            # 32 x 3: 210x4096 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34 -> 3.82, 300x4096
-            # 3.65 -> 3.95, 420x4096 3.72 -> 3.96), a partly filled single wave too (session 18)
+            # the wave tiles' programs per SM and rates: the d128 sm90 compile and H200 sweeps (32 x 3 4.0-4.1 TB/s at
+            # whole waves, 32 x 2 3.85-3.95, 64 x 3 3.65-3.75); the wave split where no tile fits, up to 64 per SM
+            # (sessions 16-17, TB/s tile -> split on 32 x 3: 210x4096 3.39 -> 3.85, 200x8192 3.31 -> 3.88, 270x4096 3.34
+            # -> 3.82, 300x4096 3.65 -> 3.95, 420x4096 3.72 -> 3.96), a partly filled single wave too (session 18)
             tiles = ((32, 3, 8, 1.0), (32, 2, 12, 0.96), (64, 3, 4, 0.92)) if d == 128 else ()
-            # few programs: split into a wave of the 32 x 3 tile (8 per SM; DecodeConfig.split_ctas_per_sm,
-            # d128, where it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192
-            # 3.12 -> 3.21, 8x4096 3.12 -> 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed
-            # up to 4 to a program where its chunks keep that wave poorly busy (DecodeConfig.pack_items),
-            # on the kernel's line (DecodeConfig.few_pack_line; under CUDA graphs graph_few_line)
-            # d64 (page > 1) packs as GQA d64 and d256 do (`mixed`, `line`), MHA too (H200 32/32, session
-            # 46, TB/s default -> packed, eager: 32x4096:var 2.27 -> 2.99, 16x8192:var 2.14 -> 3.02,
+            # few programs: split into a wave of the 32 x 3 tile (8 per SM; DecodeConfig.split_ctas_per_sm, d128, where
+            # it was measured; MHA 32/32, session 21, TB/s: 1x32768 3.11 -> 3.18, 4x8192 3.12 -> 3.21, 8x4096 3.12 ->
+            # 3.19, 16x2048 3.20 -> 3.19, 16x8192 3.71 -> 3.83), packed up to 4 to a program where its chunks keep that
+            # wave poorly busy (DecodeConfig.pack_items), on the kernel's line (DecodeConfig.few_pack_line; under CUDA
+            # graphs graph_few_line). d64 (page > 1) packs as GQA d64 and d256 do (`mixed`, `line`), MHA too (H200
+            # 32/32, session 46, TB/s default -> packed, eager: 32x4096:var 2.27 -> 2.99, 16x8192:var 2.14 -> 3.02,
             # 32x4096 2.72 -> 3.17; graphs under one wave 16x8192:var 2.15 -> 3.06; perf-notes)
             d64 = (dict(pack_items=4, pack_fill=0.65, wave_pack_line=True, graph_few_line=True)
                    if d == 64 and problem.page_size > 1 else {})

@@ -187,24 +187,33 @@ def _load_q(q_ptr, req, kvh, stride_qr, stride_qh, qk_scale, GROUP: gl.constexpr
 @gluon.jit
 def fp8_decode_gluon_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indptr_ptr, indices_ptr, last_ptr, q_scale_ptr, k_scale_ptr,
-        v_scale_ptr, qk_scale, v_scale, num_pages, stride_qr, stride_qh, stride_or, stride_oh, stride_lr, stride_lh,
-        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+        v_scale_ptr, qk_scale, v_scale, num_pages, splits, chunk_tiles, stride_qr, stride_qh, stride_or, stride_oh,
+        stride_lr, stride_lh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
         NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, E5M2: gl.constexpr,
         SHARED_KV: gl.constexpr, WRITE_LSE: gl.constexpr, Q_SCALE_T: gl.constexpr, K_SCALE_T: gl.constexpr,
-        V_SCALE_T: gl.constexpr):
-    """Program (request, KV head): the request's whole KV (kv_indptr / kv_indices /
-    kv_last_page_len, page 16) for its GROUP query heads, into out [batch, qo_heads, 128] and,
-    with WRITE_LSE, lse [batch, qo_heads] (base 2). ``qk_scale``: sm_scale x log2(e) x the host's
-    q/k scales; *_SCALE_T: a device scale read from its pointer and applied too."""
+        V_SCALE_T: gl.constexpr, SPLIT: gl.constexpr):
+    """Program (row, KV head): without SPLIT, row = request and its whole KV (kv_indptr /
+    kv_indices / kv_last_page_len, page 16) for its GROUP query heads, into out [batch, qo_heads,
+    128] and, with WRITE_LSE, lse [batch, qo_heads] (base 2); with SPLIT, row = request x
+    ``splits`` + chunk and the chunk's ``chunk_tiles`` tiles of 32 tokens, into out and lse rows
+    ``row`` (the split-KV partials: a chunk past the request's end writes 0 and -inf).
+    ``qk_scale``: sm_scale x log2(e) x the host's q/k scales; *_SCALE_T: a device scale read
+    from its pointer and applied too."""
     pid = gl.program_id(0)
-    req = pid // NUM_KV_HEADS
+    row = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
+    req = row // splits if SPLIT else row
     page_lo = gl.load(indptr_ptr + req)
     n_pages = gl.load(indptr_ptr + req + 1) - page_lo
     kv_len = gl.where(n_pages > 0, (n_pages - 1) * PAGE + gl.load(last_ptr + req), 0)
     kv_len = gl.minimum(gl.maximum(kv_len, 0), n_pages * PAGE)  # within the request's pages
     n_tiles = gl.cdiv(kv_len, TILE)
     n_full = kv_len // TILE
+    first = 0
+    if SPLIT:  # this chunk's tiles: [first, n_tiles) of which [first, n_full) are full
+        first = (row - req * splits) * chunk_tiles
+        n_tiles = gl.minimum(n_tiles, first + chunk_tiles)
+        n_full = gl.minimum(n_full, n_tiles)
     last_page = (num_pages - 1).to(gl.uint32)
     if Q_SCALE_T:
         qk_scale = qk_scale * gl.load(q_scale_ptr).to(gl.float32)
@@ -225,46 +234,48 @@ def fp8_decode_gluon_kernel(
     v_head = v_ptr + kvh.to(gl.int64) * stride_vh
 
     for s in gl.static_range(STAGES - 1):
-        if s < n_full:
+        if first + s < n_full:
             _issue(k_bufs.index(s), v_bufs.index(s), k_head, v_head, pages_ptr, n_pages, last_page, c_page, k_rows,
-                   v_rows, c_row, s, kv_len, stride_kp, stride_vp, False, SHARED_KV)
-        elif s < n_tiles:
+                   v_rows, c_row, first + s, kv_len, stride_kp, stride_vp, False, SHARED_KV)
+        elif first + s < n_tiles:
             _issue(k_bufs.index(s), v_bufs.index(s), k_head, v_head, pages_ptr, n_pages, last_page, c_page, k_rows,
-                   v_rows, c_row, s, kv_len, stride_kp, stride_vp, True, SHARED_KV)
+                   v_rows, c_row, first + s, kv_len, stride_kp, stride_vp, True, SHARED_KV)
         cp.commit_group()
 
     m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_i = gl.full([8], 0.0, gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.full([128, 8], 0.0, gl.float32, layout=MMA)
     offs_t = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
-    steady = gl.maximum(n_full - (STAGES - 1), 0)
-    for i in range(steady):  # every tile issued and computed here is full: no masks
-        nxt = i + STAGES - 1
+    # j: the j-th tile of this program (tile first + j, buffer j % STAGES)
+    steady = gl.maximum(n_full - first - (STAGES - 1), 0)
+    for j in range(steady):  # every tile issued and computed here is full: no masks
+        nxt = j + STAGES - 1
         _issue(k_bufs.index(nxt % STAGES), v_bufs.index(nxt % STAGES), k_head, v_head, pages_ptr, n_pages,
-               last_page, c_page, k_rows, v_rows, c_row, nxt, kv_len, stride_kp, stride_vp, False, SHARED_KV)
+               last_page, c_page, k_rows, v_rows, c_row, first + nxt, kv_len, stride_kp, stride_vp, False, SHARED_KV)
         cp.commit_group()
-        m_i, l_i, acc = _step(k_bufs.index(i % STAGES), v_bufs.index(i % STAGES), q_t, m_i, l_i, acc, col_scale,
-                              offs_t, i, kv_len, STAGES, False, E5M2)
-    for i in range(steady, n_tiles):
-        nxt = i + STAGES - 1
-        if nxt < n_tiles:
+        m_i, l_i, acc = _step(k_bufs.index(j % STAGES), v_bufs.index(j % STAGES), q_t, m_i, l_i, acc, col_scale,
+                              offs_t, first + j, kv_len, STAGES, False, E5M2)
+    for j in range(steady, n_tiles - first):
+        nxt = j + STAGES - 1
+        if first + nxt < n_tiles:
             _issue(k_bufs.index(nxt % STAGES), v_bufs.index(nxt % STAGES), k_head, v_head, pages_ptr, n_pages,
-                   last_page, c_page, k_rows, v_rows, c_row, nxt, kv_len, stride_kp, stride_vp, True, SHARED_KV)
+                   last_page, c_page, k_rows, v_rows, c_row, first + nxt, kv_len, stride_kp, stride_vp, True,
+                   SHARED_KV)
         cp.commit_group()
-        m_i, l_i, acc = _step(k_bufs.index(i % STAGES), v_bufs.index(i % STAGES), q_t, m_i, l_i, acc, col_scale,
-                              offs_t, i, kv_len, STAGES, True, E5M2)
+        m_i, l_i, acc = _step(k_bufs.index(j % STAGES), v_bufs.index(j % STAGES), q_t, m_i, l_i, acc, col_scale,
+                              offs_t, first + j, kv_len, STAGES, True, E5M2)
     cp.wait_group(0)
 
     if V_SCALE_T:
         v_scale = v_scale * gl.load(v_scale_ptr).to(gl.float32)
-    l_safe = gl.where(l_i == 0, 1.0, l_i)  # an empty request: out 0, lse -inf
+    l_safe = gl.where(l_i == 0, 1.0, l_i)  # an empty request or chunk: out 0, lse -inf
     o = acc * (v_scale / l_safe)[None, :]
     offs_m = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
     offs_h = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     head = kvh * GROUP + offs_h
-    o_rows = req.to(gl.int64) * stride_or + head.to(gl.int64) * stride_oh
+    o_rows = row.to(gl.int64) * stride_or + head.to(gl.int64) * stride_oh
     gl.store(out_ptr + o_rows[None, :] + _v_index(offs_m)[:, None], o.to(out_ptr.dtype.element_ty),
              mask=(offs_h < GROUP)[None, :])
     if WRITE_LSE:
         lse = gl.where(l_i == 0, float("-inf"), m_i + gl.log2(l_safe))
-        gl.store(lse_ptr + req.to(gl.int64) * stride_lr + head * stride_lh, lse, mask=offs_h < GROUP)
+        gl.store(lse_ptr + row.to(gl.int64) * stride_lr + head * stride_lh, lse, mask=offs_h < GROUP)
