@@ -224,7 +224,7 @@ def test_split_plan_and_refresh():
     case = _fp8_params([4096, 4096], seed=1)
     plan = plan_decode(case.problem, SMALL_GPU, case.params, SPLIT)
     assert isinstance(plan, GluonDecodePlan) and plan.layout == GluonLayout(4, 12, 11)  # 4 programs x 12 <= 48
-    assert plan._grid == (2 * 12 * 2,)
+    assert plan._grid == (2 * 12 * 2,) and plan._merge.pdl  # the merge launches as the kernel's dependent
     shorter = _fp8_params([3600, 3000], seed=2)  # 113 tiles: still 12 chunks, of 10 tiles
     again = plan.refreshed(SMALL_GPU, shorter.params)
     assert again is not None and again.layout == GluonLayout(4, 12, 10)

@@ -144,7 +144,8 @@ class GluonDecodePlan:
 
     def _place_partials(self, params: AttentionParams) -> None:
         """The split's partials in the float workspace ([request x chunk, heads, 128] fp32 and their
-        lse) and its merge: one row a request (out row, first partial, chunks), uploaded once."""
+        lse) and its merge: one row a request (out row, first partial, chunks), uploaded once, its
+        launch a programmatic dependent of the kernel's (which signals at its start)."""
         p, batch, splits = self.problem, self.batch, self.layout.splits
         self._plse, self._po, self.workspace_bytes = carve_partials(params, batch * splits, 1, p.num_qo_heads, 128)
         rows = np.zeros((batch, MERGE_INFO_COLS), dtype=np.int32)
@@ -152,7 +153,9 @@ class GluonDecodePlan:
         rows[:, 1] = rows[:, 0] * splits
         rows[:, 2] = splits
         info = torch.from_numpy(rows.ravel()).to(params.kv_indptr.device)
-        self._merge = DecodeMerge(self._po, self._plse, info, batch, 1, p.num_qo_heads, 128)
+        # the kernel lets the merge launch early (DecodeConfig.pdl); the interpreter has no such launch
+        pdl = self.config.pdl and not TRITON_INTERPRETED
+        self._merge = DecodeMerge(self._po, self._plse, info, batch, 1, p.num_qo_heads, 128, pdl)
 
     def _set_tables(self, params: AttentionParams) -> None:
         self._params, self._fallback_plan = params, None

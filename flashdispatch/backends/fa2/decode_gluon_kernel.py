@@ -2,9 +2,10 @@
 
 Where decode_kernel.py leaves register and shared-memory layouts to Triton, this kernel fixes
 each one (perf-notes, session 49: 424 instructions a 32-token step against 503, no bank
-conflicts, 120-128 registers). One warp per (request, KV head), the whole request; 32-token
-tiles (two pages of 16) copied by cp.async into `STAGES` swizzled buffers, and two mma.sync
-dots whose A operands are loaded straight from the fp8 tiles in 16-byte rows:
+conflicts, 120-128 registers). One warp per (request, KV head), the whole request (or, SPLIT,
+one chunk of it, whose partial merge.py merges); 32-token tiles (two pages of 16) copied by
+cp.async into `STAGES` swizzled buffers, and two mma.sync dots whose A operands are loaded
+straight from the fp8 tiles in 16-byte rows:
 
 - S^T = K Q^T: K's head dims are permuted (`_k_index`) so each lane's 16 bytes of a token are its
   A-operand k slots; Q^T is loaded once, in the B-operand layout, with the same permutation;
@@ -88,6 +89,14 @@ def _scaled(s, col_scale):
     s, scale = gl.broadcast(s, col_scale[None, :])
     return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [s, scale], dtype=gl.float32, is_pure=True,
                                      pack=1)
+
+
+@gluon.jit
+def _let_dependents_launch():
+    """griddepcontrol.launch_dependents: a grid launched after this one with programmatic dependent
+    launch (the split's merge, which waits for this grid to end) may start launching now."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -196,7 +205,8 @@ def fp8_decode_gluon_kernel(
     kv_indices / kv_last_page_len, page 16) for its GROUP query heads, into out [batch, qo_heads,
     128] and, with WRITE_LSE, lse [batch, qo_heads] (base 2); with SPLIT, row = request x
     ``splits`` + chunk and the chunk's ``chunk_tiles`` tiles of 32 tokens, into out and lse rows
-    ``row`` (the split-KV partials: a chunk past the request's end writes 0 and -inf).
+    ``row`` (the split-KV partials: a chunk past the request's end writes 0 and -inf), letting the
+    merge's grid launch as it starts.
     ``qk_scale``: sm_scale x log2(e) x the host's q/k scales; *_SCALE_T: a device scale read
     from its pointer and applied too."""
     pid = gl.program_id(0)
@@ -211,6 +221,7 @@ def fp8_decode_gluon_kernel(
     n_full = kv_len // TILE
     first = 0
     if SPLIT:  # this chunk's tiles: [first, n_tiles) of which [first, n_full) are full
+        _let_dependents_launch()
         first = (row - req * splits) * chunk_tiles
         n_tiles = gl.minimum(n_tiles, first + chunk_tiles)
         n_full = gl.minimum(n_full, n_tiles)
