@@ -218,20 +218,25 @@ def _fp8_params(kv_lens, seed):
 
 @pytest.mark.usefixtures("compiled_gpu")
 def test_split_plan_and_refresh():
-    """plan_decode takes the split layout; a re-plan keeps the plan's partials and merge while the
-    new lengths keep its chunk count (only the chunk length and the tables change)."""
+    """plan_decode takes the split layout; a re-plan into the same workspace keeps the plan's
+    partials and merge while the new lengths keep its chunk count (only the chunk length and the
+    tables change)."""
     from flashdispatch.backends.fa2.decode import plan_decode
     case = _fp8_params([4096, 4096], seed=1)
     plan = plan_decode(case.problem, SMALL_GPU, case.params, SPLIT)
     assert isinstance(plan, GluonDecodePlan) and plan.layout == GluonLayout(4, 12, 11)  # 4 programs x 12 <= 48
     assert plan._grid == (2 * 12 * 2,) and plan._merge.pdl  # the merge launches as the kernel's dependent
     shorter = _fp8_params([3600, 3000], seed=2)  # 113 tiles: still 12 chunks, of 10 tiles
+    assert plan.refreshed(SMALL_GPU, shorter.params) is None  # another workspace: the partials are planned afresh
+    shorter.params.workspace = case.params.workspace
     again = plan.refreshed(SMALL_GPU, shorter.params)
     assert again is not None and again.layout == GluonLayout(4, 12, 10)
     assert again._merge is plan._merge and again._tables[1] is shorter.params.kv_indices
     assert plan.layout == GluonLayout(4, 12, 11) and plan._tables[1] is case.params.kv_indices
-    assert plan.refreshed(SMALL_GPU, _fp8_params([1024, 1024], seed=3).params) is None  # 4 chunks
-    assert plan.refreshed(SMALL_GPU, _fp8_params([4096] * 3, seed=4).params) is None  # another batch size
+    for lens in ([1024, 1024], [4096] * 3):  # 4 chunks; another batch size
+        other = _fp8_params(lens, seed=3)
+        other.params.workspace = case.params.workspace
+        assert plan.refreshed(SMALL_GPU, other.params) is None
 
 
 def test_kernel_compiles_for_sm90_without_spills():

@@ -42,12 +42,16 @@ def _gluon_plan(case, stages: int, splits: int = 1, chunk_tiles: int = 0):
 
 def _run_into_poison(plan, case):
     """Run into a NaN-poisoned out that is a view of a wider buffer (whose other heads must stay
-    NaN) and a poisoned lse; returns the buffer's untouched part."""
+    NaN) and a poisoned lse; returns the buffer's untouched part. A split plan's partials are
+    poisoned too (out NaN, lse 1e4: a row the kernel leaves unwritten outweighs the others)."""
     q = case.inputs.q
     wide = torch.full((q.shape[0], 2 * q.shape[1], 128), float("nan"), dtype=case.inputs.out.dtype, device="cuda")
     case.inputs.out = wide[:, :q.shape[1]]
     if case.inputs.lse is not None:
         case.inputs.lse.fill_(float("nan"))
+    if plan.layout.splits > 1:
+        plan._po.fill_(float("nan"))
+        plan._plse.fill_(1e4)
     plan.run(case.inputs)
     torch.cuda.synchronize()
     return wide[:, q.shape[1]:]
@@ -71,8 +75,9 @@ def test_kernel_grid(kv_dtype, layout, group, stages):
 
 
 # (stages, chunks a request, tiles a chunk), each covering LENGTHS' longest request (2000 tokens, 63
-# tiles) as a plan's layout does; the shorter requests leave chunks empty
-SPLITS = [(2, 3, 21), (3, 2, 32), (4, 63, 1), (4, 7, 9)]
+# tiles) as a plan's layout does (the shorter requests leave chunks empty), and 2 x 4, whose last
+# chunk reads the rest of each request (the kernel's guard against a plan's short lengths)
+SPLITS = [(2, 3, 21), (3, 2, 32), (4, 63, 1), (4, 7, 9), (2, 2, 4)]
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: "x".join(map(str, s)))
@@ -157,19 +162,31 @@ def test_plans_take_it_where_programs_fill_the_gpu(kv_dtype):
 @pytest.mark.parametrize("lens", [[8192], [2048] * 16, [300, 4000] * 20], ids=["1x8192", "16x2048", "40x_var"])
 def test_split_plans(lens):
     """With gluon_fp8_split_tokens the plans of few programs split on the Gluon kernel, and a re-plan
-    with new lengths and tables keeps its chunks or plans afresh: each against the reference."""
+    with new lengths and tables keeps its chunks where the layout policy gives as many (only the
+    chunk length changes) or plans afresh: each against the reference."""
+    from flashdispatch.backends.common import shared_per_block
+    from flashdispatch.backends.fa2.decode_config import resolve_config
+    from flashdispatch.backends.fa2.decode_gluon import gluon_layout
     config = {"gluon_fp8_split_tokens": 256}
     case = _case(lens, num_qo_heads=32, num_kv_heads=8, seed=len(lens))
+    cfg = resolve_config(case.problem, config, shared_per_block(case.device))
+    case.params.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    layout = gluon_layout(case.problem, case.device, case.params, cfg)
+    if layout is None or layout.splits == 1:
+        pytest.skip(f"this GPU's {case.device.sm_count} SMs do not split these lengths ({layout})")
     ref = reference_backend_result(case)
     plan = run_fa2_decode(case, config=config)
-    assert type(plan).__name__ == "GluonDecodePlan" and plan.layout.splits > 1, plan
+    assert type(plan).__name__ == "GluonDecodePlan" and plan.layout == layout, plan
     assert_close(case.inputs.out, case.inputs.lse, *ref, TOL[E4M3])
     second = _case([n * 9 // 10 for n in lens], num_qo_heads=32, num_kv_heads=8, seed=len(lens) + 1)
     second.params.workspace = case.params.workspace
+    expected = gluon_layout(second.problem, second.device, second.params, cfg)
     again = plan.refreshed(second.device, second.params)
-    if again is not None:
-        assert again.layout.splits == plan.layout.splits
-        _check(second, again)
+    if expected is None or expected[:2] != layout[:2]:
+        assert again is None
+        return
+    assert again is not None and again.layout == expected and again.layout.chunk_tiles != layout.chunk_tiles
+    _check(second, again)
 
 
 def test_refresh_keeps_the_kernel_for_new_tables():

@@ -148,6 +148,7 @@ class GluonDecodePlan:
         launch a programmatic dependent of the kernel's (which signals at its start)."""
         p, batch, splits = self.problem, self.batch, self.layout.splits
         self._plse, self._po, self.workspace_bytes = carve_partials(params, batch * splits, 1, p.num_qo_heads, 128)
+        self._workspace_at = params.workspace.data_ptr()
         rows = np.zeros((batch, MERGE_INFO_COLS), dtype=np.int32)
         rows[:, 0] = np.arange(batch)
         rows[:, 1] = rows[:, 0] * splits
@@ -166,8 +167,10 @@ class GluonDecodePlan:
 
     def refreshed(self, device: Device, params: AttentionParams) -> GluonDecodePlan | None:
         """This plan with the new tables (and chunk length) when the new lengths take the Gluon
-        kernel with as many stages and chunks; None otherwise (plan afresh)."""
-        if params.batch_size != self.batch:
+        kernel with as many stages and chunks (a split one: into the same workspace); None
+        otherwise (plan afresh)."""
+        if params.batch_size != self.batch or (self._merge is not None
+                                               and params.workspace.data_ptr() != self._workspace_at):
             return None
         layout = gluon_layout(self.problem, device, params, self.config)
         if layout is None or layout[:2] != self.layout[:2]:

@@ -222,8 +222,10 @@ def fp8_decode_gluon_kernel(
     first = 0
     if SPLIT:  # this chunk's tiles: [first, n_tiles) of which [first, n_full) are full
         _let_dependents_launch()
-        first = (row - req * splits) * chunk_tiles
-        n_tiles = gl.minimum(n_tiles, first + chunk_tiles)
+        chunk = row - req * splits
+        first = chunk * chunk_tiles
+        # the last chunk reads to the request's end whatever the plan's lengths said
+        n_tiles = gl.where(chunk == splits - 1, n_tiles, gl.minimum(n_tiles, first + chunk_tiles))
         n_full = gl.minimum(n_full, n_tiles)
     last_page = (num_pages - 1).to(gl.uint32)
     if Q_SCALE_T:
