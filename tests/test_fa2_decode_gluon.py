@@ -239,6 +239,14 @@ def test_split_plan_and_refresh():
         assert plan.refreshed(SMALL_GPU, other.params) is None
 
 
+def test_kernel_not_specialised_on_the_cache_or_the_split():
+    """run() keeps a call kind's specialisation while the cache (num_pages) may change: the
+    kernel must not be compiled for one page count (a one-page cache would make it a constant)."""
+    from flashdispatch.backends.fa2.decode_gluon_kernel import fp8_decode_gluon_kernel as kernel
+    names = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    assert {"num_pages", "splits", "chunk_tiles"} <= names
+
+
 def test_kernel_compiles_for_sm90_without_spills():
     res = subprocess.run([sys.executable, SCRIPT, "--stages", "2", "--e5m2", "--no-shared-kv"], capture_output=True,
                          text=True, timeout=600, check=False)

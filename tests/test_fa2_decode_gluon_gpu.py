@@ -202,6 +202,20 @@ def test_refresh_keeps_the_kernel_for_new_tables():
     assert plan.refreshed(mixed.device, mixed.params) is None  # planned afresh on the Triton kernel
 
 
+@pytest.mark.parametrize("split", [(2, 1, 0), (2, 4, 4)], ids=["whole", "split"])
+def test_one_plan_over_caches_of_other_sizes(split):
+    """The kernel is not specialised on the cache's page count: a run on a one-page cache (every
+    index clamped to page 0), then on the whole cache, reads the whole cache."""
+    from flashdispatch.backends.base import PagedKV
+    case = _case([40, 500, 77], kv_storage="tuple", seed=19)
+    plan = _gluon_plan(case, *split)
+    whole = case.inputs.kv
+    case.inputs.kv = PagedKV(whole.k[:1], whole.v[:1], whole.layout)
+    plan.run(case.inputs)
+    case.inputs.kv = whole
+    _check(case, plan)
+
+
 def test_cache_off_16_byte_multiples_runs_the_triton_plan():
     """cp.async copies 16 bytes: a (k, v) pair one byte off runs decode.py's plan instead."""
     case = _case([40, 500, 77], kv_storage="tuple", seed=17)

@@ -193,7 +193,9 @@ def _load_q(q_ptr, req, kvh, stride_qr, stride_qh, qk_scale, GROUP: gl.constexpr
     return q16, gl.convert_layout(down * qk_scale, gl.SliceLayout(0, MMA))
 
 
-@gluon.jit
+# num_pages is the cache's (it may change at every run(), which keeps each call kind's specialisation:
+# a cache of one page would otherwise become a constant); splits and chunk_tiles a plan's
+@gluon.jit(do_not_specialize=["num_pages", "splits", "chunk_tiles"])
 def fp8_decode_gluon_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indptr_ptr, indices_ptr, last_ptr, q_scale_ptr, k_scale_ptr,
         v_scale_ptr, qk_scale, v_scale, num_pages, splits, chunk_tiles, stride_qr, stride_qh, stride_or, stride_oh,
