@@ -17,6 +17,7 @@ tiles, packing, the line kernel, fused merge), in-process; a CUDA error exits 3,
     s=0; while :; do python scripts/fuzz_decode.py --device cuda --minutes 8 --start $s | tee log
       [ ${PIPESTATUS[0]} = 3 ] || break
       s=$(tail -1 log | python3 -c 'import json,sys; print(json.load(sys.stdin)["next_seed"])'); done
+--config JSON sets DecodeConfig knobs under every session's own (e.g. the Gluon split, off by default).
 Replay a seed verbosely (same --device/--scale/--dtypes: failure records hold the command), print specs:
     .venv/bin/python scripts/fuzz_decode.py --replay 1234
     .venv/bin/python scripts/fuzz_decode.py --scale large --dry-run 20
@@ -24,7 +25,9 @@ Failures: JSONL at --out; the last line printed is a JSON summary. Exit 0, 1 (fa
 """
 from __future__ import annotations
 
+import argparse
 import collections
+import functools
 import gc
 import json
 import os
@@ -114,6 +117,24 @@ def _scale_args(R: random.Random, fp8: bool) -> dict | None:
     return {"k_scale": round(R.uniform(0.3, 2.0), 3), "v_scale": round(R.uniform(0.3, 2.0), 3),
             "q_scale": round(R.uniform(0.5, 1.5), 3) if R.random() < 0.3 else None,
             "as_tensor": R.random() < 0.3} if on else None
+
+
+def _config_arg(text: str) -> dict:
+    """--config: a JSON object of DecodeConfig overrides."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of DecodeConfig fields, got {text!r}")
+    return value
+
+
+def _gen_session(seed: int, scale: str, dtypes: list[str], base: dict) -> dict:
+    """`gen_session` with the knobs ``base`` (--config) under the session's own."""
+    s = gen_session(seed, scale, dtypes)
+    s["cfg_env"] = {**base, **(s["cfg_env"] or {})} or None
+    return s
 
 
 def gen_session(seed: int, scale: str, dtypes: list[str]) -> dict:
@@ -529,10 +550,15 @@ def forked_session(spec: dict) -> tuple[dict, list[dict]]:
 def main() -> int:
     """Parse the command line; dry-run, replay, or fuzz until --sessions or --minutes are done."""
     args = fc.parse_args(__doc__, 10.0, "/tmp/fuzz_decode/failures-{device}.jsonl", ",".join(TOL),
-                         "f16,e4m3,e5m2", "bf16,f16,e4m3,e5m2")
+                         "f16,e4m3,e5m2", "bf16,f16,e4m3,e5m2",
+                         more=(("--config", dict(type=_config_arg, default=None, metavar="JSON", help=(
+                             "DecodeConfig overrides under every session's own knobs, e.g. "
+                             "'{\"gluon_fp8_split_tokens\": 256}'"))),))
     cuda, dtypes = args.device == "cuda", args.dtypes
+    base = args.config or {}
+    session_spec = functools.partial(_gen_session, base=base)
     for seed in range(args.start, args.start + args.dry_run * args.stride, args.stride):  # per round: page, batch,
-        s = gen_session(seed, args.scale, dtypes)  # lengths (pattern, max, empty), q_lens, cache MB
+        s = session_spec(seed, args.scale, dtypes)  # lengths (pattern, max, empty), q_lens, cache MB
         mb = s["num_kv_heads"] * s["head_dim"] * 2 * DT[s["kv_dtype"]].itemsize / 2 ** 20
         print(seed, s["kv_dtype"], s["q_dtype"], f"{s['num_qo_heads']}/{s['num_kv_heads']}", s["head_dim"], s["layout"],
               "graph" * s["graph"] or "grow" * ("grow_pages" in s["rounds"][-1]), s["cfg_env"] or "",
@@ -546,12 +572,12 @@ def main() -> int:
         torch.set_num_threads(1)
     if args.replay is not None:  # one session, in this process, verbose
         args.start, args.minutes = args.replay, 0
-        print(json.dumps(gen_session(args.replay, args.scale, dtypes))[:6000], flush=True)
+        print(json.dumps(session_spec(args.replay, args.scale, dtypes))[:6000], flush=True)
     stats, code = new_stats(), 0
     loop = fc.SeedLoop(args, 30, lambda: f"{dict(stats['counts'])} failures {sum(stats['fail_kinds'].values())} "
                                          f"{dict(stats['fail_kinds'])}")
     for seed in loop:
-        spec = gen_session(seed, args.scale, dtypes)
+        spec = session_spec(seed, args.scale, dtypes)
         if cuda or args.replay is not None:
             sess = Session(spec, dev, verbose=args.replay is not None)
             try:
@@ -568,7 +594,8 @@ def main() -> int:
             stats[k].update(v)
         if args.replay is None:
             fc.append_jsonl(args.out, [{**rec, "device": args.device, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                        "replay": fc.replay_command("fuzz_decode.py", args, seed), "spec": spec}
+                                        "replay": fc.replay_command("fuzz_decode.py", args, seed)
+                                        + (f" --config '{json.dumps(base)}'" if base else ""), "spec": spec}
                                        for rec in failures])
         if code:
             break
