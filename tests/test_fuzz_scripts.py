@@ -25,3 +25,18 @@ def test_fuzzer_runs_and_finds_nothing(script, start, sessions, tmp_path):
         assert summary.get("growth_compared", 0) > 0 and summary.get("graph_replays", 0) > 0, summary
     else:
         assert summary["features"].get("cache_growth", 0) > 0, summary
+
+
+def test_decode_fuzzer_config_under_every_session():
+    """--config's knobs reach every session's spec (a session's own knobs sit on top); bad JSON is
+    refused by argparse."""
+    def dry(config):
+        return subprocess.run([sys.executable, str(SCRIPTS / "fuzz_decode.py"), "--dry-run", "4", "--config", config],
+                              capture_output=True, text=True, timeout=120, check=False)
+    res = dry('{"gluon_fp8_split_tokens": 256}')
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 4 and all("'gluon_fp8_split_tokens': 256" in line for line in lines), lines
+    for bad in ("[1]", "{nope"):
+        res = dry(bad)
+        assert res.returncode == 2 and "--config" in res.stderr, res.stderr
