@@ -228,6 +228,8 @@ def test_split_plan_and_refresh():
     assert plan._grid == (2 * 12 * 2,) and plan._merge.pdl  # the merge launches as the kernel's dependent
     shorter = _fp8_params([3600, 3000], seed=2)  # 113 tiles: still 12 chunks, of 10 tiles
     assert plan.refreshed(SMALL_GPU, shorter.params) is None  # another workspace: the partials are planned afresh
+    shorter.params.workspace = None
+    assert plan.refreshed(SMALL_GPU, shorter.params) is None
     shorter.params.workspace = case.params.workspace
     again = plan.refreshed(SMALL_GPU, shorter.params)
     assert again is not None and again.layout == GluonLayout(4, 12, 10)

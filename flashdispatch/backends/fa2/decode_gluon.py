@@ -169,8 +169,9 @@ class GluonDecodePlan:
         """This plan with the new tables (and chunk length) when the new lengths take the Gluon
         kernel with as many stages and chunks (a split one: into the same workspace); None
         otherwise (plan afresh)."""
-        if params.batch_size != self.batch or (self._merge is not None
-                                               and params.workspace.data_ptr() != self._workspace_at):
+        workspace = params.workspace
+        if params.batch_size != self.batch or (self._merge is not None and (
+                workspace is None or workspace.data_ptr() != self._workspace_at)):
             return None
         layout = gluon_layout(self.problem, device, params, self.config)
         if layout is None or layout[:2] != self.layout[:2]:
