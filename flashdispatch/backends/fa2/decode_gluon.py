@@ -153,7 +153,8 @@ class GluonDecodePlan:
         rows[:, 0] = np.arange(batch)
         rows[:, 1] = rows[:, 0] * splits
         rows[:, 2] = splits
-        info = torch.from_numpy(rows.ravel()).to(params.kv_indptr.device)
+        # pageable: the copy returns once the driver has staged it, without waiting for the stream
+        info = torch.from_numpy(rows.ravel()).to(params.kv_indptr.device, non_blocking=True)
         # the kernel lets the merge launch early (DecodeConfig.pdl); the interpreter has no such launch
         pdl = self.config.pdl and not TRITON_INTERPRETED
         self._merge = DecodeMerge(self._po, self._plse, info, batch, 1, p.num_qo_heads, 128, pdl)
