@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import gc
 import json
 import os
@@ -130,15 +129,9 @@ def _config_arg(text: str) -> dict:
     return value
 
 
-def _gen_session(seed: int, scale: str, dtypes: list[str], base: dict) -> dict:
-    """`gen_session` with the knobs ``base`` (--config) under the session's own."""
-    s = gen_session(seed, scale, dtypes)
-    s["cfg_env"] = {**base, **(s["cfg_env"] or {})} or None
-    return s
-
-
-def gen_session(seed: int, scale: str, dtypes: list[str]) -> dict:
-    """The session's spec (pure JSON) from its seed."""
+def gen_session(seed: int, scale: str, dtypes: list[str], base: dict | None = None) -> dict:
+    """The session's spec (pure JSON) from its seed; ``base``: config knobs (--config) under the
+    session's own."""
     R, large = random.Random(seed), scale == "large"
     s = {"seed": seed, "scale": scale, "layout": R.choice(["NHD", "HND"]), "graph": R.random() < 0.25}
     kv = s["kv_dtype"] = R.choices(dtypes, [DTYPE_WEIGHT[d] for d in dtypes])[0]
@@ -188,6 +181,8 @@ def gen_session(seed: int, scale: str, dtypes: list[str]) -> dict:
                 rd["grow_pages"] = R.randint(1, 16)  # at least this many pages more than the last round's cache
             if R.random() < 0.7:  # host lengths, device indices: on a GPU plan() defers its page check
                 rd["index_device"], rd["block_tables"] = "mixed", False
+    if base:
+        s["cfg_env"] = {**base, **(s["cfg_env"] or {})}
     return s
 
 
@@ -556,9 +551,8 @@ def main() -> int:
                              "'{\"gluon_fp8_split_tokens\": 256}'"))),))
     cuda, dtypes = args.device == "cuda", args.dtypes
     base = args.config or {}
-    session_spec = functools.partial(_gen_session, base=base)
     for seed in range(args.start, args.start + args.dry_run * args.stride, args.stride):  # per round: page, batch,
-        s = session_spec(seed, args.scale, dtypes)  # lengths (pattern, max, empty), q_lens, cache MB
+        s = gen_session(seed, args.scale, dtypes, base)  # lengths (pattern, max, empty), q_lens, cache MB
         mb = s["num_kv_heads"] * s["head_dim"] * 2 * DT[s["kv_dtype"]].itemsize / 2 ** 20
         print(seed, s["kv_dtype"], s["q_dtype"], f"{s['num_qo_heads']}/{s['num_kv_heads']}", s["head_dim"], s["layout"],
               "graph" * s["graph"] or "grow" * ("grow_pages" in s["rounds"][-1]), s["cfg_env"] or "",
@@ -572,12 +566,12 @@ def main() -> int:
         torch.set_num_threads(1)
     if args.replay is not None:  # one session, in this process, verbose
         args.start, args.minutes = args.replay, 0
-        print(json.dumps(session_spec(args.replay, args.scale, dtypes))[:6000], flush=True)
+        print(json.dumps(gen_session(args.replay, args.scale, dtypes, base))[:6000], flush=True)
     stats, code = new_stats(), 0
     loop = fc.SeedLoop(args, 30, lambda: f"{dict(stats['counts'])} failures {sum(stats['fail_kinds'].values())} "
                                          f"{dict(stats['fail_kinds'])}")
     for seed in loop:
-        spec = session_spec(seed, args.scale, dtypes)
+        spec = gen_session(seed, args.scale, dtypes, base)
         if cuda or args.replay is not None:
             sess = Session(spec, dev, verbose=args.replay is not None)
             try:
