@@ -149,6 +149,7 @@ class GluonDecodePlan:
         p, batch, splits = self.problem, self.batch, self.layout.splits
         self._plse, self._po, self.workspace_bytes = carve_partials(params, batch * splits, 1, p.num_qo_heads, 128)
         self._workspace_at = params.workspace.data_ptr()
+        self._partial_strides = (p.num_qo_heads * 128, 128), (p.num_qo_heads, 1)  # out's (row, head), lse's
         rows = np.zeros((batch, MERGE_INFO_COLS), dtype=np.int32)
         rows[:, 0] = np.arange(batch)
         rows[:, 1] = rows[:, 0] * splits
@@ -214,7 +215,7 @@ class GluonDecodePlan:
         qk_scale = self.qk_scale * q_f * k_f
         if self._merge is not None:  # the kernel writes the partials (lse too), the merge out and lse
             o_t, lse_t, write_lse = self._po, self._plse, True
-            os_, ls = (self.problem.num_qo_heads * 128, 128), (self.problem.num_qo_heads, 1)
+            os_, ls = self._partial_strides
         else:
             o_t, write_lse = out, lse is not None
             lse_t = lse if write_lse else dummy
