@@ -187,6 +187,17 @@ class SeedLoop:
                 print(f"[{self.elapsed():6.0f}s] next seed {self.next_seed} {self.progress()}", flush=True)
 
 
+def off_by(what: str, got, want, bound) -> list[str]:
+    """A problem where |got - want| > bound (NaN included) anywhere."""
+    diff, inf = (got - want).abs(), float("inf")
+    bad = ~(diff <= bound)
+    if not bad.any():
+        return []
+    i = int((diff.nan_to_num(inf) - bound).flatten().argmax())
+    return [f"{what}: {int(bad.sum())}/{bad.numel()} off, max abs err {float(diff.nan_to_num(inf).max()):.4g}; "
+            f"at flat {i}: got {float(got.flatten()[i]):.5g} want {float(want.flatten()[i]):.5g}"]
+
+
 def finish(summary: dict, code: int) -> int:
     """Print the JSON summary (the last stdout line); the exit status: ``code`` (EXIT_CUDA), else 1
     on failures, else 0."""

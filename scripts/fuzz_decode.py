@@ -264,17 +264,6 @@ def make_cache(spec: dict, rd: dict, num_pages: int, dev: torch.device, gen: tor
     return (kb[..., 8:8 + d], vb[..., 16:])
 
 
-def _off(what: str, got, want, bound) -> list[str]:
-    """A problem where |got - want| > bound (NaN included) anywhere."""
-    diff, inf = (got - want).abs(), float("inf")
-    bad = ~(diff <= bound)
-    if not bad.any():
-        return []
-    i = int((diff.nan_to_num(inf) - bound).flatten().argmax())
-    return [f"{what}: {int(bad.sum())}/{bad.numel()} off, max abs err {float(diff.nan_to_num(inf).max()):.4g}; "
-            f"at flat {i}: got {float(got.flatten()[i]):.5g} want {float(want.flatten()[i]):.5g}"]
-
-
 def compare(tag: str, out, lse, ref_out, ref_lse, empty, tol: float) -> list[str]:
     """Problems of (out, lse) against the reference's (an empty list: fine)."""
     if out.shape != ref_out.shape or lse is not None and ref_lse is not None and lse.shape != ref_lse.shape:
@@ -284,12 +273,12 @@ def compare(tag: str, out, lse, ref_out, ref_lse, empty, tol: float) -> list[str
         probs.append(f"{tag}: NaN/inf in out rows {(~torch.isfinite(o)).flatten(1).any(1).nonzero()[:10].tolist()}")
     if (o[empty] != 0).any():
         probs.append(f"{tag}: empty rows {empty.nonzero().flatten()[:10].tolist()} not 0")
-    probs += _off(f"{tag}: out", o[ne], r[ne], tol + tol * r[ne].abs())
+    probs += fc.off_by(f"{tag}: out", o[ne], r[ne], tol + tol * r[ne].abs())
     if lse is not None and ref_lse is not None:
         lf, rf = lse.double(), ref_lse.double()
         if not torch.isneginf(lf[empty]).all():
             probs.append(f"{tag}: lse of empty rows not -inf: {lf[empty].flatten()[:6].tolist()}")
-        probs += _off(f"{tag}: lse", lf[ne], rf[ne], torch.full_like(rf[ne], tol))  # bits, whatever lse's size
+        probs += fc.off_by(f"{tag}: lse", lf[ne], rf[ne], torch.full_like(rf[ne], tol))  # bits, whatever lse's size
     return probs
 
 
