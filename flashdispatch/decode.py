@@ -23,6 +23,7 @@ from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, check_requested, device_int32, on_device, paged_params, plan_refreshing,
                       require_plan, run_attention, scratch_workspace, single_key, single_plans, user_workspace)
+from .mla import trtllm_batch_decode_with_kv_cache_mla  # noqa: F401  (re-exported, as FlashInfer's decode module)
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
 
 
@@ -162,6 +163,11 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
     def is_cuda_graph_enabled(self) -> bool:
         """Whether this wrapper was made with ``use_cuda_graph=True``."""
         return self._use_cuda_graph
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        """The ``use_tensor_cores`` this wrapper was made with (a hint: fa2 chooses its own math)."""
+        return self._use_tensor_cores
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
