@@ -262,7 +262,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
                                 return_lse=return_lse)
         indptr, indices, last = a.indptr, a.indices, a.last_page_len
         if self._graph_buffers is not None:
-            indptr, indices, last = (self._fixed_buffer(b, t, n) for b, t, n in zip(
+            indptr, indices, last = self._fixed_buffers(zip(
                 self._graph_buffers, (indptr, indices[: a.used_pages], last),
                 ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer")))
         params = paged_params(self._qo_indptr(batch, q_len), a.kv_lens_h, indptr, indices, last, self._device,

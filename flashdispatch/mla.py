@@ -106,10 +106,9 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         max_page_index = checks.check_page_indices(kv_indices.numel(), int(kv_indptr_h[-1]), minmax, "kv_indices",
                                                    "kv_indptr")
         if self._graph_buffers is not None:
-            qo_indptr, kv_indptr, kv_indices, kv_len_arr = (
-                self._fixed_buffer(b, t, n) for b, t, n in zip(
-                    self._graph_buffers, (qo_indptr, kv_indptr, kv_indices[: int(kv_indptr_h[-1])], kv_len_arr),
-                    ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")))
+            qo_indptr, kv_indptr, kv_indices, kv_len_arr = self._fixed_buffers(zip(
+                self._graph_buffers, (qo_indptr, kv_indptr, kv_indices[: int(kv_indptr_h[-1])], kv_len_arr),
+                ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")))
         o_dtype = q_dtype if q_dtype.itemsize > 1 else torch.bfloat16
         problem = _mla_problem(q_dtype, kv_dtype, o_dtype, num_heads, head_dim_ckv, head_dim_kpe, page_size,
                                causal, self._use_cuda_graph)

@@ -502,24 +502,21 @@ class WrapperBase:
     def _workspace(self) -> torch.Tensor:
         return self._workspace_bytes
 
-    def _fixed_buffer(self, buf, data: torch.Tensor, name: str) -> torch.Tensor:
-        """Copy ``data`` into the front of a user's CUDA-graph buffer (on the wrapper's device, so
-        a captured graph reads it in place) and return that view. No copy where ``data`` already
-        is that front (an engine that writes its tables into the buffers and passes views of them)."""
-        checks.check_tensor(buf, name, ndim=1, dtypes=(data.dtype,), device=self._device)
-        if not buf.is_contiguous():  # the kernels read it as flat memory, in place
-            raise ValueError(f"{name} must be contiguous (a CUDA graph reads it in place), got stride {buf.stride()}")
-        if buf.numel() < data.numel():
-            raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
-        if data.numel() == 0:
-            # an empty view has no address (torch's data_ptr() is 0 then), and a graph captured on
-            # it would replay a null pointer after a re-plan that uses entries: the first entry
-            # instead, which nothing reads while the plan uses none
-            return buf[:1]
-        view = buf[: data.numel()]
-        if data.data_ptr() != buf.data_ptr() or data.device != buf.device or data.stride() != view.stride():
-            view.copy_(data, non_blocking=True)
-        return view
+    def _fixed_buffers(self, writes) -> list[torch.Tensor]:
+        """Copy each ``(buf, data, name)``'s ``data`` into the front of ``buf``, a user's CUDA-graph
+        buffer on the wrapper's device (a captured graph reads it in place), and return those views.
+        Every buffer is checked before any is written: a plan() refused here leaves all of them as
+        the last plan() wrote them (never one table beside another's counts). No copy where ``data``
+        already is that front (an engine that writes its tables into the buffers and passes views)."""
+        writes = list(writes)
+        for buf, data, name in writes:
+            checks.check_tensor(buf, name, ndim=1, dtypes=(data.dtype,), device=self._device)
+            if not buf.is_contiguous():  # the kernels read it as flat memory, in place
+                raise ValueError(f"{name} must be contiguous (a CUDA graph reads it in place), got stride "
+                                 f"{buf.stride()}")
+            if buf.numel() < data.numel():
+                raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
+        return [_write_front(buf, data) for buf, data, _ in writes]
 
     def _int_workspace(self, variant) -> torch.Tensor:
         """The metadata buffer of plan variant ``variant`` (8 MiB, as FlashInfer's int workspace):
@@ -534,6 +531,19 @@ class WrapperBase:
                 buf = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
             buf = self._int_workspaces[variant] = buf.view(torch.uint8).reshape(-1)
         return buf
+
+
+def _write_front(buf: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` copied into the front of ``buf`` (checked to hold it), as a view of ``buf``."""
+    if data.numel() == 0:
+        # an empty view has no address (torch's data_ptr() is 0 then), and a graph captured on it
+        # would replay a null pointer after a re-plan that uses entries: the first entry instead,
+        # which nothing reads while the plan uses none
+        return buf[:1]
+    view = buf[: data.numel()]
+    if data.data_ptr() != buf.data_ptr() or data.device != buf.device or data.stride() != view.stride():
+        view.copy_(data, non_blocking=True)
+    return view
 
 
 __all__ = ["WrapperBase", "check_requested", "device_int32", "host_workload", "on_device",

@@ -59,24 +59,31 @@ class _PrefillWrapper(WrapperBase):
     def _problem_and_params(self, op, qo_lens_h, kv_lens_h, *, num_qo_heads, num_kv_heads, head_dim_qk,
                             head_dim_vo, page_size, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
                             sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type,
-                            kv_data_type, o_data_type, fixed_split_size, disable_split_kv, mask_bufs):
-        """The Problem and the params' keyword arguments; the scalar part is checked only when the
-        scalar arguments differ from the last plan()'s."""
+                            kv_data_type, o_data_type, fixed_split_size, disable_split_kv, mask_bufs,
+                            tables=()):
+        """The Problem, the params' keyword arguments and the views of the fixed buffers that
+        ``tables`` ((buf, tensor, name) each) were written into with the packed mask's (one
+        `_fixed_buffers`: all checked before any is written); the scalar part is checked only
+        when the scalar arguments differ from the last plan()'s."""
         masked = custom_mask is not None or packed_custom_mask is not None
         key = (op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, masked, causal,
                pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type,
                kv_data_type, o_data_type, fixed_split_size, disable_split_kv)
         problem, scalars = self._scalars(key, lambda: self._check_scalars(*key))
         packed = mask_indptr = None
+        tables = list(tables)
         if masked:
             packed, mask_indptr = _packed_mask(custom_mask, packed_custom_mask, qo_lens_h, kv_lens_h, self._device)
             if self._use_cuda_graph and mask_bufs is None:
                 raise ValueError("use_cuda_graph=True with a custom mask needs custom_mask_buf and mask_indptr_buf "
                                  "(the mask must stay at the address a captured graph reads)")
-            if mask_bufs is not None:
-                packed = self._fixed_buffer(mask_bufs[0], packed, "custom_mask_buf")
-                mask_indptr = self._fixed_buffer(mask_bufs[1], mask_indptr, "mask_indptr_buf")
-        return problem, dict(scalars, packed_mask=packed, mask_indptr=mask_indptr, workspace=self._workspace())
+        if masked and mask_bufs is not None:
+            *views, packed, mask_indptr = self._fixed_buffers(
+                tables + [(mask_bufs[0], packed, "custom_mask_buf"), (mask_bufs[1], mask_indptr, "mask_indptr_buf")])
+        else:
+            views = self._fixed_buffers(tables)
+        extra = dict(scalars, packed_mask=packed, mask_indptr=mask_indptr, workspace=self._workspace())
+        return problem, extra, views
 
     def _check_scalars(self, op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, masked, causal,
                        pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
@@ -193,18 +200,21 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
         max_page_index = checks.check_page_indices(paged_kv_indices.numel(), used_pages, minmax,
                                                    "paged_kv_indices", "paged_kv_indptr")
         indices = paged_kv_indices  # the user's tensor: what a deferred check reads
-        qo_param = qo_indptr_h  # copied to the device with the kv lengths, unless the graph buffer holds it
+        tables = ()
         if self._graph_buffers is not None:
-            tensors = (qo_indptr, paged_kv_indptr, paged_kv_indices[:used_pages], paged_kv_last_page_len)
-            qo_param, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len = (
-                self._fixed_buffer(b, t, n + "_buf") for b, t, n in zip(self._graph_buffers, tensors, names))
-        problem, extra = self._problem_and_params(
+            tables = zip(self._graph_buffers, (qo_indptr, paged_kv_indptr, paged_kv_indices[:used_pages],
+                                               paged_kv_last_page_len), (n + "_buf" for n in names))
+        problem, extra, views = self._problem_and_params(
             "prefill_paged", qo_lens_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, custom_mask=custom_mask,
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs,
+            tables=tables)
+        qo_param = qo_indptr_h  # copied to the device with the kv lengths, unless the graph buffer holds it
+        if views:
+            qo_param, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len = views
         params = paged_params(qo_param, kv_lens_h, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                               self._device, qo_lens_h.tolist(), indices_checked=minmax is not None, **extra)
         if defer:  # queued once every argument has passed its check: a plan() that raised leaves none
@@ -277,16 +287,19 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         for name, given, same in (("v_indptr", v_indptr, kv_indptr), ("o_indptr", o_indptr, qo_indptr)):
             if given is not None and not torch.equal(given.to(same.device), same):
                 raise Unsupported(f"{name} different from {'kv' if name[0] == 'v' else 'qo'}_indptr is not supported")
+        tables = ()
         if self._graph_buffers is not None:
-            qo_indptr = self._fixed_buffer(self._graph_buffers[0], qo_indptr, "qo_indptr_buf")
-            kv_indptr = self._fixed_buffer(self._graph_buffers[1], kv_indptr, "kv_indptr_buf")
-        problem, extra = self._problem_and_params(
+            tables = zip(self._graph_buffers, (qo_indptr, kv_indptr), ("qo_indptr_buf", "kv_indptr_buf"))
+        problem, extra, views = self._problem_and_params(
             "prefill_ragged", qo_lens_h, kv_lens_h, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=0, custom_mask=custom_mask,
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs)
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, mask_bufs=self._mask_bufs,
+            tables=tables)
+        if views:
+            qo_indptr, kv_indptr = views
         params = AttentionParams(qo_indptr=on_device(qo_indptr, self._device),
                                  kv_indptr=on_device(kv_indptr, self._device),
                                  kv_lens=device_int32(self._device, kv_lens_h)[0],

@@ -250,3 +250,38 @@ def test_prefill_errors_name_the_prefill_arguments():
         w.plan(qo, INDPTR, INDICES, torch.tensor([3, 9], dtype=torch.int32), 4, 2, 32, 8)
     with pytest.raises(ValueError, match="paged_kv_indices has 3 entries, but paged_kv_indptr"):
         w.plan(qo, INDPTR, INDICES[:3], LAST, 4, 2, 32, 8)
+
+
+def test_a_refused_graph_plan_leaves_every_fixed_buffer_as_it_was():
+    """All buffers are checked before any is written: a captured graph never replays one new table
+    beside another's old counts (the indptr of 8 pages against an indices buffer of 6)."""
+    bufs = [torch.zeros(3, dtype=torch.int32), torch.zeros(6, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)]
+    w = fi.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(WS, *bufs)
+    w.plan(INDPTR, INDICES, LAST, 4, 2, 32, 8, data_type=torch.float16)
+    before = [b.clone() for b in bufs]
+    with pytest.raises(ValueError, match="paged_kv_indices_buffer holds 6 entries, but this plan needs 8"):
+        w.plan(torch.tensor([0, 4, 8], dtype=torch.int32), torch.arange(8, dtype=torch.int32), LAST, 4, 2, 32, 8,
+               data_type=torch.float16)
+    assert all(torch.equal(b, o) for b, o in zip(bufs, before))
+
+    qo, kv = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32)
+    tables = [torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)]
+    small_mask = [torch.zeros(2, dtype=torch.uint8), torch.zeros(3, dtype=torch.int32)]
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, use_cuda_graph=True, qo_indptr_buf=tables[0],
+                                                kv_indptr_buf=tables[1], custom_mask_buf=small_mask[0],
+                                                mask_indptr_buf=small_mask[1])
+    with pytest.raises(ValueError, match="custom_mask_buf holds 2 entries"):
+        w.plan(qo, kv, 4, 2, 32, custom_mask=torch.ones(3 * 5 + 4 * 4, dtype=torch.bool))
+    assert not any(t.any() for t in tables + small_mask)
+
+    paged = [torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), torch.zeros(8, dtype=torch.int32),
+             torch.zeros(2, dtype=torch.int32)]
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, use_cuda_graph=True, qo_indptr_buf=paged[0],
+                                               paged_kv_indptr_buf=paged[1], paged_kv_indices_buf=paged[2],
+                                               paged_kv_last_page_len_buf=paged[3], custom_mask_buf=small_mask[0],
+                                               mask_indptr_buf=small_mask[1])
+    lens = (LAST + 8 * (INDPTR[1:] - INDPTR[:-1] - 1)).tolist()  # 11 and 32 tokens
+    with pytest.raises(ValueError, match="custom_mask_buf holds 2 entries"):
+        w.plan(qo, INDPTR, INDICES, LAST, 4, 2, 32, 8, custom_mask=torch.ones(3 * lens[0] + 4 * lens[1],
+                                                                                dtype=torch.bool))
+    assert not any(t.any() for t in paged + small_mask)
