@@ -73,6 +73,17 @@ def check_positive_int(value, name: str, allowed: Sequence[int] | None = None) -
     return value
 
 
+MAX_KV_TOKENS = (1 << 31) - 1  # the kernels count a request's tokens (and a page's) in int32
+
+
+def check_page_size(page_size) -> int:
+    """A positive int page size the kernels can count in int32."""
+    check_positive_int(page_size, "page_size")
+    if page_size > MAX_KV_TOKENS:
+        raise ValueError(f"page_size={page_size} is above 2^31 - 1 (the kernels count tokens in int32)")
+    return page_size
+
+
 def check_heads(num_qo_heads, num_kv_heads) -> None:
     check_positive_int(num_qo_heads, "num_qo_heads")
     check_positive_int(num_kv_heads, "num_kv_heads")
@@ -98,42 +109,60 @@ def check_window_left(window_left) -> int:
     return window_left
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the kernels compute in float32
+
+
+def _float_in(value, name: str, accepted: str, low: float, low_ok: bool) -> float:
+    """``value`` (a real number, or a 1-element tensor: read on the host) as a float in
+    [low or (low, float32's largest] (low -inf: finite), else TypeError/ValueError naming
+    ``name`` with ``accepted``."""
+    if isinstance(value, (str, bytes, bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+        raise TypeError(f"{name}={value!r} must be {accepted}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={value!r} must be {accepted}") from None
+    if not (x >= low if low_ok else x > low) or not x <= FLOAT32_MAX:  # NaN fails both
+        raise ValueError(f"{name}={value!r} must be {accepted}")
+    return x
+
+
 def check_soft_cap(logits_soft_cap) -> float:
-    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-    if not math.isfinite(cap) or cap < 0:
-        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be None or a finite float >= 0")
-    return cap
+    if logits_soft_cap is None:
+        return 0.0
+    return _float_in(logits_soft_cap, "logits_soft_cap", "None or a float >= 0, finite in float32", 0.0, True)
 
 
 def check_scale(value, name: str, default: float) -> float:
     if value is None:
         return default
-    scale = float(value)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{name}={value!r} must be a finite float > 0")
-    return scale
+    return _float_in(value, name, "a float > 0, finite in float32", 0.0, False)
 
 
 def check_run_scale(value, name: str, device: torch.device):
-    """A run-time fp8 scale: None, a float, or a 1-element float32 tensor on the run device."""
-    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
-        return None if value is None else float(value)
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must hold one element, got shape {list(value.shape)}")
-        if value.device != device:
-            raise ValueError(f"{name} is on {value.device}, but the planned device is {device}")
-        return value
-    raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(value).__name__}")
+    """A run-time q/k/v scale: None, a float (finite in float32; negative scales are computed as
+    given), or a 1-element tensor on the run device (its value is not read: no host sync)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        return _float_in(value, name, "a float finite in float32, or a 1-element tensor", -FLOAT32_MAX, True)
+    if value.numel() != 1:
+        raise ValueError(f"{name} must hold one element, got shape {list(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device}, but the planned device is {device}")
+    return value
 
 
 _MAX_INDEX_ENTRIES = (1 << 31) - 1  # the kernels address index tensors with int32 offsets
 
 
 def check_index_tensor(t, name: str) -> torch.Tensor:
-    """A 1-D int32 index tensor (indptr, page indices, lengths) of fewer than 2^31 entries."""
+    """A 1-D int32 index tensor (indptr, page indices, lengths) of fewer than 2^31 entries, with
+    values (not on the meta device)."""
     if not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1):
         check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
+    if t.is_meta:
+        raise ValueError(f"{name} is on meta: index tensors must hold values (cpu or cuda)")
     if t.numel() > _MAX_INDEX_ENTRIES:
         raise ValueError(f"{name} has {t.numel()} entries; at most 2^31 - 1 are supported (int32 offsets)")
     return t
@@ -254,19 +283,26 @@ def check_lengths_count(t: torch.Tensor, name: str, batch: int) -> None:
         raise ValueError(f"{name} has {t.numel()} entries, expected batch_size={batch}")
 
 
-def paged_kv_lengths(pages: np.ndarray, last: np.ndarray, page_size: int, name: str = "last_page_len") -> np.ndarray:
+def paged_kv_lengths(pages: np.ndarray, last: np.ndarray, page_size: int, used_pages: int,
+                     name: str = "last_page_len") -> np.ndarray:
     """kv_len of each request from its page count and last_page_len (host arrays), checking
-    last_page_len's range: [1, page_size], 0 only for a request with no pages."""
+    last_page_len's range ([1, page_size], 0 only for a request with no pages) and that each
+    length fits int32 (``used_pages``, the pages of all requests, spares that check mostly)."""
     if pages.min(initial=1) > 0 and last.min(initial=1) >= 1 and last.max(initial=0) <= page_size:
-        return (pages - 1) * page_size + last  # every request has pages, every last_page_len in range
-    empty = pages == 0
-    bad = np.where(empty, last != 0, (last < 1) | (last > page_size))
-    if bad.any():
-        b = int(np.argmax(bad))
-        raise ValueError(f"{name}[{b}]={int(last[b])} is outside [1, page_size={page_size}] "
-                         f"(0 only for a request with no pages; request {b} has {int(pages[b])} pages)")
-    lens = (pages - 1) * page_size + last
-    lens[empty] = 0
+        lens = (pages - 1) * page_size + last  # every request has pages, every last_page_len in range
+    else:
+        empty = pages == 0
+        bad = np.where(empty, last != 0, (last < 1) | (last > page_size))
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"{name}[{b}]={int(last[b])} is outside [1, page_size={page_size}] "
+                             f"(0 only for a request with no pages; request {b} has {int(pages[b])} pages)")
+        lens = (pages - 1) * page_size + last
+        lens[empty] = 0
+    if used_pages * page_size > MAX_KV_TOKENS and lens.max() > MAX_KV_TOKENS:
+        b = int(np.argmax(lens > MAX_KV_TOKENS))
+        raise ValueError(f"request {b} holds {int(lens[b])} KV tokens ({int(pages[b])} pages of "
+                         f"page_size={page_size}); at most 2^31 - 1 are supported (int32 token counts)")
     return lens
 
 
@@ -331,9 +367,18 @@ def check_paged_kv(kv: PagedKV, *, num_kv_heads: int, page_size: int, head_dim_q
 
 
 def check_out(out, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Check a user-provided output buffer exactly (shape, dtype, device)."""
+    """Check a user-provided output buffer exactly (shape, dtype, device, no shared elements)."""
     check_tensor(out, name, dtypes=(dtype,), device=device, shape=list(shape))
+    check_distinct_elements(out, name)
     return out
+
+
+def check_distinct_elements(t: torch.Tensor, name: str) -> None:
+    """An output buffer whose elements do not share memory (the rows of an expanded view would be
+    written over one another)."""
+    if not t.is_contiguous() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} has elements that share memory (shape {list(t.shape)}, stride {t.stride()}: an "
+                         f"expanded view?); an output must hold each element once")
 
 
 def reject_extra_args(args: tuple, method: str) -> None:

@@ -22,7 +22,8 @@ from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, check_requested, device_int32, on_device, paged_params, plan_refreshing,
-                      require_plan, run_attention, scratch_workspace, single_key, single_plans, user_workspace)
+                      refuse_runs_after_failure, require_plan, run_attention, scratch_workspace, single_key,
+                      single_plans, user_workspace)
 from .mla import trtllm_batch_decode_with_kv_cache_mla  # noqa: F401  (re-exported, as FlashInfer's decode module)
 from .xqa import spec_mask_to_custom, xqa, xqa_mla  # noqa: F401  (re-exported, as in FlashInfer)
 
@@ -92,6 +93,8 @@ def _plan_single_decode(q, k, v, kv_layout, pos_encoding_mode, window_left, logi
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
     if v.shape[:2] != k.shape[:2]:
         raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} differ in their first two dimensions")
+    if k.shape[2] != q.shape[1]:
+        raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} differ in head_dim ({q.shape[1]} != {k.shape[2]})")
     wrapper = BatchDecodeWithPagedKVCacheWrapper(scratch_workspace(q.device), kv_layout, backend=backend)
     wrapper._DEFAULT_VARIANT = (1, bool(return_lse))
     wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
@@ -155,6 +158,11 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
                 if buf is None:
                     raise ValueError(f"use_cuda_graph=True needs {name}")
                 checks.check_tensor(buf, name, ndim=1, dtypes=(torch.int32,), device=self._device)
+                if not buf.is_contiguous():  # (a captured graph reads it in place, as flat memory)
+                    raise ValueError(f"{name} must be contiguous, got stride {buf.stride()}")
+            if bufs[0].numel() < 1 or bufs[2].numel() != bufs[0].numel() - 1:
+                raise ValueError(f"paged_kv_indptr_buffer ({bufs[0].numel()} entries) and paged_kv_last_page_len_buffer "
+                                 f"({bufs[2].numel()}) fix the batch size: batch_size + 1 and batch_size entries")
             self._graph_buffers = bufs
         self._plan_args: _DecodePlanArgs | None = None
         self._qo_indptrs: dict[int, torch.Tensor] = {}  # q_len -> qo_indptr of the last batch size
@@ -169,6 +177,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         """The ``use_tensor_cores`` this wrapper was made with (a hint: fa2 chooses its own math)."""
         return self._use_tensor_cores
 
+    @refuse_runs_after_failure
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
              window_left: int = -1, logits_soft_cap: float | None = None,
@@ -209,8 +218,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         defer = self._defers_page_check((indptr, last_page_len), indices)  # (deferred_check.py)
         (indptr_h, last_h), minmax = checks.host_arrays([indptr, last_page_len], None if defer else indices)
         pages = checks.check_indptr(indptr_h, "indptr")
-        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size)
         used_pages = int(indptr_h[-1])
+        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, used_pages)
         max_page_index = checks.check_page_indices(indices.numel(), used_pages, minmax)
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
@@ -239,11 +248,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
             q_data_type if q_data_type is not None else "float16", kv_data_type, o_data_type)
         checks.check_heads(num_qo_heads, num_kv_heads)
         checks.check_positive_int(head_dim, "head_dim")
-        checks.check_positive_int(page_size, "page_size")
+        head_dim_vo = head_dim if head_dim_vo is None else checks.check_positive_int(head_dim_vo, "head_dim_vo")
+        checks.check_page_size(page_size)
         if fixed_split_size is not None:
             checks.check_positive_int(fixed_split_size, "fixed_split_size")
         problem = Problem(
-            "decode", q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim, head_dim_vo or head_dim,
+            "decode", q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim, head_dim_vo,
             page_size, self._kv_layout, "none", checks.check_window_left(window_left),
             checks.check_soft_cap(logits_soft_cap), checks.check_pos_encoding(pos_encoding_mode),
             use_cuda_graph=self._use_cuda_graph)

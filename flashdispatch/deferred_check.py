@@ -43,7 +43,6 @@ class DeferredPageCheck:
     _page_reader: IndexRangeReader | None = None  # made at the first deferred check
     _cache_pages: int | None = None  # pages its end checks against (`_finish_page_check`)
     _checked_pages = 0  # the used indices of the pending check (indptr[-1])
-    _refused_plan: str | None = None  # why run() refuses the current plan (a negative index, a failed plan())
 
     @staticmethod
     def _defers_page_check(lengths: tuple[torch.Tensor, ...], indices: torch.Tensor) -> bool:
@@ -69,27 +68,21 @@ class DeferredPageCheck:
 
     def _planning_with_page_check(self, plan) -> None:
         """``plan()`` (the wrapper's planning), dropping a queued check if it fails, and ending it
-        now where the planned backend does not clamp page indices. A plan() that fails here has
-        already replaced the tables, so run() refuses until a plan() succeeds (as after a
-        negative index)."""
+        now where the planned backend does not clamp page indices."""
         try:
             plan()
-        except BaseException as e:
+        except BaseException:
             if self._page_checking():
                 self._page_reader.result()  # this plan failed: its check goes with it
-            self._refused_plan = f"the last plan() raised {type(e).__name__}: {e}"
             raise
-        self._refused_plan = None
         if self._page_checking() and not clamps(self._planned):
             self._finish_page_check()
 
     def _page_check_at_run(self, planned: PlannedAttention, num_pages: int) -> None:
         """Before run()'s launch on a cache of ``num_pages`` pages: end the check if its reduction
         has run, or if ``planned``'s backend does not clamp page indices. A plan whose check found
-        a negative index, or a plan() that failed, is refused at every run() until a plan()
-        succeeds."""
-        if self._refused_plan:
-            raise ValueError(f"run() refused until a plan() succeeds: {self._refused_plan}")
+        a negative index is refused at every run() until a plan() succeeds (`WrapperBase._variant`,
+        which run() calls first)."""
         keep = self._use_cuda_graph or self._cache_pages is None
         self._cache_pages = num_pages if keep else min(self._cache_pages, num_pages)
         if self._page_checking() and (self._page_reader.done() or not clamps(planned)):

@@ -14,7 +14,7 @@ from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, device_int32, host_workload, on_device, plan_refreshing, run_mla,
-                      user_workspace)
+                      refuse_runs_after_failure, user_workspace)
 
 LN2 = math.log(2.0)
 
@@ -77,6 +77,7 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
                     raise ValueError(f"use_cuda_graph=True needs the {name} buffer")
             self._graph_buffers = bufs
 
+    @refuse_runs_after_failure
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_len_arr: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int,
              causal: bool, sm_scale: float, q_data_type: torch.dtype, kv_data_type: torch.dtype,
@@ -91,7 +92,7 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         checks.check_positive_int(num_heads, "num_heads")
         checks.check_positive_int(head_dim_ckv, "head_dim_ckv")
         checks.check_positive_int(head_dim_kpe, "head_dim_kpe")
-        checks.check_positive_int(page_size, "page_size")
+        checks.check_page_size(page_size)
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
                         ("kv_len_arr", kv_len_arr)):
             checks.check_index_tensor(t, name)

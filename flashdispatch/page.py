@@ -6,7 +6,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .checks import check_layout, check_positive_int, check_tensor, unpack_paged_kv_cache
+from .checks import check_layout, check_page_size, check_tensor, unpack_paged_kv_cache
 
 
 def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -93,8 +93,14 @@ def block_table_to_indptr(block_tables: torch.Tensor, seq_lens: torch.Tensor, pa
     The lengths are read on the host (a GPU ``seq_lens`` waits for the GPU); the table is
     gathered on its own device, so from a GPU table only the pages' (min, max), with
     ``check_indices``, cross to the host, whatever the table's width."""
-    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,))
-    check_positive_int(page_size, "page_size")
+    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32, torch.uint32))
+    if block_tables.dtype == torch.uint32:  # (FlashInfer's documented dtype) an index >= 2^31 reads negative
+        block_tables = block_tables.view(torch.int32)
+    check_tensor(seq_lens, seq_lens_name, dtypes=(torch.int32, torch.uint32, torch.int64))
+    for t, name in ((block_tables, "block_tables"), (seq_lens, seq_lens_name)):
+        if t.is_meta:
+            raise ValueError(f"{name} is on meta: it must hold values (cpu or cuda)")
+    check_page_size(page_size)
     lens = seq_lens.detach().reshape(-1).to("cpu", torch.int64).numpy()
     batch, max_pages = block_tables.shape
     if lens.size != batch:

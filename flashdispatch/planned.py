@@ -110,7 +110,7 @@ def _outputs(planned: PlannedAttention, out, lse, return_lse: bool):
     if out is None:
         out = torch.empty(planned.out_shape, dtype=p.o_dtype, device=dev)
     elif not (isinstance(out, torch.Tensor) and out.dtype == p.o_dtype and out.shape == planned.out_shape
-              and out.device == dev):
+              and out.device == dev and out.is_contiguous()):
         checks.check_out(out, "out", planned.out_shape, p.o_dtype, dev)
     if return_lse:
         if not p.return_lse:
@@ -118,7 +118,7 @@ def _outputs(planned: PlannedAttention, out, lse, return_lse: bool):
         if lse is None:
             lse = torch.empty(planned.lse_shape, dtype=torch.float32, device=dev)
         elif not (isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.shape == planned.lse_shape
-                  and lse.device == dev):
+                  and lse.device == dev and lse.is_contiguous()):
             checks.check_out(lse, "lse", planned.lse_shape, torch.float32, dev)
     else:
         lse = None
@@ -236,8 +236,10 @@ def _upload_int32(device: torch.device, arrays) -> list[torch.Tensor]:
 
 def user_workspace(buf: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
     """A caller's float workspace buffer as the flat bytes the backends carve run() scratch
-    from (split-KV partials), checked to be a tensor on ``device``."""
+    from (split-KV partials), checked to be a contiguous tensor on ``device``."""
     checks.check_tensor(buf, name, device=device)
+    if not buf.is_contiguous():  # (reshape would copy it, and the backends would write to that copy)
+        raise ValueError(f"{name} must be contiguous, got shape {list(buf.shape)} and stride {buf.stride()}")
     return buf.reshape(-1).view(torch.uint8)
 
 
@@ -377,9 +379,25 @@ def single_key(tensors: tuple, scalars: tuple, backend: str) -> tuple | None:
     return (*meta, *scalars, types, backend, selection_context() if backend == "auto" else None)
 
 
+def refuse_runs_after_failure(plan):
+    """Decorate a wrapper's plan(): when it raises, every run() raises too (naming that error)
+    until a plan() succeeds, instead of running on the last plan's tables."""
+    @functools.wraps(plan)
+    def planning(self, *args, **kwargs) -> None:
+        self._refused_plan = None
+        try:
+            plan(self, *args, **kwargs)
+        except BaseException as e:
+            self._refused_plan = f"the last plan() raised {type(e).__name__}: {e}"
+            raise
+    return planning
+
+
 class WrapperBase:
     """What every plan()/run() wrapper shares: workspace, layout, backend request, the last plan,
     and what stays the same from one plan() to the next (device, scalar arguments' checks)."""
+
+    _refused_plan: str | None = None  # why run() refuses the current plan (a failed plan(), a negative index)
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  backend: str = "auto", jit_args=None, jit_kwargs=None):
@@ -463,7 +481,9 @@ class WrapperBase:
     def _variant(self, key) -> PlannedAttention:
         """The plan of variant ``key``, planned once per plan() and made the current one. A variant
         that fails its first plan keeps no metadata buffer (graph mode re-plans every variant
-        that has one at each plan())."""
+        that has one at each plan()). Raises while run() is refused (`refuse_runs_after_failure`)."""
+        if self._refused_plan:
+            raise ValueError(f"run() refused until a plan() succeeds: {self._refused_plan}")
         planned = self._variants.get(key)
         if planned is None:
             known = key in self._int_workspaces
@@ -548,4 +568,4 @@ def _write_front(buf: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["WrapperBase", "check_requested", "device_int32", "host_workload", "on_device",
            "PlannedAttention", "plan_problem", "run_attention", "run_mla", "require_plan", "paged_params", "MLAParams",
-           "user_workspace", "plan_refreshing"]
+           "user_workspace", "plan_refreshing", "refuse_runs_after_failure"]

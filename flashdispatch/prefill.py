@@ -17,7 +17,7 @@ from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
 from .planned import (WrapperBase, device_int32, host_workload, on_device, paged_params, run_attention,
-                      scratch_workspace, single_key, single_plans)
+                      refuse_runs_after_failure, scratch_workspace, single_key, single_plans)
 from .quantization import packbits, segment_packbits
 
 
@@ -90,7 +90,7 @@ class _PrefillWrapper(WrapperBase):
                        q_data_type, kv_data_type, o_data_type, fixed_split_size, disable_split_kv):
         checks.check_heads(num_qo_heads, num_kv_heads)
         checks.check_positive_int(head_dim_qk, "head_dim_qk")
-        head_dim_vo = checks.check_positive_int(head_dim_vo, "head_dim_vo") if head_dim_vo else head_dim_qk
+        head_dim_vo = head_dim_qk if head_dim_vo is None else checks.check_positive_int(head_dim_vo, "head_dim_vo")
         if fixed_split_size is not None:
             checks.check_positive_int(fixed_split_size, "fixed_split_size")
         q_dtype, kv_dtype, o_dtype = checks.attention_dtypes(q_data_type, kv_data_type, o_data_type)
@@ -154,6 +154,7 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
             if custom_mask_buf is not None:
                 self._mask_bufs = (custom_mask_buf, mask_indptr_buf)
 
+    @refuse_runs_after_failure
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
              page_size: int, head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
@@ -174,7 +175,7 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
         ``seq_lens``/``block_tables`` may replace the page-table arguments.
         """
         self._check_unsupported(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
-        checks.check_positive_int(page_size, "page_size")
+        checks.check_page_size(page_size)
         if paged_kv_indptr is None:
             if block_tables is None or seq_lens is None:
                 raise ValueError("plan() needs paged_kv_indptr/indices/last_page_len, or block_tables with seq_lens")
@@ -195,8 +196,8 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
         (kv_indptr_h, qo_indptr_h, last_h), minmax = checks.host_arrays(lengths, None if defer else paged_kv_indices)
         pages = checks.check_indptr(kv_indptr_h, "paged_kv_indptr")
         qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
-        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, "paged_kv_last_page_len")
         used_pages = int(kv_indptr_h[-1])
+        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, used_pages, "paged_kv_last_page_len")
         max_page_index = checks.check_page_indices(paged_kv_indices.numel(), used_pages, minmax,
                                                    "paged_kv_indices", "paged_kv_indptr")
         indices = paged_kv_indices  # the user's tensor: what a deferred check reads
@@ -263,6 +264,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             if custom_mask_buf is not None:
                 self._mask_bufs = (custom_mask_buf, mask_indptr_buf)
 
+    @refuse_runs_after_failure
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
              head_dim_qk: int, head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
              packed_custom_mask: torch.Tensor | None = None, causal: bool = False, pos_encoding_mode: str = "NONE",

@@ -82,6 +82,7 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
     if q_seq_len_found != q_seq_len:
         raise ValueError(f"q holds {q_seq_len_found} query tokens per request, but q_seq_len={q_seq_len}")
     checks.check_tensor(output, "output", shape=list(q.shape), device=q.device)
+    checks.check_distinct_elements(output, "output")
     k_cache, v_cache = _kv_views(k_cache, v_cache, kv_layout)
     found = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
     found_page = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
@@ -131,6 +132,7 @@ def xqa_mla(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     if q.shape[1] != 1:
         raise ValueError(f"q beam_width={q.shape[1]}: only beam_width 1 is supported")
     checks.check_tensor(output, "output", ndim=4, device=q.device)
+    checks.check_distinct_elements(output, "output")
     checks.check_tensor(k_cache, "k_cache")
     if k_cache.dim() == 2:
         k_cache = k_cache.reshape(-1, page_size, k_cache.shape[-1])

@@ -47,6 +47,16 @@ Q = torch.randn(2, 4, 32).half()
     (dict(sm_scale=float("nan")), ValueError, "sm_scale=nan"),
     (dict(indices=torch.zeros(1, dtype=torch.int32).expand(1 << 31)), ValueError,  # no memory: stride 0
      "indices has 2147483648 entries; at most 2"),
+    (dict(indptr=INDPTR.to("meta")), ValueError, "indptr is on meta"),
+    (dict(page_size=1 << 31), ValueError, r"page_size=2147483648 is above 2\^31 - 1"),
+    (dict(page_size=1 << 30, last_page_len=torch.tensor([1 << 30, 1], dtype=torch.int32)), ValueError,
+     "request 0 holds 2147483648 KV tokens"),  # (int32 lengths would wrap to negative)
+    (dict(head_dim_vo=32.0), ValueError, "head_dim_vo=32.0"),
+    (dict(head_dim_vo=0), ValueError, "head_dim_vo=0"),
+    (dict(sm_scale="x"), TypeError, "sm_scale='x' must be a float > 0"),
+    (dict(sm_scale=True), TypeError, "sm_scale=True"),
+    (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap=1e\\+39 must be None or a float >= 0, finite in"),
+    (dict(rope_theta=[1e4]), TypeError, r"rope_theta=\[10000.0\]"),
 ])
 def test_decode_plan_rejects(kw, err, match):
     with pytest.raises(err, match=match):
@@ -85,7 +95,11 @@ def test_decode_run_rejects(make_args, err, match):
     (dict(out=torch.empty(2, 4, 32, device="meta").half()), ValueError, "out is on meta"),
     (dict(q_scale=torch.ones(2)), ValueError, "q_scale must hold one element"),
     (dict(k_scale="1.0"), TypeError, "k_scale"),
+    (dict(k_scale=float("nan")), ValueError, "k_scale=nan must be a float finite in float32"),
+    (dict(v_scale=1e300), ValueError, "v_scale=1e\\+300"),
     (dict(q_len_per_req=0), ValueError, "q_len_per_req"),
+    (dict(out=torch.empty(1, 4, 32).half().expand(2, 4, 32)), ValueError, "out has elements that share memory"),
+    (dict(lse=torch.empty(1, 4).expand(2, 4), return_lse=True), ValueError, "lse has elements that share memory"),
 ])
 def test_decode_run_rejects_outputs_and_scales(kw, err, match):
     w = decode_wrapper()
@@ -105,6 +119,32 @@ def test_run_before_plan_and_extra_args():
         p.run(Q, Q, Q)
 
 
+def test_fa2_decode_names_the_tensor_without_a_contiguous_head_dim():
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, "NHD", backend="fa2")
+    w.plan(INDPTR, INDICES, LAST, 4, 2, 64, 8, q_data_type=torch.float16)
+    kv = torch.randn(6, 2, 8, 2, 64).half()
+    with pytest.raises(ValueError, match=r"contiguous head_dim \(last stride 1\): out \(stride \(512, 128, 2\)\) not"):
+        w.run(torch.randn(2, 4, 64).half(), kv, out=torch.empty(2, 4, 128).half()[..., ::2])
+
+
+def test_run_after_a_failed_plan_is_refused_until_a_plan_succeeds():
+    """A plan() refused by its argument checks must not leave run() on the last plan's tables."""
+    w = decode_wrapper()
+    with pytest.raises(ValueError, match=r"last_page_len\[0\]=0"):
+        w.plan(INDPTR, INDICES, torch.tensor([0, 8], dtype=torch.int32), 4, 2, 32, 8, q_data_type=torch.float16)
+    with pytest.raises(ValueError, match=r"refused until a plan\(\) succeeds: .*last_page_len\[0\]=0"):
+        w.run(Q, cache())
+    w.plan(INDPTR, INDICES, LAST, 4, 2, 32, 8, q_data_type=torch.float16)
+    assert w.run(Q, cache()).shape == (2, 4, 32)
+    qo, kv = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32)
+    p = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    p.plan(qo, kv, 4, 2, 32)
+    with pytest.raises(ValueError, match="num_qo_heads=3"):
+        p.plan(qo, kv, 3, 2, 32)
+    with pytest.raises(ValueError, match="refused until a plan"):
+        p.run(torch.randn(7, 4, 32).half(), torch.randn(9, 2, 32).half(), torch.randn(9, 2, 32).half())
+
+
 def test_constructor_rejects():
     with pytest.raises(ValueError, match="kv_layout='NDH'"):
         fi.BatchDecodeWithPagedKVCacheWrapper(WS, "NDH")
@@ -116,6 +156,9 @@ def test_constructor_rejects():
         fi.BatchPrefillWithRaggedKVCacheWrapper(None)
     with pytest.raises(ValueError, match="paged_kv_indptr_buffer"):
         fi.BatchDecodeWithPagedKVCacheWrapper(WS, use_cuda_graph=True)
+    for sizes in ((0, 8, 0), (4, 8, 2)):
+        with pytest.raises(ValueError, match="fix the batch size: batch_size \\+ 1 and batch_size entries"):
+            fi.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(WS, *(torch.zeros(n, dtype=torch.int32) for n in sizes))
 
 
 def test_cuda_graph_buffers_checked():
@@ -212,8 +255,38 @@ def test_cascade_and_packbits_reject():
         fi.merge_state(v, torch.randn(3, 2), v, torch.randn(3, 3))
     with pytest.raises(TypeError, match="s_a.dtype=float16"):
         fi.merge_state(v, torch.randn(3, 2).half(), v, torch.randn(3, 2))
+    with pytest.raises(TypeError, match="s.dtype=float16"):  # merge_state_in_place's own names
+        fi.merge_state_in_place(v, torch.randn(3, 2).half(), v, torch.randn(3, 2))
+    shared = torch.randn(1, 2, 8).expand(3, 2, 8)
+    with pytest.raises(ValueError, match="v has elements that share memory"):
+        fi.merge_state_in_place(shared, torch.randn(3, 2), v, torch.randn(3, 2))
+    with pytest.raises(ValueError, match="num_heads and head_dim must be at least 1"):
+        fi.merge_states(torch.randn(3, 2, 2, 0), torch.randn(3, 2, 2))
+    out, lse = fi.merge_states(torch.randn(3, 0, 2, 8), torch.randn(3, 0, 2))  # no state: the empty one
+    assert not out.any() and torch.isneginf(lse).all()
     with pytest.raises(ValueError, match="bitorder='middle'"):
         fi.packbits(torch.ones(3, dtype=torch.bool), "middle")
+
+
+def test_block_table_and_single_decode_arguments():
+    tables = torch.tensor([[4, 0], [1, 3]], dtype=torch.int32)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WS)
+    with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor, got list"):
+        w.plan(None, None, None, 4, 2, 32, 8, block_tables=tables, seq_lens=[5, 8])
+    with pytest.raises(TypeError, match="seq_lens.dtype=float32"):
+        w.plan(None, None, None, 4, 2, 32, 8, block_tables=tables, seq_lens=torch.tensor([5.7, 8.2]))
+    w.plan(None, None, None, 4, 2, 32, 8, block_tables=tables.to(torch.uint32), seq_lens=torch.tensor([5, 16]),
+           q_data_type=torch.float16)  # FlashInfer documents uint32 tables
+    ref = fi.BatchDecodeWithPagedKVCacheWrapper(WS)
+    ref.plan(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([4, 1, 3], dtype=torch.int32),
+             torch.tensor([5, 8], dtype=torch.int32), 4, 2, 32, 8, q_data_type=torch.float16)
+    kv = cache()
+    assert torch.equal(w.run(Q, kv), ref.run(Q, kv))
+    with pytest.raises(ValueError, match=r"differ in head_dim \(32 != 64\)"):
+        fi.single_decode_with_kv_cache(torch.randn(4, 32).half(), torch.randn(20, 2, 64).half(),
+                                       torch.randn(20, 2, 64).half())
+    with pytest.raises(ValueError, match="float_workspace_buffer must be contiguous"):
+        fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 12, dtype=torch.uint8)[::2])
 
 
 def test_graph_mode_mask_needs_its_fixed_buffers():

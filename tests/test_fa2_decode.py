@@ -91,7 +91,8 @@ def test_head_dims_block_sizes(head_dim):
 
 
 @pytest.mark.parametrize("feature", [
-    dict(window_left=20), dict(window_left=0), dict(logits_soft_cap=5.0), dict(pos_encoding_mode="ALIBI"),
+    dict(window_left=20), dict(window_left=0), dict(logits_soft_cap=5.0), dict(logits_soft_cap=1e6),
+    dict(pos_encoding_mode="ALIBI"),
     dict(pos_encoding_mode="ROPE_LLAMA"), dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5),
     dict(sm_scale=0.3), dict(sinks=True), dict(return_lse=False),
     dict(logits_soft_cap=3.0, pos_encoding_mode="ALIBI", window_left=50, sinks=True),

@@ -158,6 +158,7 @@ FEATURES = {
     "window_causal": dict(mask_mode="causal", window_left=13),
     "window_only": dict(window_left=5),
     "soft_cap": dict(mask_mode="causal", logits_soft_cap=2.5, sm_scale=0.6),
+    "soft_cap_far_above_the_scores": dict(mask_mode="causal", logits_soft_cap=1e6),  # tanh's relative precision
     "alibi": dict(mask_mode="causal", pos_encoding_mode="ALIBI", num_qo_heads=6, num_kv_heads=3),
     "rope": dict(mask_mode="causal", pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e3),
     "sinks": dict(mask_mode="causal", sinks=True),

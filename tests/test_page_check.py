@@ -12,6 +12,7 @@ import flashdispatch as fd
 from flashdispatch import checks
 from flashdispatch.backends.fa2.decode_config import CONFIG_ENV
 from flashdispatch.deferred_check import DeferredPageCheck
+from flashdispatch.planned import WrapperBase, refuse_runs_after_failure
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 64, 8
 OPS = ("decode", "prefill")
@@ -141,8 +142,9 @@ class _Reduction:
         return self.range
 
 
-class _Wrapper(DeferredPageCheck):
-    """The mixin on a wrapper's state (CPU: the deferred path itself needs indices on a GPU)."""
+class _Wrapper(DeferredPageCheck, WrapperBase):
+    """The mixin on a wrapper's state (CPU: the deferred path itself needs indices on a GPU), with
+    WrapperBase's refusal of run() after a failed plan()."""
 
     def __init__(self, graph: bool, clamps: bool = True):
         self._use_cuda_graph = graph
@@ -152,6 +154,7 @@ class _Wrapper(DeferredPageCheck):
         self._variants = {"run": self.variant}
         self._planned = self.variant
 
+    @refuse_runs_after_failure
     def plan(self, high: int, low: int = 1, error: Exception | None = None):
         """A plan of indices (3, high, low); ``error``: its planning raises that."""
         def planning():
@@ -162,7 +165,7 @@ class _Wrapper(DeferredPageCheck):
         self._planning_with_page_check(planning)
 
     def run(self, pages: int):
-        self._page_check_at_run(self.variant, pages)
+        self._page_check_at_run(self._variant("run"), pages)
 
 
 def test_deferred_check_ends_against_the_caches_its_plan_ran_on():

@@ -119,15 +119,9 @@ from ..common import TRITON_INTERPRETED
 from .decode_requests import line_requests, table_line_pages, table_line_requests, total_split_tokens
 from .merge import _merge_row_block
 from .paging import page_of, slot_in_page
-from .trig import sincos
+from .trig import sincos, tanh
 
 WORK_COLS = 8
-
-
-@triton.jit
-def _tanh(x):
-    # tanh through exp2: saturates to +-1 without inf/inf.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
 @triton.jit
@@ -416,7 +410,7 @@ def _decode_item(
         if ALIBI:
             s += slope[:, None] * (t[None, :] - pos[:, None]).to(tl.float32)
         if SOFT_CAP:
-            s = soft_cap * _tanh(s / soft_cap)
+            s = soft_cap * tanh(s * (1.0 / soft_cap))
         if SOFT_CAP or ALIBI:
             s = s * 1.4426950408889634
         keep = (t < tok_end)[None, :]

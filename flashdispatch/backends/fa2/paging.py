@@ -31,7 +31,10 @@ def decode_strides(inputs) -> tuple:
     k_at, v_at, ks, vs = kv.addresses()  # (a 5-D cache: no views made)
     qs, os_ = inputs.q.stride(), inputs.out.stride()  # one call each: run() is host-bound
     if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
-        raise ValueError("fa2 decode needs q, out and the k/v cache with a contiguous head_dim")
+        strides = {"q": qs, "out": os_, "k cache": ks, "v cache": vs}
+        bad = ", ".join(f"{name} (stride {st})" for name, st in strides.items() if st[2 if len(st) == 3 else 3] != 1)
+        raise ValueError(f"fa2 decode needs q, out and the k/v cache with a contiguous head_dim (last stride 1): "
+                         f"{bad} not")
     if kv.layout == "HND":
         ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
     return k_at, v_at, ks, vs, qs, os_

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .paging import page_of, slot_in_page
 from .prefill_tma import kv_descriptor
-from .trig import sincos
+from .trig import sincos, tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 WORK_COLS = 10  # int32 per work item, see the module docstring
@@ -208,9 +208,8 @@ def _attn_tiles(acc, l_i, m_i, q_a, q_b, lo, hi,
             s = qk * qk_scale
             if ALIBI:
                 s += alibi_log2 * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
-            # cap * tanh(s / cap), with s and cap both in log2 units; tanh through exp2
-            e = tl.exp2(s * (2.0 * LOG2E / soft_cap))
-            s = soft_cap * (1.0 - 2.0 / (e + 1.0))
+            # cap * tanh(s / cap), with s and cap both in log2 units (the same ratio as in natural ones)
+            s = soft_cap * tanh(s * (1.0 / soft_cap))
         else:
             s = qk * qk_scale
             if ALIBI:
