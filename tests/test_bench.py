@@ -3,6 +3,7 @@ timings, report formatting. Nothing here times anything."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import types
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from flashdispatch import bench
-from flashdispatch.bench import decode, matrix, prefill, report, timing
+import flashdispatch as fd
+from flashdispatch.bench import decode, matrix, peers, prefill, report, timing
 from flashdispatch.bench.matrix import Column, NotApplicable
 from flashdispatch.bench.report import Cell, Report
 from flashdispatch.bench.timing import Job, Timing
@@ -60,7 +62,27 @@ def test_prefill_shapes_single_paged_and_modifiers():
     assert s5.custom_mask and s5.pages_per_request == 256 and s5.label == "64x128/4096:mask"
 
 
-@pytest.mark.parametrize("text", ["", "0x16", "16/8", "4x", "4096:causal", "4096:w", "4096:wx", "ax4/8"])
+def test_prefill_soft_cap_rows_pass_the_cap_and_skip_the_peers_without_one():
+    single, paged = prefill.parse_prefill_shapes("16/40:cap30,2x8/20:nc:cap2.5")
+    assert (single.soft_cap, paged.soft_cap, paged.causal) == (30.0, 2.5, False)
+    for shape in (single, paged):
+        d = prefill.make_prefill_data(dataclasses.replace(shape, qo_heads=4, kv_heads=2, head_dim=64), device="cpu")
+        job = prefill.our_column(fd, "reference").build(d)
+        if job.plan is not None:
+            job.plan()
+        got = job.run()
+        if shape.single:
+            want = fd.single_prefill_with_kv_cache(d.q, d.k, d.v, causal=True, logits_soft_cap=30.0)
+            assert torch.equal(got, want)
+            assert not torch.equal(got, fd.single_prefill_with_kv_cache(d.q, d.k, d.v, causal=True))
+        with pytest.raises(NotApplicable):
+            peers.sdpa_job("flash", d)
+        with pytest.raises(NotApplicable):
+            peers.flex_job(d)
+
+
+@pytest.mark.parametrize("text", ["", "0x16", "16/8", "4x", "4096:causal", "4096:w", "4096:wx", "ax4/8", "4096:cap0",
+                                  "4096:capx"])
 def test_bad_prefill_shapes(text):
     with pytest.raises(ValueError, match="prefill shape|no prefill shapes"):
         prefill.parse_prefill_shapes(text)
@@ -451,7 +473,6 @@ def test_cuda_graph_job_replays_what_eager_computes():
     """A --cuda-graph column's first run captures, later runs replay into the same output, equal
     to the eager wrapper's within bf16 rounding (the graph grid splits by the batch size alone, so
     its partition may differ); a re-plan between replays keeps it so (same inputs)."""
-    import flashdispatch as fd
     d = decode.make_decode_data(decode.parse_decode_shapes("4x1000")[0])
     eager = decode.our_column(fd, "fa2").build(d)
     eager.plan()
