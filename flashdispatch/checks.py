@@ -2,7 +2,6 @@
 argument, the value found and what is accepted, before anything is launched."""
 from __future__ import annotations
 
-import math
 import os
 from typing import Sequence
 
@@ -109,20 +108,19 @@ def check_window_left(window_left) -> int:
     return window_left
 
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # the kernels compute in float32
+SCALAR_LIMIT = 1e30  # float scalars' magnitude bound: the kernels' products of them stay finite in float32
 
 
-def _float_in(value, name: str, accepted: str, low: float, low_ok: bool) -> float:
+def _float_in(value, name: str, accepted: str, low: float, high: float) -> float:
     """``value`` (a real number, or a 1-element tensor: read on the host) as a float in
-    [low or (low, float32's largest] (low -inf: finite), else TypeError/ValueError naming
-    ``name`` with ``accepted``."""
+    [low, high], else TypeError/ValueError naming ``name`` with ``accepted``."""
     if isinstance(value, (str, bytes, bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
         raise TypeError(f"{name}={value!r} must be {accepted}")
     try:
         x = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name}={value!r} must be {accepted}") from None
-    if not (x >= low if low_ok else x > low) or not x <= FLOAT32_MAX:  # NaN fails both
+    if not low <= x <= high:  # (NaN fails it)
         raise ValueError(f"{name}={value!r} must be {accepted}")
     return x
 
@@ -130,22 +128,22 @@ def _float_in(value, name: str, accepted: str, low: float, low_ok: bool) -> floa
 def check_soft_cap(logits_soft_cap) -> float:
     if logits_soft_cap is None:
         return 0.0
-    return _float_in(logits_soft_cap, "logits_soft_cap", "None or a float >= 0, finite in float32", 0.0, True)
+    return _float_in(logits_soft_cap, "logits_soft_cap", "None or a float in [0, 1e30]", 0.0, SCALAR_LIMIT)
 
 
 def check_scale(value, name: str, default: float) -> float:
     if value is None:
         return default
-    return _float_in(value, name, "a float > 0, finite in float32", 0.0, False)
+    return _float_in(value, name, "a float in [1e-30, 1e30]", 1.0 / SCALAR_LIMIT, SCALAR_LIMIT)
 
 
 def check_run_scale(value, name: str, device: torch.device):
-    """A run-time q/k/v scale: None, a float (finite in float32; negative scales are computed as
+    """A run-time q/k/v scale: None, a float of magnitude <= 1e30 (negative scales are computed as
     given), or a 1-element tensor on the run device (its value is not read: no host sync)."""
-    if value is None:
-        return None
+    if value is None or (type(value) is float and -SCALAR_LIMIT <= value <= SCALAR_LIMIT):
+        return value
     if not isinstance(value, torch.Tensor):
-        return _float_in(value, name, "a float finite in float32, or a 1-element tensor", -FLOAT32_MAX, True)
+        return _float_in(value, name, "a float in [-1e30, 1e30] or a 1-element tensor", -SCALAR_LIMIT, SCALAR_LIMIT)
     if value.numel() != 1:
         raise ValueError(f"{name} must hold one element, got shape {list(value.shape)}")
     if value.device != device:
@@ -374,8 +372,8 @@ def check_out(out, name: str, shape: Sequence[int], dtype: torch.dtype, device: 
 
 
 def check_distinct_elements(t: torch.Tensor, name: str) -> None:
-    """An output buffer whose elements do not share memory (the rows of an expanded view would be
-    written over one another)."""
+    """An output buffer with no stride 0 on a dimension of more than one element (an expanded
+    view, whose rows would be written over one another; other overlaps are not looked for)."""
     if not t.is_contiguous() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} has elements that share memory (shape {list(t.shape)}, stride {t.stride()}: an "
                          f"expanded view?); an output must hold each element once")

@@ -98,7 +98,8 @@ class DeferredPageCheck:
         run() got since that plan() (none: a later run() checks it; CUDA-graph wrappers: the cache
         of the last run(), the capture's, which the replays read); else make its largest index
         what run() checks the cache against (also when it raises for it: a retried run() on that
-        cache is refused; after a negative index, every run() of the plan is). An engine may grow
+        cache is refused; after a negative index, every run() of the plan is; raised in a plan(),
+        every run() is refused until a plan() succeeds, `refuse_runs_after_failure`). An engine may grow
         its cache between steps: an eager plan's indices are never checked against the cache of
         an earlier plan's run().
 

@@ -36,16 +36,14 @@ def _mla_params(qo_indptr_h: np.ndarray, kv_indptr, kv_indices, kv_lens_h: np.nd
                      int_workspace=int_workspace)
 
 
-def _check_kv_lens(lens: np.ndarray, pages: np.ndarray, qo: np.ndarray, page_size: int) -> np.ndarray:
-    """kv_len_arr's host values against the page counts and the query lengths."""
+def _check_kv_lens(lens: np.ndarray, pages: np.ndarray, page_size: int) -> np.ndarray:
+    """kv_len_arr's host values against the page counts (more query tokens than keys is allowed:
+    a query row that sees no key gives 0 and lse -inf, as in the prefill wrappers)."""
     bad = (lens < 0) | (lens > pages * page_size) | ((pages > 0) & (lens <= (pages - 1) * page_size))
     if bad.any():
         b = int(np.argmax(bad))
         raise ValueError(f"kv_len_arr[{b}]={int(lens[b])} does not fit request {b}'s {int(pages[b])} pages of "
                          f"page_size={page_size}")
-    if (qo > lens).any():
-        b = int(np.argmax(qo > lens))
-        raise ValueError(f"request {b} has {int(qo[b])} query tokens but kv_len_arr[{b}]={int(lens[b])}")
     return lens
 
 
@@ -103,18 +101,19 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
                                                                         kv_indices)
         pages = checks.check_indptr(kv_indptr_h, "kv_indptr")
         qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
-        kv_lens_h = _check_kv_lens(lens_h, pages, qo_lens_h, page_size)
+        kv_lens_h = _check_kv_lens(lens_h, pages, page_size)
         max_page_index = checks.check_page_indices(kv_indices.numel(), int(kv_indptr_h[-1]), minmax, "kv_indices",
                                                    "kv_indptr")
-        if self._graph_buffers is not None:
-            qo_indptr, kv_indptr, kv_indices, kv_len_arr = self._fixed_buffers(zip(
-                self._graph_buffers, (qo_indptr, kv_indptr, kv_indices[: int(kv_indptr_h[-1])], kv_len_arr),
-                ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")))
         o_dtype = q_dtype if q_dtype.itemsize > 1 else torch.bfloat16
         problem = _mla_problem(q_dtype, kv_dtype, o_dtype, num_heads, head_dim_ckv, head_dim_kpe, page_size,
                                causal, self._use_cuda_graph)
-        params = _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, self._device,
-                             checks.check_scale(sm_scale, "sm_scale", 1.0), bool(causal), self._workspace())
+        scale = checks.check_scale(sm_scale, "sm_scale", 1.0)
+        if self._graph_buffers is not None:  # (once every argument has passed its check)
+            qo_indptr, kv_indptr, kv_indices, kv_len_arr = self._fixed_buffers(zip(
+                self._graph_buffers, (qo_indptr, kv_indptr, kv_indices[: int(kv_indptr_h[-1])], kv_len_arr),
+                ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")))
+        params = _mla_params(qo_indptr_h, kv_indptr, kv_indices, kv_lens_h, self._device, scale, bool(causal),
+                             self._workspace())
         self._set_plan(problem, params, total_q=int(qo_indptr_h[-1]), max_page_index=max_page_index,
                        workload=host_workload(qo_lens_h, kv_lens_h))
 
@@ -150,14 +149,14 @@ def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens,
     qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len_per_req
     if int(qo_indptr_h[-1]) != q_nope.shape[0]:
         raise ValueError(f"query has {q_nope.shape[0]} rows, expected batch x q_len_per_req = {int(qo_indptr_h[-1])}")
-    if isinstance(sm_scale, torch.Tensor):
-        sm_scale = float(sm_scale)  # one host read: the MLA contract has no run-time q scale
+    # a tensor scale is read on the host once: the MLA contract has no run-time q scale
+    sm_scale = checks.check_scale(sm_scale, "bmm1_scale", 1.0)
     dev = q_nope.device
     o_dtype = checks.as_dtype(out_dtype, "out_dtype") if out_dtype is not None else (
         q_nope.dtype if q_nope.dtype.itemsize > 1 else torch.bfloat16)
     problem = _mla_problem(q_nope.dtype, ckv_cache.dtype, o_dtype, q_nope.shape[1], q_nope.shape[2],
                            q_pe.shape[2], page_size, q_len_per_req > 1, return_lse=return_lse)
-    params = _mla_params(qo_indptr_h.numpy(), indptr, indices, kv_lens_h.numpy(), dev, float(sm_scale),
+    params = _mla_params(qo_indptr_h.numpy(), indptr, indices, kv_lens_h.numpy(), dev, sm_scale,
                          q_len_per_req > 1, user_workspace(workspace_buffer, "workspace_buffer", dev))
     planned = plan_refreshing(problem, dev, params, backend, total_q=q_nope.shape[0], max_page_index=max_page)
     return run_mla(planned, q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse, return_lse=return_lse,
@@ -189,6 +188,11 @@ def trtllm_batch_decode_with_kv_cache_mla(query: torch.Tensor, kv_cache: torch.T
     checks.check_tensor(kv_cache, "kv_cache", ndim=3, shape=(None, None, width))
     checks.check_tensor(query, "query", shape=(None, None, None, width))
     b, q_len, heads, _ = query.shape
+    for buf, name in ((out, "out"), (lse, "lse")):  # written through a flat view of them
+        if buf is not None:
+            checks.check_tensor(buf, name)
+            if not buf.is_contiguous():
+                raise ValueError(f"{name} must be contiguous, got shape {list(buf.shape)} and stride {buf.stride()}")
     flat = query.reshape(b * q_len, heads, width)
     if lse is not None:
         lse = lse.reshape(b * q_len, heads)

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .checks import check_layout, check_page_size, check_tensor, unpack_paged_kv_cache
+from .checks import MAX_KV_TOKENS, check_layout, check_page_size, check_tensor, unpack_paged_kv_cache
 
 
 def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -56,14 +56,29 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
         The page table after the append (``kv_last_page_len`` is unused by the write itself).
     kv_layout : str
         ``"NHD"`` or ``"HND"``.
+
+    Index values are not read on the host (that would wait for the GPU): a request index, position
+    or page index out of range is clamped into the tables and the cache, so a bad one writes to a
+    wrong slot of the cache, never outside it.
     """
     check_layout(kv_layout)
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
-    check_tensor(append_key, "append_key", ndim=3)
-    check_tensor(append_value, "append_value", ndim=3, shape=list(append_key.shape[:2]) + [None])
-    page_size = kv.k.shape[1] if kv_layout == "NHD" else kv.k.shape[2]
-    pos = positions.to(torch.int64)
-    page = kv_indices.to(torch.int64)[kv_indptr.to(torch.int64)[batch_indices.to(torch.int64)] + pos // page_size]
+    heads, page_size = (kv.k.shape[2], kv.k.shape[1]) if kv_layout == "NHD" else kv.k.shape[1:3]
+    check_tensor(append_key, "append_key", ndim=3, shape=[None, heads, kv.k.shape[3]], device=kv.k.device)
+    check_tensor(append_value, "append_value", shape=[append_key.shape[0], heads, kv.v.shape[3]], device=kv.k.device)
+    nnz = append_key.shape[0]
+    for t, name, n in ((batch_indices, "batch_indices", nnz), (positions, "positions", nnz),
+                       (kv_indices, "kv_indices", None), (kv_indptr, "kv_indptr", None)):
+        check_tensor(t, name, ndim=1, dtypes=(torch.int32, torch.int64), device=kv.k.device, shape=[n])
+    if kv_indptr.numel() < 2 or kv_indices.numel() < 1 or kv.k.shape[0] < 1:
+        if nnz:
+            raise ValueError(f"no page to append to: kv_indptr has {kv_indptr.numel()} entries, kv_indices "
+                             f"{kv_indices.numel()}, the cache {kv.k.shape[0]} pages")
+        return
+    pos = positions.to(torch.int64).clamp(min=0)
+    req = batch_indices.to(torch.int64).clamp(0, kv_indptr.numel() - 2)
+    at = (kv_indptr.to(torch.int64)[req] + pos // page_size).clamp(0, kv_indices.numel() - 1)
+    page = kv_indices.to(torch.int64)[at].clamp(0, kv.k.shape[0] - 1)
     slot = pos % page_size
     if kv_layout == "NHD":
         kv.k[page, slot] = append_key.to(kv.k.dtype)
@@ -107,6 +122,8 @@ def block_table_to_indptr(block_tables: torch.Tensor, seq_lens: torch.Tensor, pa
         raise ValueError(f"{seq_lens_name} has {lens.size} entries, but block_tables has {batch} rows")
     if batch and lens.min() < 0:
         raise ValueError(f"{seq_lens_name} holds a negative length {int(lens.min())}")
+    if batch and lens.max() > MAX_KV_TOKENS:
+        raise ValueError(f"{seq_lens_name} holds a length {int(lens.max())} above 2^31 - 1 (int32 token counts)")
     pages = (lens + page_size - 1) // page_size
     if batch and pages.max() > max_pages:
         b = int(pages.argmax())

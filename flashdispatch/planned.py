@@ -110,7 +110,7 @@ def _outputs(planned: PlannedAttention, out, lse, return_lse: bool):
     if out is None:
         out = torch.empty(planned.out_shape, dtype=p.o_dtype, device=dev)
     elif not (isinstance(out, torch.Tensor) and out.dtype == p.o_dtype and out.shape == planned.out_shape
-              and out.device == dev and out.is_contiguous()):
+              and out.device == dev and 0 not in out.stride()):
         checks.check_out(out, "out", planned.out_shape, p.o_dtype, dev)
     if return_lse:
         if not p.return_lse:
@@ -118,7 +118,7 @@ def _outputs(planned: PlannedAttention, out, lse, return_lse: bool):
         if lse is None:
             lse = torch.empty(planned.lse_shape, dtype=torch.float32, device=dev)
         elif not (isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.shape == planned.lse_shape
-                  and lse.device == dev and lse.is_contiguous()):
+                  and lse.device == dev and 0 not in lse.stride()):
             checks.check_out(lse, "lse", planned.lse_shape, torch.float32, dev)
     else:
         lse = None
@@ -511,6 +511,8 @@ class WrapperBase:
         self._set_workspace(float_workspace_buffer)
         if int_workspace_buffer is not None:
             checks.check_tensor(int_workspace_buffer, "int_workspace_buffer", device=self._device)
+            if not int_workspace_buffer.is_contiguous():  # (a graph reads its metadata in place)
+                raise ValueError(f"int_workspace_buffer must be contiguous, got stride {int_workspace_buffer.stride()}")
             self._int_workspace_buffer = int_workspace_buffer
             self._int_workspaces = {}
 
@@ -526,7 +528,9 @@ class WrapperBase:
         """Copy each ``(buf, data, name)``'s ``data`` into the front of ``buf``, a user's CUDA-graph
         buffer on the wrapper's device (a captured graph reads it in place), and return those views.
         Every buffer is checked before any is written: a plan() refused here leaves all of them as
-        the last plan() wrote them (never one table beside another's counts). No copy where ``data``
+        the last plan() wrote them (never one table beside another's counts; a plan() refused after
+        this, by the backend's selection or plan, leaves the new tables, all of them, as FlashInfer
+        does). No copy where ``data``
         already is that front (an engine that writes its tables into the buffers and passes views)."""
         writes = list(writes)
         for buf, data, name in writes:

@@ -44,7 +44,8 @@ def spec_mask_to_custom(mask: torch.Tensor, qo_indptr_h: torch.Tensor, seq_lens:
 def _kv_views(k_cache, v_cache, kv_layout):
     checks.check_layout(kv_layout)
     checks.check_tensor(k_cache, "k_cache", ndim=4)
-    checks.check_tensor(v_cache, "v_cache", ndim=4, dtypes=(k_cache.dtype,), device=k_cache.device)
+    checks.check_tensor(v_cache, "v_cache", ndim=4, dtypes=(k_cache.dtype,), device=k_cache.device,
+                        shape=list(k_cache.shape[:3]) + [None])  # (pages, tokens and heads: K's)
     return k_cache, v_cache
 
 

@@ -53,9 +53,11 @@ Q = torch.randn(2, 4, 32).half()
      "request 0 holds 2147483648 KV tokens"),  # (int32 lengths would wrap to negative)
     (dict(head_dim_vo=32.0), ValueError, "head_dim_vo=32.0"),
     (dict(head_dim_vo=0), ValueError, "head_dim_vo=0"),
-    (dict(sm_scale="x"), TypeError, "sm_scale='x' must be a float > 0"),
+    (dict(sm_scale="x"), TypeError, "sm_scale='x' must be a float in"),
     (dict(sm_scale=True), TypeError, "sm_scale=True"),
-    (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap=1e\\+39 must be None or a float >= 0, finite in"),
+    (dict(logits_soft_cap=2.4e38), ValueError, "logits_soft_cap=2.4e\\+38"),  # (x log2 e: inf in float32)
+    (dict(sm_scale=1e-40), ValueError, "sm_scale=1e-40 must be a float in \\[1e-30, 1e30\\]"),
+    (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap=1e\\+39 must be None or a float in \\[0, 1e30\\]"),
     (dict(rope_theta=[1e4]), TypeError, r"rope_theta=\[10000.0\]"),
 ])
 def test_decode_plan_rejects(kw, err, match):
@@ -67,6 +69,21 @@ def test_decode_plan_accepts_empty_requests():
     w = decode_wrapper(indptr=torch.tensor([0, 0, 5], dtype=torch.int32), last_page_len=torch.tensor([0, 8], dtype=torch.int32))
     o, lse = w.run(Q, cache(), return_lse=True)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
+
+
+def test_mla_plans_queries_beyond_their_keys_as_empty_rows():
+    """A request with queries but no KV, and one with more queries than keys (non-causal and
+    causal): rows that see no key give 0 and lse -inf, as in the prefill wrappers."""
+    m = fi.BatchMLAPagedAttentionWrapper(WS)
+    for causal in (False, True):
+        m.plan(torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.int32),
+               torch.tensor([0], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32), 4, 64, 32, 8, causal,
+               0.1, torch.float16, torch.float16)
+        out, lse = m.run(torch.randn(5, 4, 64).half(), torch.randn(5, 4, 32).half(), torch.randn(1, 8, 64).half(),
+                         torch.randn(1, 8, 32).half(), return_lse=True)
+        empty = [0, 1, 2] if causal else [0, 1]  # causal: request 1's first query sits before both keys
+        assert not out[empty].any() and torch.isneginf(lse[empty]).all()
+        assert torch.isfinite(lse[3:]).all() and not torch.isnan(out).any()
 
 
 @pytest.mark.parametrize("make_args, err, match", [
@@ -95,7 +112,7 @@ def test_decode_run_rejects(make_args, err, match):
     (dict(out=torch.empty(2, 4, 32, device="meta").half()), ValueError, "out is on meta"),
     (dict(q_scale=torch.ones(2)), ValueError, "q_scale must hold one element"),
     (dict(k_scale="1.0"), TypeError, "k_scale"),
-    (dict(k_scale=float("nan")), ValueError, "k_scale=nan must be a float finite in float32"),
+    (dict(k_scale=float("nan")), ValueError, "k_scale=nan must be a float in \\[-1e30, 1e30\\]"),
     (dict(v_scale=1e300), ValueError, "v_scale=1e\\+300"),
     (dict(q_len_per_req=0), ValueError, "q_len_per_req"),
     (dict(out=torch.empty(1, 4, 32).half().expand(2, 4, 32)), ValueError, "out has elements that share memory"),
@@ -217,6 +234,14 @@ def test_cudnn_entry_points_validate_before_selection():
                                             block_tables=tables)
 
 
+def test_xqa_v_cache_must_have_k_caches_pages():
+    k = torch.randn(8, 16, 2, 64).half()
+    out = torch.zeros(2, 1, 4, 64).half()
+    with pytest.raises(ValueError, match=r"v_cache has shape \[4, 16, 2, 64\], expected \[8, 16, 2, \*\]"):
+        fi.xqa(torch.randn(2, 1, 4, 64).half(), k, k[:4].clone(), torch.arange(8, dtype=torch.int32).view(2, 4),
+               torch.tensor([[20], [40]], dtype=torch.int32), out, WS, None, 2, 16)
+
+
 def test_trtllm_rejects():
     q = torch.randn(2, 8, 64).half()
     kv = torch.randn(10, 2, 2, 16, 64).half()
@@ -273,6 +298,8 @@ def test_block_table_and_single_decode_arguments():
     w = fi.BatchDecodeWithPagedKVCacheWrapper(WS)
     with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor, got list"):
         w.plan(None, None, None, 4, 2, 32, 8, block_tables=tables, seq_lens=[5, 8])
+    with pytest.raises(ValueError, match="seq_lens holds a length 2147483653 above 2"):
+        w.plan(None, None, None, 4, 2, 32, 8, block_tables=tables, seq_lens=torch.tensor([5, (1 << 31) + 5]))
     with pytest.raises(TypeError, match="seq_lens.dtype=float32"):
         w.plan(None, None, None, 4, 2, 32, 8, block_tables=tables, seq_lens=torch.tensor([5.7, 8.2]))
     w.plan(None, None, None, 4, 2, 32, 8, block_tables=tables.to(torch.uint32), seq_lens=torch.tensor([5, 16]),
@@ -287,6 +314,23 @@ def test_block_table_and_single_decode_arguments():
                                        torch.randn(20, 2, 64).half())
     with pytest.raises(ValueError, match="float_workspace_buffer must be contiguous"):
         fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 12, dtype=torch.uint8)[::2])
+    with pytest.raises(ValueError, match="int_workspace_buffer must be contiguous"):
+        w.reset_workspace_buffer(WS, torch.empty(1 << 12, dtype=torch.uint8)[::2])
+
+
+def test_append_checks_shapes_and_keeps_bad_indices_inside_the_cache():
+    cache = torch.zeros(4, 2, 8, 2, 32)
+    key, val = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    tables = (torch.tensor([3, 0, 1], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32))
+    args = (torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([0, 9, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"append_key has shape \[3, 1, 32\], expected \[\*, 2, 32\]"):
+        fi.append_paged_kv_cache(key[:, :1], val[:, :1], *args, cache, *tables, torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match=r"positions has shape \[2\], expected \[3\]"):
+        fi.append_paged_kv_cache(key, val, args[0], args[1][:2], cache, *tables, torch.tensor([2, 3]))
+    bad = (torch.tensor([-1, 7, 1], dtype=torch.int32), torch.tensor([-5, 900, 2], dtype=torch.int32))
+    fi.append_paged_kv_cache(key, val, *bad, cache, torch.tensor([3, 0, 99], dtype=torch.int32), tables[1],
+                             torch.tensor([2, 3]))  # clamped: written inside the cache, no IndexError
+    assert cache.abs().sum() > 0
 
 
 def test_graph_mode_mask_needs_its_fixed_buffers():
@@ -358,3 +402,11 @@ def test_a_refused_graph_plan_leaves_every_fixed_buffer_as_it_was():
         w.plan(qo, INDPTR, INDICES, LAST, 4, 2, 32, 8, custom_mask=torch.ones(3 * lens[0] + 4 * lens[1],
                                                                                 dtype=torch.bool))
     assert not any(t.any() for t in paged + small_mask)
+
+    mla_bufs = dict(qo_indptr=torch.zeros(3, dtype=torch.int32), kv_indptr=torch.zeros(3, dtype=torch.int32),
+                    kv_indices=torch.zeros(8, dtype=torch.int32), kv_len_arr=torch.zeros(2, dtype=torch.int32))
+    m = fi.BatchMLAPagedAttentionWrapper(WS, use_cuda_graph=True, **mla_bufs)
+    with pytest.raises(ValueError, match="sm_scale=nan"):
+        m.plan(torch.tensor([0, 1, 2], dtype=torch.int32), INDPTR, INDICES, torch.tensor([11, 20], dtype=torch.int32),
+               4, 64, 32, 8, False, float("nan"), torch.float16, torch.float16)
+    assert not any(t.any() for t in mla_bufs.values())

@@ -100,7 +100,7 @@ def parse_prefill_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: 
 
 def _positive_float(text: str) -> bool:
     try:
-        return float(text) > 0
+        return 0 < float(text) < math.inf
     except ValueError:
         return False
 

@@ -92,6 +92,7 @@ def output(t, name: str, shape: tuple, dtype: torch.dtype, device: torch.device,
         return torch.empty(shape, dtype=dtype, device=device)
     want = (None, *shape[1:]) if rows_free else shape
     checks.check_tensor(t, name, dtypes=(dtype,), device=device, shape=want)
+    checks.check_distinct_elements(t, name)
     return t
 
 
