@@ -41,6 +41,15 @@ def spec_mask_to_custom(mask: torch.Tensor, qo_indptr_h: torch.Tensor, seq_lens:
     return segment_packbits(flat, bit_indptr, bitorder="little")
 
 
+def _scale(value, name: str):
+    """A q/kv/output scale: a 1-element tensor as it is (read by the kernels), else a checked float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must hold one element, got shape {list(value.shape)}")
+        return value
+    return checks.check_scale(value, name, 1.0)
+
+
 def _kv_views(k_cache, v_cache, kv_layout):
     checks.check_layout(kv_layout)
     checks.check_tensor(k_cache, "k_cache", ndim=4)
@@ -90,8 +99,8 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
     if found != num_kv_heads or found_page != page_size:
         raise ValueError(f"k_cache {list(k_cache.shape)} ({kv_layout}) has kv_heads={found}, page_size={found_page}; "
                          f"expected num_kv_heads={num_kv_heads}, page_size={page_size}")
-    if sliding_win_size < 0:
-        raise ValueError(f"sliding_win_size={sliding_win_size} must be >= 0 (0 disables it)")
+    if isinstance(sliding_win_size, bool) or not isinstance(sliding_win_size, int) or sliding_win_size < 0:
+        raise ValueError(f"sliding_win_size={sliding_win_size!r} must be an int >= 0 (0 disables it)")
     batch = page_table.shape[0] if isinstance(page_table, torch.Tensor) else 0
     seq_lens_i32 = seq_lens.reshape(-1).to(torch.int32) if isinstance(seq_lens, torch.Tensor) else seq_lens
     packed = mask_indptr = None
@@ -102,9 +111,9 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
         checks.check_tensor(sinks, "sinks", dtypes=(torch.float32,), device=q.device,
                             shape=(num_kv_heads, query.shape[1] // num_kv_heads))
         sinks = sinks.reshape(-1)
-    scalar = lambda s: s if isinstance(s, torch.Tensor) else float(s)  # noqa: E731
-    bmm1 = scalar(q_scale) * scalar(kv_scale) / math.sqrt(q.shape[-1])
-    bmm2 = scalar(kv_scale) * float(rcp_out_scale)
+    q_scale, kv_scale = _scale(q_scale, "q_scale"), _scale(kv_scale, "kv_scale")
+    bmm1 = q_scale * kv_scale / math.sqrt(q.shape[-1])
+    bmm2 = kv_scale * _scale(rcp_out_scale, "rcp_out_scale")
     out = output.view(query.shape[0], query.shape[1], -1) if output.is_contiguous() else None  # (written in place)
     result = paged_attention_from_block_tables(
         query, PagedKV(k_cache, v_cache, kv_layout), page_table, seq_lens_i32, q_len_per_req=q_seq_len,
@@ -139,11 +148,11 @@ def xqa_mla(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
         k_cache = k_cache.reshape(-1, page_size, k_cache.shape[-1])
     checks.check_tensor(k_cache, "k_cache", ndim=3, shape=(None, page_size, q.shape[-1]))
     ckv_dim = output.shape[-1]
-    scalar = lambda s: s if isinstance(s, torch.Tensor) else float(s)  # noqa: E731
-    bmm1 = scalar(q_scale) * scalar(kv_scale) / math.sqrt(q.shape[-1])
+    q_scale, kv_scale = _scale(q_scale, "q_scale"), _scale(kv_scale, "kv_scale")
+    bmm1 = q_scale * kv_scale / math.sqrt(q.shape[-1])
     query = q[:, 0]
     result = mla_paged_decode(query[..., :ckv_dim], query[..., ckv_dim:], k_cache[..., :ckv_dim],
                               k_cache[..., ckv_dim:], page_table, seq_lens.reshape(-1).to(torch.int32),
-                              sm_scale=bmm1, v_scale=scalar(kv_scale), out_dtype=output.dtype,
+                              sm_scale=bmm1, v_scale=kv_scale, out_dtype=output.dtype,
                               workspace_buffer=workspace_buffer)
     output.copy_(result.reshape(output.shape))

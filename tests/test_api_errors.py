@@ -234,12 +234,21 @@ def test_cudnn_entry_points_validate_before_selection():
                                             block_tables=tables)
 
 
-def test_xqa_v_cache_must_have_k_caches_pages():
+def test_xqa_checks_its_caches_and_names_its_scalars():
     k = torch.randn(8, 16, 2, 64).half()
     out = torch.zeros(2, 1, 4, 64).half()
+    args = (torch.arange(8, dtype=torch.int32).view(2, 4), torch.tensor([[20], [40]], dtype=torch.int32), out, WS,
+            None, 2, 16)
+    q = torch.randn(2, 1, 4, 64).half()
     with pytest.raises(ValueError, match=r"v_cache has shape \[4, 16, 2, 64\], expected \[8, 16, 2, \*\]"):
-        fi.xqa(torch.randn(2, 1, 4, 64).half(), k, k[:4].clone(), torch.arange(8, dtype=torch.int32).view(2, 4),
-               torch.tensor([[20], [40]], dtype=torch.int32), out, WS, None, 2, 16)
+        fi.xqa(q, k, k[:4].clone(), *args)
+    for kw, match in ((dict(q_scale=-1.0), "q_scale=-1.0 must be a float in"),
+                      (dict(kv_scale="1"), "kv_scale='1'"), (dict(rcp_out_scale=float("inf")), "rcp_out_scale=inf"),
+                      (dict(sliding_win_size=1.5), "sliding_win_size=1.5 must be an int")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fi.xqa(q, k, k, *args, **kw)
+    fi.xqa(q, k, k, *args, q_scale=torch.tensor([0.5]), rcp_out_scale=2.0)  # tensor scales: read by the kernels
+    assert out.abs().sum() > 0
 
 
 def test_trtllm_rejects():
