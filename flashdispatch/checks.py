@@ -46,8 +46,10 @@ def check_rope(rope_scale, rope_theta) -> dict:
 
 
 def check_tensor(t, name: str, *, ndim: int | None = None, dtypes: Sequence[torch.dtype] | None = None,
-                 device: torch.device | None = None, shape: Sequence[int | None] | None = None) -> torch.Tensor:
-    """Check that ``t`` is a tensor with the given rank, dtype, device and shape (None: any size)."""
+                 device: torch.device | None = None, shape: Sequence[int | None] | None = None,
+                 contiguous: bool = False) -> torch.Tensor:
+    """Check that ``t`` is a tensor with the given rank, dtype, device and shape (None: any size),
+    and contiguous when asked (a buffer read or written as flat memory)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -61,6 +63,8 @@ def check_tensor(t, name: str, *, ndim: int | None = None, dtypes: Sequence[torc
         if len(shape) != t.dim() or any(s is not None and s != d for s, d in zip(shape, t.shape)):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} has shape {list(t.shape)}, expected {want}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {list(t.shape)} and stride {t.stride()}")
     return t
 
 

@@ -190,9 +190,7 @@ def trtllm_batch_decode_with_kv_cache_mla(query: torch.Tensor, kv_cache: torch.T
     b, q_len, heads, _ = query.shape
     for buf, name in ((out, "out"), (lse, "lse")):  # written through a flat view of them
         if buf is not None:
-            checks.check_tensor(buf, name)
-            if not buf.is_contiguous():
-                raise ValueError(f"{name} must be contiguous, got shape {list(buf.shape)} and stride {buf.stride()}")
+            checks.check_tensor(buf, name, contiguous=True)
     flat = query.reshape(b * q_len, heads, width)
     if lse is not None:
         lse = lse.reshape(b * q_len, heads)

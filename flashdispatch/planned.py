@@ -237,9 +237,7 @@ def _upload_int32(device: torch.device, arrays) -> list[torch.Tensor]:
 def user_workspace(buf: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
     """A caller's float workspace buffer as the flat bytes the backends carve run() scratch
     from (split-KV partials), checked to be a contiguous tensor on ``device``."""
-    checks.check_tensor(buf, name, device=device)
-    if not buf.is_contiguous():  # (reshape would copy it, and the backends would write to that copy)
-        raise ValueError(f"{name} must be contiguous, got shape {list(buf.shape)} and stride {buf.stride()}")
+    checks.check_tensor(buf, name, device=device, contiguous=True)  # (reshape would copy a strided one)
     return buf.reshape(-1).view(torch.uint8)
 
 
@@ -510,9 +508,8 @@ class WrapperBase:
         """Replace the workspace buffer(s); takes effect at the next plan()."""
         self._set_workspace(float_workspace_buffer)
         if int_workspace_buffer is not None:
-            checks.check_tensor(int_workspace_buffer, "int_workspace_buffer", device=self._device)
-            if not int_workspace_buffer.is_contiguous():  # (a graph reads its metadata in place)
-                raise ValueError(f"int_workspace_buffer must be contiguous, got stride {int_workspace_buffer.stride()}")
+            # (contiguous: a graph reads its metadata in place)
+            checks.check_tensor(int_workspace_buffer, "int_workspace_buffer", device=self._device, contiguous=True)
             self._int_workspace_buffer = int_workspace_buffer
             self._int_workspaces = {}
 
@@ -530,14 +527,11 @@ class WrapperBase:
         Every buffer is checked before any is written: a plan() refused here leaves all of them as
         the last plan() wrote them (never one table beside another's counts; a plan() refused after
         this, by the backend's selection or plan, leaves the new tables, all of them, as FlashInfer
-        does). No copy where ``data``
-        already is that front (an engine that writes its tables into the buffers and passes views)."""
+        does). No copy where ``data`` already is that front (an engine that writes its tables into
+        the buffers and passes views)."""
         writes = list(writes)
         for buf, data, name in writes:
-            checks.check_tensor(buf, name, ndim=1, dtypes=(data.dtype,), device=self._device)
-            if not buf.is_contiguous():  # the kernels read it as flat memory, in place
-                raise ValueError(f"{name} must be contiguous (a CUDA graph reads it in place), got stride "
-                                 f"{buf.stride()}")
+            checks.check_tensor(buf, name, ndim=1, dtypes=(data.dtype,), device=self._device, contiguous=True)
             if buf.numel() < data.numel():
                 raise ValueError(f"{name} holds {buf.numel()} entries, but this plan needs {data.numel()}")
         return [_write_front(buf, data) for buf, data, _ in writes]

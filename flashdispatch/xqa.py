@@ -41,12 +41,11 @@ def spec_mask_to_custom(mask: torch.Tensor, qo_indptr_h: torch.Tensor, seq_lens:
     return segment_packbits(flat, bit_indptr, bitorder="little")
 
 
-def _scale(value, name: str):
-    """A q/kv/output scale: a 1-element tensor as it is (read by the kernels), else a checked float."""
+def _scale(value, name: str, device: torch.device):
+    """A q/kv/output scale: a 1-element tensor on ``device`` as it is (read by the kernels), else a
+    checked float > 0."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must hold one element, got shape {list(value.shape)}")
-        return value
+        return checks.check_run_scale(value, name, device)
     return checks.check_scale(value, name, 1.0)
 
 
@@ -111,9 +110,9 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
         checks.check_tensor(sinks, "sinks", dtypes=(torch.float32,), device=q.device,
                             shape=(num_kv_heads, query.shape[1] // num_kv_heads))
         sinks = sinks.reshape(-1)
-    q_scale, kv_scale = _scale(q_scale, "q_scale"), _scale(kv_scale, "kv_scale")
+    q_scale, kv_scale = _scale(q_scale, "q_scale", q.device), _scale(kv_scale, "kv_scale", q.device)
     bmm1 = q_scale * kv_scale / math.sqrt(q.shape[-1])
-    bmm2 = kv_scale * _scale(rcp_out_scale, "rcp_out_scale")
+    bmm2 = kv_scale * _scale(rcp_out_scale, "rcp_out_scale", q.device)
     out = output.view(query.shape[0], query.shape[1], -1) if output.is_contiguous() else None  # (written in place)
     result = paged_attention_from_block_tables(
         query, PagedKV(k_cache, v_cache, kv_layout), page_table, seq_lens_i32, q_len_per_req=q_seq_len,
@@ -148,7 +147,7 @@ def xqa_mla(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
         k_cache = k_cache.reshape(-1, page_size, k_cache.shape[-1])
     checks.check_tensor(k_cache, "k_cache", ndim=3, shape=(None, page_size, q.shape[-1]))
     ckv_dim = output.shape[-1]
-    q_scale, kv_scale = _scale(q_scale, "q_scale"), _scale(kv_scale, "kv_scale")
+    q_scale, kv_scale = _scale(q_scale, "q_scale", q.device), _scale(kv_scale, "kv_scale", q.device)
     bmm1 = q_scale * kv_scale / math.sqrt(q.shape[-1])
     query = q[:, 0]
     result = mla_paged_decode(query[..., :ckv_dim], query[..., ckv_dim:], k_cache[..., :ckv_dim],
