@@ -323,7 +323,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         if self._kv_layout == "HND":
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         if o_scale is not None:
-            v_scale = (1.0 if v_scale is None else v_scale) * o_scale
+            o_scale = checks.check_run_scale(o_scale, "o_scale", self._device)
+            v_scale = (1.0 if v_scale is None else checks.check_run_scale(v_scale, "v_scale", self._device)) * o_scale
         return run_attention(planned, q, RaggedKV(k, v), out=out, lse=lse, return_lse=return_lse, q_scale=q_scale,
                              k_scale=k_scale, v_scale=v_scale)
 

@@ -207,6 +207,11 @@ def test_prefill_plan_rejects():
     r.plan(qo, torch.tensor([0, 3, 9], dtype=torch.int32), 4, 2, 32, causal=True)
     with pytest.raises(ValueError, match=r"k has shape \[8, 2, 32\]"):
         r.run(torch.randn(7, 4, 32).half(), torch.randn(8, 2, 32).half(), torch.randn(9, 2, 32).half())
+    kv = torch.randn(9, 2, 32).half()
+    with pytest.raises(ValueError, match="o_scale=nan must be a float in"):
+        r.run(torch.randn(7, 4, 32).half(), kv, kv, o_scale=float("nan"))
+    with pytest.raises(TypeError, match="v_scale='2'"):
+        r.run(torch.randn(7, 4, 32).half(), kv, kv, v_scale="2", o_scale=0.5)
 
 
 def test_requested_backend_that_cannot_run_lists_reasons():
