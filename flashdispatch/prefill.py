@@ -502,6 +502,10 @@ def trtllm_batch_context_with_kv_cache(query: torch.Tensor, kv_cache, workspace_
     if out_dtype == "nvfp4" or o_sf_scale is not None or o_sf_vec_size is not None:
         raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
     checks.check_positive_int(batch_size, "batch_size")
+    checks.check_positive_int(max_q_len, "max_q_len")  # (the lengths come from cum_seq_lens_q and seq_lens)
+    checks.check_positive_int(max_kv_len, "max_kv_len")
+    if cum_seq_lens_kv is not None:  # (not read: seq_lens gives the KV lengths)
+        checks.check_tensor(cum_seq_lens_kv, "cum_seq_lens_kv", ndim=1, dtypes=(torch.int32,), shape=(batch_size + 1,))
     kv = _split_kv_cache(kv_cache, checks.check_layout(kv_layout))
     qo_indptr_h = checks.host_indptr(cum_seq_lens_q, "cum_seq_lens_q", batch_size + 1)
     return paged_attention_from_block_tables(

@@ -266,6 +266,12 @@ def test_trtllm_rejects():
         fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables, torch.tensor([3, 40]), 64)
     with pytest.raises(ValueError, match="kv_layout='XYZ'"):
         fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables, torch.tensor([3, 4]), 32, kv_layout="XYZ")
+    cum_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for args, match in (((0, 32, 1.0, 1.0, 2, cum_q, None), "max_q_len=0"),
+                        ((1, 32.0, 1.0, 1.0, 2, cum_q, None), "max_kv_len=32.0"),
+                        ((1, 32, 1.0, 1.0, 2, cum_q, cum_q[:2]), r"cum_seq_lens_kv has shape \[2\]")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fi.trtllm_batch_context_with_kv_cache(q, kv, WS, tables, torch.tensor([3, 4], dtype=torch.int32), *args)
 
 
 def test_mla_rejects():
