@@ -430,3 +430,13 @@ def test_a_refused_graph_plan_leaves_every_fixed_buffer_as_it_was():
         m.plan(torch.tensor([0, 1, 2], dtype=torch.int32), INDPTR, INDICES, torch.tensor([11, 20], dtype=torch.int32),
                4, 64, 32, 8, False, float("nan"), torch.float16, torch.float16)
     assert not any(t.any() for t in mla_bufs.values())
+
+
+def test_reference_refuses_claims_of_more_keys_than_it_indexes():
+    """A huge claimed page_size: the reference's plan() would index every claimed key before run()
+    shows the (much smaller) cache. 2^25 tokens are refused with the reason, not allocated."""
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, "NHD", backend="reference")
+    big = 1 << 25
+    with pytest.raises(fi.Unsupported, match=f"a request of {big} KV tokens"):
+        w.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+               torch.tensor([big], dtype=torch.int32), 4, 2, 32, big, q_data_type=torch.float16)

@@ -9,7 +9,7 @@ import torch
 
 from ...dispatch.caps import ALL_FEATURES, Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
-from ...dispatch.reasons import Reason
+from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionParams, Backend, MergeInputs, MLAParams, package_version
 from .attention import plan_attention
 from .merge import merge_states
@@ -18,6 +18,9 @@ from .mla import plan_mla
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _DEVICES = frozenset({"cpu", "cuda"})
 _MAX_Q_LEN = 1 << 16
+# plan() builds int64 token and slot indices for every key a request claims, before run() shows the
+# cache: a claim far beyond any cache (a huge page_size) must not exhaust host memory there
+_MAX_KV_LEN = 1 << 24
 
 
 def _caps(op: str, q_dtypes: frozenset, features: frozenset) -> Caps:
@@ -63,6 +66,11 @@ class ReferenceBackend(Backend):
         return reasons
 
     def plan(self, problem: Problem, device: Device, params: AttentionParams | MLAParams):
+        longest = max(params.kv_lens_host, default=0)
+        if longest > _MAX_KV_LEN:
+            raise Unsupported("reference cannot run this problem", {self.name: [Reason(
+                "kv_len", f"a request of {longest} KV tokens: the reference indexes every key in plan() "
+                          f"(at most {_MAX_KV_LEN})", "use fa2 or cudnn on a GPU")]})
         if problem.op == "mla":
             return plan_mla(problem, params)
         return plan_attention(problem, params)
