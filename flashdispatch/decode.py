@@ -385,7 +385,7 @@ def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens
     v_scale_f, v_scale_t = _scale_split(bmm2_scale, "bmm2_scale")
     v_scale = v_scale_t if v_scale_t is not None else v_scale_f
     if qo_indptr_h is None:
-        batch = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else 0
+        batch = checks.check_tensor(block_tables, "block_tables", ndim=2).shape[0]
         q_len, total_q, uniform = q_len_per_req, batch * q_len_per_req, True
     else:
         qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
@@ -454,7 +454,7 @@ def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_b
         raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
     kv = _split_kv_cache(kv_cache, checks.check_layout(kv_layout))
     max_seq_len = checks.check_positive_int(max_seq_len, "max_seq_len")
-    batch = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else 0
+    batch = checks.check_tensor(block_tables, "block_tables", ndim=2).shape[0]
     qo_indptr_h, q_len = None, checks.check_positive_int(q_len_per_req or 1, "q_len_per_req")
     if cum_seq_lens_q is not None:
         qo_indptr_h = checks.host_indptr(cum_seq_lens_q, "cum_seq_lens_q", batch + 1)

@@ -386,7 +386,8 @@ def _plan_single_prefill(q, k, v, o_dtype, custom_mask, packed_custom_mask, caus
     wrapper._DEFAULT_VARIANT = bool(return_lse)
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                  q.shape[1], num_kv_heads, q.shape[2],
-                 v.shape[2], custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
+                 v.shape[2], custom_mask=None if custom_mask is None else checks.check_tensor(
+                     custom_mask, "custom_mask").reshape(-1),
                  packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
                  window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                  rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)

@@ -266,6 +266,10 @@ def test_trtllm_rejects():
         fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables, torch.tensor([3, 40]), 64)
     with pytest.raises(ValueError, match="kv_layout='XYZ'"):
         fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables, torch.tensor([3, 4]), 32, kv_layout="XYZ")
+    with pytest.raises(TypeError, match="block_tables must be a torch.Tensor, got list"):
+        fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables.tolist(), torch.tensor([3, 4]), 32)
+    with pytest.raises(ValueError, match="block_tables must have 2 dimensions"):
+        fi.trtllm_batch_decode_with_kv_cache(q, kv, WS, tables[0], torch.tensor([3, 4]), 32)
     cum_q = torch.tensor([0, 1, 2], dtype=torch.int32)
     for args, match in (((0, 32, 1.0, 1.0, 2, cum_q, None), "max_q_len=0"),
                         ((1, 32.0, 1.0, 1.0, 2, cum_q, None), "max_kv_len=32.0"),
@@ -440,3 +444,9 @@ def test_reference_refuses_claims_of_more_keys_than_it_indexes():
     with pytest.raises(fi.Unsupported, match=f"a request of {big} KV tokens"):
         w.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
                torch.tensor([big], dtype=torch.int32), 4, 2, 32, big, q_data_type=torch.float16)
+
+
+def test_single_prefill_mask_must_be_a_tensor():
+    q, k = torch.randn(5, 4, 32).half(), torch.randn(7, 2, 32).half()
+    with pytest.raises(TypeError, match="custom_mask must be a torch.Tensor, got list"):
+        fi.single_prefill_with_kv_cache(q, k, k, custom_mask=[[True] * 7] * 5)
