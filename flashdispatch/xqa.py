@@ -100,7 +100,7 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
                          f"expected num_kv_heads={num_kv_heads}, page_size={page_size}")
     if isinstance(sliding_win_size, bool) or not isinstance(sliding_win_size, int) or sliding_win_size < 0:
         raise ValueError(f"sliding_win_size={sliding_win_size!r} must be an int >= 0 (0 disables it)")
-    batch = page_table.shape[0] if isinstance(page_table, torch.Tensor) else 0
+    batch = checks.check_tensor(page_table, "page_table", ndim=2).shape[0]
     seq_lens_i32 = seq_lens.reshape(-1).to(torch.int32) if isinstance(seq_lens, torch.Tensor) else seq_lens
     packed = mask_indptr = None
     if mask is not None:

@@ -252,6 +252,8 @@ def test_xqa_checks_its_caches_and_names_its_scalars():
                       (dict(sliding_win_size=1.5), "sliding_win_size=1.5 must be an int")):
         with pytest.raises((ValueError, TypeError), match=match):
             fi.xqa(q, k, k, *args, **kw)
+    with pytest.raises(TypeError, match="page_table must be a torch.Tensor, got list"):
+        fi.xqa(q, k, k, args[0].tolist(), *args[1:])
     fi.xqa(q, k, k, *args, q_scale=torch.tensor([0.5]), rcp_out_scale=2.0)  # tensor scales: read by the kernels
     assert out.abs().sum() > 0
 
