@@ -105,6 +105,15 @@ def test_features(feature):
     _check(case, fixed_split_size=2, config={"swap_ab": True})
 
 
+
+@pytest.mark.parametrize("rope", [dict(rope_scale=1e-30), dict(rope_theta=1e-30)])
+def test_rope_without_a_phase_is_finite(rope):
+    """rope_scale or rope_theta near 0 puts the fp32 angles past 2^31 radians, where they keep no
+    phase (nothing to compare with the float64 reference): out and lse are finite, never NaN."""
+    case = _case(seed=4, pos_encoding_mode="ROPE_LLAMA", **rope)
+    _run(case)
+    assert torch.isfinite(case.inputs.out).all() and not torch.isnan(case.inputs.lse).any()
+
 @pytest.mark.parametrize("mask_mode", ["causal", "none"])
 @pytest.mark.parametrize("q_len,heads", [(3, (8, 2)), (4, (4, 4)), (20, (8, 1))])
 def test_q_len_per_req(q_len, heads, mask_mode):

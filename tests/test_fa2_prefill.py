@@ -211,6 +211,14 @@ def test_rope_192_128():
                            num_kv_heads=1, mask_mode="causal", pos_encoding_mode="ROPE_LLAMA"))
 
 
+def test_rope_without_a_phase_is_finite():
+    """rope_scale near 0: the fp32 angles keep no phase (see test_fa2_trig); out and lse stay finite."""
+    case = make_ragged_case(qo_lens=[19], kv_lens=[40], head_dim_qk=64, num_qo_heads=2, num_kv_heads=1,
+                            mask_mode="causal", pos_encoding_mode="ROPE_LLAMA", rope_scale=1e-30)
+    plan_prefill(case.problem, case.device, case.params).run(case.inputs)
+    assert torch.isfinite(case.inputs.out).all() and not torch.isnan(case.inputs.lse).any()
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_kv(fp8):
     check(make_paged_case(qo_lens=[12, 30], kv_lens=[40, 30], page_size=16, head_dim_qk=64, q_dtype=F16,

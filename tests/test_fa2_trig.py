@@ -53,6 +53,7 @@ def mirror_sincos(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     r = r - k2 * const["PI_C1"]
     r = r - k2 * const["PI_C2"]
     r = r - k2 * const["PI_C3"]
+    r = np.where(np.abs(r) <= F32(2.0), r, F32(0.0))
     u = r * r
     s = r + (r * u) * (const["SIN_1"] + u * (const["SIN_2"] + u * (const["SIN_3"] + u * const["SIN_4"])))
     c = (F32(1.0) - F32(0.5) * u) + (u * u) * (const["COS_1"] + u * (const["COS_2"] + u * (const["COS_3"]
@@ -132,6 +133,19 @@ def test_huge_angles_stay_on_the_unit_circle():
     np.testing.assert_array_equal(s, ms)
     np.testing.assert_array_equal(c, mc)
     assert np.abs(s).max() <= 1 + 1e-6 and np.abs(c).max() <= 1 + 1e-6
+    assert np.abs(s.astype(np.float64) ** 2 + c.astype(np.float64) ** 2 - 1).max() < 1e-5
+
+
+
+def test_angles_without_a_phase_give_a_unit_vector():
+    """From 2^31 on (rope_scale or rope_theta near 0), and for inf and NaN angles, fp32 keeps no
+    phase: the kernels answer a point of the unit circle, never NaN."""
+    rng = np.random.default_rng(6)
+    x = np.concatenate([np.exp2(rng.uniform(31, 127, 10_000)) * rng.choice([-1.0, 1.0], 10_000),
+                        [np.inf, -np.inf, np.nan, np.finfo(F32).max]]).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s, c = triton_sincos(x)
+    assert np.isfinite(s).all() and np.isfinite(c).all()
     assert np.abs(s.astype(np.float64) ** 2 + c.astype(np.float64) ** 2 - 1).max() < 1e-5
 
 

@@ -19,7 +19,8 @@ Measured against float64 sin/cos (tests/test_fa2_trig.py): |error| <= 7.5e-8 for
 2e-7 + 2^-23 |x| over |x| <= 4e6 (positions up to 2^21 give angles up to 2^21). Past ~2^24 the
 first reduction leaves |r| beyond the fit: a second step (k2, zero below that) brings it back,
 so sin and cos stay on the unit circle up to |x| < 2^31 (the fp32 angle itself carries radians
-of rounding there).
+of rounding there). Beyond, and for inf or NaN angles, the reduced angle is taken as 0 (a point
+of the unit circle, never NaN: FlashInfer's fp32 angles carry no phase there either).
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def sincos(x):
     r = r - k2 * PI_C1
     r = r - k2 * PI_C2
     r = r - k2 * PI_C3
+    # past 2^31 (or an inf / NaN angle: rope_scale or rope_theta near 0) no fp32 phase is left and
+    # the int32 parities overflow: any point of the unit circle is as right, so r = 0 there, never NaN
+    r = tl.where(tl.abs(r) <= 2.0, r, 0.0)
     u = r * r
     s = r + (r * u) * (SIN_1 + u * (SIN_2 + u * (SIN_3 + u * SIN_4)))
     c = (1.0 - 0.5 * u) + (u * u) * (COS_1 + u * (COS_2 + u * (COS_3 + u * COS_4)))
