@@ -26,7 +26,7 @@ from .backends.base import AttentionParams, PagedKV
 from .dispatch.problem import Problem, device_of
 from .dispatch.registry import get_backend
 from .dispatch.select import select
-from .page import block_table_to_indptr
+from .page import SEQ_LENS_DTYPES, block_table_to_indptr
 from .planned import PlannedAttention, block_table_plans, host_workload
 
 
@@ -48,7 +48,7 @@ def table_tensors(block_tables, seq_lens, batch: int, device: torch.device):
         return None
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
         return None
-    if seq_lens.is_floating_point() or seq_lens.is_complex() or seq_lens.numel() != batch:
+    if seq_lens.dtype not in SEQ_LENS_DTYPES or seq_lens.numel() != batch:
         return None
     lens = seq_lens.reshape(-1)
     if lens.dtype != torch.int32 or lens.stride(0) != 1:
@@ -57,16 +57,20 @@ def table_tensors(block_tables, seq_lens, batch: int, device: torch.device):
 
 
 def check_table_values(block_tables: torch.Tensor, seq_lens: torch.Tensor, kv: PagedKV, page_size: int,
-                       q_len: int) -> None:
+                       q_len: int, table_name: str = "block_tables") -> None:
     """Read the lengths and used pages and refuse what the kernel would clamp or the request
     cannot be: a length that its row cannot hold, a request of fewer KV tokens than query rows
     (an empty one gets 0 and lse -inf), a page outside the cache (see the module docstring for
     when this runs)."""
     tables = block_table_to_indptr(block_tables, seq_lens, page_size)
     check_queries_fit(np.full(len(tables.kv_lens), q_len), tables.kv_lens.numpy())
-    if tables.max_page >= kv.num_pages:
-        raise ValueError(f"block_tables references page {tables.max_page}, but the cache has only "
-                         f"{kv.num_pages} pages")
+    check_table_pages(tables.max_page, kv, table_name)
+
+
+def check_table_pages(max_page: int, kv: PagedKV, table_name: str = "block_tables") -> None:
+    """The largest page a block table uses must be a page of the cache."""
+    if max_page >= kv.num_pages:
+        raise ValueError(f"{table_name} references page {max_page}, but the cache has only {kv.num_pages} pages")
 
 
 def check_queries_fit(qo_lens: np.ndarray, kv_lens: np.ndarray) -> None:

@@ -37,6 +37,8 @@ def _merge(v: torch.Tensor, s: torch.Tensor, v_out=None, s_out=None):
 def _check_states(v_a, s_a, v_b, s_b, names: tuple[str, str, str, str]) -> None:
     """Two states of the same [seq_len, num_heads, head_dim] shape, with float32 lse [seq_len, num_heads]."""
     check_tensor(v_a, names[0], ndim=3, dtypes=_V_DTYPES)
+    if v_a.shape[1] < 1 or v_a.shape[2] < 1:
+        raise ValueError(f"{names[0]} has shape {list(v_a.shape)}: num_heads and head_dim must be at least 1")
     check_tensor(v_b, names[2], dtypes=(v_a.dtype,), device=v_a.device, shape=list(v_a.shape))
     for name, lse in ((names[1], s_a), (names[3], s_b)):
         check_tensor(lse, name, dtypes=(torch.float32,), device=v_a.device, shape=list(v_a.shape[:2]))

@@ -2,6 +2,7 @@
 argument, the value found and what is accepted, before anything is launched."""
 from __future__ import annotations
 
+import math
 import os
 from typing import Sequence
 
@@ -68,11 +69,14 @@ def check_tensor(t, name: str, *, ndim: int | None = None, dtypes: Sequence[torc
     return t
 
 
-def check_positive_int(value, name: str, allowed: Sequence[int] | None = None) -> int:
+def check_positive_int(value, name: str, allowed: Sequence[int] | None = None, high: int | None = None) -> int:
+    """``value`` as a positive int (at most ``high`` when given, one of ``allowed`` when given)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive int")
     if allowed is not None and value not in allowed:
         raise ValueError(f"{name}={value} not in {sorted(allowed)}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}={value} is above {high}")
     return value
 
 
@@ -107,25 +111,35 @@ def check_pos_encoding(mode) -> str:
 
 
 def check_window_left(window_left) -> int:
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        raise ValueError(f"window_left={window_left!r} must be an int >= -1 (-1 disables the window)")
+    if (isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1
+            or window_left > MAX_KV_TOKENS):
+        raise ValueError(f"window_left={window_left!r} must be an int in [-1, 2^31 - 1] (-1 disables the window)")
     return window_left
 
 
 SCALAR_LIMIT = 1e30  # float scalars' magnitude bound: the kernels' products of them stay finite in float32
 
 
+def _shown(value) -> str:
+    """repr(value) for an error, a long one (an int of hundreds of digits) cut to its start."""
+    text = repr(value)
+    return text if len(text) <= 48 else f"{text[:32]}... ({len(text)} characters)"
+
+
 def _float_in(value, name: str, accepted: str, low: float, high: float) -> float:
     """``value`` (a real number, or a 1-element tensor: read on the host) as a float in
     [low, high], else TypeError/ValueError naming ``name`` with ``accepted``."""
-    if isinstance(value, (str, bytes, bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
-        raise TypeError(f"{name}={value!r} must be {accepted}")
+    if isinstance(value, (str, bytes, bool, np.bool_, complex, np.complexfloating)) or (
+            isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_complex())):
+        raise TypeError(f"{name}={_shown(value)} must be {accepted}")
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{name}={value!r} must be {accepted}") from None
+        raise TypeError(f"{name}={_shown(value)} must be {accepted}") from None
+    except OverflowError:  # an int past float's range
+        x = math.inf
     if not low <= x <= high:  # (NaN fails it)
-        raise ValueError(f"{name}={value!r} must be {accepted}")
+        raise ValueError(f"{name}={_shown(value)} must be {accepted}")
     return x
 
 
@@ -153,6 +167,18 @@ def check_run_scale(value, name: str, device: torch.device):
     if value.device != device:
         raise ValueError(f"{name} is on {value.device}, but the planned device is {device}")
     return value
+
+
+def check_score_scale(sm_scale: float, q_scale, k_scale) -> None:
+    """The scores' scale, the product of the float factors given (a tensor's value is not read),
+    within 1e30 in magnitude: past it a score overflows float32 and the softmax gives NaN."""
+    product = sm_scale
+    for factor in (q_scale, k_scale):
+        if factor is not None and not isinstance(factor, torch.Tensor):
+            product *= factor
+    if abs(product) > SCALAR_LIMIT:
+        raise ValueError(f"sm_scale x q_scale x k_scale = {product:.3g}: the scores' scale must stay within 1e30 "
+                         "in magnitude (float32 scores would overflow)")
 
 
 _MAX_INDEX_ENTRIES = (1 << 31) - 1  # the kernels address index tensors with int32 offsets
@@ -381,6 +407,26 @@ def check_distinct_elements(t: torch.Tensor, name: str) -> None:
     if not t.is_contiguous() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} has elements that share memory (shape {list(t.shape)}, stride {t.stride()}: an "
                          f"expanded view?); an output must hold each element once")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first, end) of the bytes ``t``'s elements occupy; None when it has none (or no memory: meta)."""
+    if t.numel() == 0 or t.is_meta:
+        return None
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def check_disjoint(tensors: Sequence, names: Sequence[str]) -> None:
+    """Buffers that a plan() or run() writes beside one another (a CUDA-graph wrapper's index
+    buffers, its workspace) must not share memory; arguments that are not tensors are left to
+    their own checks."""
+    spans = [(name, t.device, _byte_span(t)) for t, name in zip(tensors, names) if isinstance(t, torch.Tensor)]
+    for i, (a, dev_a, span_a) in enumerate(spans):
+        for b, dev_b, span_b in spans[i + 1:]:
+            if span_a and span_b and dev_a == dev_b and span_a[0] < span_b[1] and span_b[0] < span_a[1]:
+                raise ValueError(f"{a} and {b} share memory (bytes {span_a[0]:#x}-{span_a[1]:#x} and "
+                                 f"{span_b[0]:#x}-{span_b[1]:#x}): each buffer needs its own storage")
 
 
 def reject_extra_args(args: tuple, method: str) -> None:

@@ -15,8 +15,8 @@ import torch
 from . import checks
 from .backends.base import PagedKV
 from .backends.cudnn import direct as cudnn_direct
-from .block_table_plan import (check_queries_fit, check_table_values, plan_block_table, planning_bound,
-                               table_tensors)
+from .block_table_plan import (check_queries_fit, check_table_pages, check_table_values, plan_block_table,
+                               planning_bound, table_tensors)
 from .deferred_check import DeferredPageCheck
 from .dispatch.problem import Problem, Workload
 from .dispatch.reasons import Unsupported
@@ -162,6 +162,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
             if bufs[0].numel() < 1 or bufs[2].numel() != bufs[0].numel() - 1:
                 raise ValueError(f"paged_kv_indptr_buffer ({bufs[0].numel()} entries) and paged_kv_last_page_len_buffer "
                                  f"({bufs[2].numel()}) fix the batch size: batch_size + 1 and batch_size entries")
+            checks.check_disjoint((*bufs, float_workspace_buffer), (*names, "float_workspace_buffer"))
             self._graph_buffers = bufs
         self._plan_args: _DecodePlanArgs | None = None
         self._qo_indptrs: dict[int, torch.Tensor] = {}  # q_len -> qo_indptr of the last batch size
@@ -201,6 +202,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
             indptr, indices, last_page_len = block_table_to_indptr(block_tables, seq_lens, page_size,
                                                                    check_indices=False)[:3]
         if data_type is not None:
+            checks.as_dtype(data_type, "data_type")
             q_data_type = kv_data_type = data_type
         scalars = self._scalars(
             (q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -219,7 +221,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         pages = checks.check_indptr(indptr_h, "indptr")
         used_pages = int(indptr_h[-1])
         kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, used_pages)
-        max_page_index = checks.check_page_indices(indices.numel(), used_pages, minmax)
+        max_page_index = checks.check_page_indices(indices.numel(), used_pages, minmax,
+                                                   "indices" if block_tables is None else "block_tables")
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
                              f"(paged_kv_indptr_buffer), got indptr for batch_size={batch}")
@@ -250,7 +253,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         head_dim_vo = head_dim if head_dim_vo is None else checks.check_positive_int(head_dim_vo, "head_dim_vo")
         checks.check_page_size(page_size)
         if fixed_split_size is not None:
-            checks.check_positive_int(fixed_split_size, "fixed_split_size")
+            checks.check_positive_int(fixed_split_size, "fixed_split_size", high=checks.MAX_KV_TOKENS)
         problem = Problem(
             "decode", q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim, head_dim_vo,
             page_size, self._kv_layout, "none", checks.check_window_left(window_left),
@@ -304,7 +307,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         """
         checks.reject_extra_args(args, "run")
         require_plan(self._plan_args, type(self).__name__)
-        q_len = checks.check_positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req")
+        q_len = checks.check_positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req",
+                                           high=checks.MAX_KV_TOKENS)
         planned = self._variant((q_len, return_lse))
         kv = checks.unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         self._page_check_at_run(planned, kv.num_pages)
@@ -357,35 +361,54 @@ def _sinks_tensor(sinks):
     return sinks
 
 
-def _scale_split(scale, name: str):
-    """A float scale goes into sm_scale/plan; a tensor scale is applied at run time."""
+def _scale_split(scale, name: str, device: torch.device):
+    """A float scale goes into sm_scale/plan; a tensor scale (one element on ``device``) is applied
+    at run time."""
     if isinstance(scale, torch.Tensor):
-        return 1.0, scale
+        return 1.0, checks.check_run_scale(scale, name, device)
     return checks.check_scale(scale, name, 1.0), None
+
+
+def _output_scale(bmm2_scale, o_scale):
+    """``bmm2_scale`` x ``o_scale``, each checked under its own name (a tensor ``bmm2_scale`` is
+    scaled on its device; its value is not read)."""
+    o = checks.check_scale(o_scale, "o_scale", 1.0)
+    if isinstance(bmm2_scale, torch.Tensor):
+        checks.check_run_scale(bmm2_scale, "bmm2_scale", bmm2_scale.device)
+        return bmm2_scale if o == 1.0 else bmm2_scale * o
+    b = checks.check_scale(bmm2_scale, "bmm2_scale", 1.0)
+    if not 1.0 / checks.SCALAR_LIMIT <= b * o <= checks.SCALAR_LIMIT:
+        raise ValueError(f"bmm2_scale x o_scale = {b} x {o} = {b * o:.3g} must be in [1e-30, 1e30]")
+    return b * o
 
 
 def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens, *, bmm1_scale, bmm2_scale,
                                       window_left, out, out_dtype, sinks, backend, causal, workspace_buffer,
                                       q_len_per_req: int = 1, qo_indptr_h: torch.Tensor | None = None,
                                       packed_mask=None, mask_indptr=None, spec_decode_mask=False, return_lse=False,
-                                      lse=None, op="decode", max_seq_len=None):
+                                      lse=None, op="decode", max_seq_len=None, table_name="block_tables"):
     """The TensorRT-LLM style entry points: block tables + KV lengths, fused bmm1/bmm2 scales;
     ``workspace_buffer`` holds run()'s scratch (split-KV partials). Each request has
     ``q_len_per_req`` query rows, or ``qo_indptr_h`` (host int64 ``[batch + 1]``) gives them. A
     decode of equal query rows per request on a backend that reads block tables makes no host
     read (`block_table_plan`; its plan assumes at most ``max_seq_len`` KV tokens a request, None:
-    the table's whole row)."""
+    the table's whole row). ``table_name`` names ``block_tables`` in the errors."""
     check_requested(backend)
     checks.check_tensor(query, "query", ndim=3)
+    if out is not None:
+        checks.check_tensor(out, "out")
     dev = query.device
     shape = kv.k_shape
     page_size, num_kv_heads = (shape[1], shape[2]) if kv.layout == "NHD" else (shape[2], shape[1])
     checks.check_heads(query.shape[1], num_kv_heads)
-    sm_scale, q_scale = _scale_split(bmm1_scale, "bmm1_scale")
-    v_scale_f, v_scale_t = _scale_split(bmm2_scale, "bmm2_scale")
+    if query.shape[2] != shape[3]:
+        raise ValueError(f"query has head_dim={query.shape[2]}, but the cache's keys have {shape[3]} (k shape "
+                         f"{list(shape)}, {kv.layout})")
+    sm_scale, q_scale = _scale_split(bmm1_scale, "bmm1_scale", dev)
+    v_scale_f, v_scale_t = _scale_split(bmm2_scale, "bmm2_scale", dev)
     v_scale = v_scale_t if v_scale_t is not None else v_scale_f
     if qo_indptr_h is None:
-        batch = checks.check_tensor(block_tables, "block_tables", ndim=2).shape[0]
+        batch = checks.check_tensor(block_tables, table_name, ndim=2).shape[0]
         q_len, total_q, uniform = q_len_per_req, batch * q_len_per_req, True
     else:
         qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
@@ -412,13 +435,14 @@ def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens
                                    requested=backend, total_q=total_q)
         if planned is not None:  # (else the conversion below reads and checks the values)
             if dev.type == "cpu" or (checks.device_values_checked() and not torch.cuda.is_current_stream_capturing()):
-                check_table_values(*tables, kv, page_size, q_len)
+                check_table_values(*tables, kv, page_size, q_len, table_name)
             return run_attention(planned, query, kv, **run)
     if qo_indptr_h is None:
         qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
         qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
     indptr, indices, last, kv_lens_h, max_page = block_table_to_indptr(block_tables, seq_lens, page_size)
     check_queries_fit(qo_lens.numpy(), kv_lens_h.numpy())
+    check_table_pages(max_page, kv, table_name)
     params = paged_params(qo_indptr_h.numpy(), kv_lens_h.numpy(), indptr, indices, last, dev, qo_lens.tolist(),
                           sm_scale=sm_scale, workspace=workspace, packed_mask=on_device(packed_mask, dev),
                           mask_indptr=on_device(mask_indptr, dev))
@@ -455,16 +479,21 @@ def trtllm_batch_decode_with_kv_cache(query: torch.Tensor, kv_cache, workspace_b
     kv = _split_kv_cache(kv_cache, checks.check_layout(kv_layout))
     max_seq_len = checks.check_positive_int(max_seq_len, "max_seq_len")
     batch = checks.check_tensor(block_tables, "block_tables", ndim=2).shape[0]
-    qo_indptr_h, q_len = None, checks.check_positive_int(q_len_per_req or 1, "q_len_per_req")
+    qo_indptr_h, q_len = None, checks.check_positive_int(1 if q_len_per_req is None else q_len_per_req,
+                                                         "q_len_per_req", high=checks.MAX_KV_TOKENS)
+    if max_q_len is not None:
+        checks.check_positive_int(max_q_len, "max_q_len", high=checks.MAX_KV_TOKENS)
     if cum_seq_lens_q is not None:
         qo_indptr_h = checks.host_indptr(cum_seq_lens_q, "cum_seq_lens_q", batch + 1)
         q_len = int((qo_indptr_h[1:] - qo_indptr_h[:-1]).max()) if batch else 1
+        if max_q_len is not None and q_len > max_q_len:
+            raise ValueError(f"cum_seq_lens_q holds a request of {q_len} query tokens, above max_q_len={max_q_len}")
     packed = mask_indptr = None
     if mask is not None:
         if qo_indptr_h is None:
             qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_len
         packed, mask_indptr = spec_mask_to_custom(mask, qo_indptr_h, seq_lens, "mask")
-    bmm2 = bmm2_scale * (1.0 if o_scale is None else o_scale)
+    bmm2 = _output_scale(bmm2_scale, o_scale)
     return paged_attention_from_block_tables(
         query, kv, block_tables, seq_lens, q_len_per_req=q_len, qo_indptr_h=qo_indptr_h,
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2, window_left=window_left, out=out, out_dtype=out_dtype,

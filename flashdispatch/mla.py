@@ -70,9 +70,11 @@ class BatchMLAPagedAttentionWrapper(WrapperBase):
         self._graph_buffers = None
         if use_cuda_graph:
             bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
-            for buf, name in zip(bufs, ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")):
+            names = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")
+            for buf, name in zip(bufs, names):
                 if buf is None:
                     raise ValueError(f"use_cuda_graph=True needs the {name} buffer")
+            checks.check_disjoint((*bufs, float_workspace_buffer), (*names, "float_workspace_buffer"))
             self._graph_buffers = bufs
 
     @refuse_runs_after_failure

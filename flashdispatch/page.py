@@ -97,6 +97,25 @@ class PageTables(NamedTuple):
     max_page: int | None  # the largest page index in use (-1: none); None where not read (check_indices=False)
 
 
+SEQ_LENS_DTYPES = (torch.int32, torch.uint32, torch.int64)
+
+
+def host_seq_lens(seq_lens, name: str, batch: int, rows: str) -> np.ndarray:
+    """``seq_lens`` (an int32/uint32/int64 tensor of ``batch`` entries, any shape) read on the host
+    as int64, each in [0, 2^31 - 1]; ``rows`` says where ``batch`` comes from in the error."""
+    check_tensor(seq_lens, name, dtypes=SEQ_LENS_DTYPES)
+    if seq_lens.is_meta:
+        raise ValueError(f"{name} is on meta: it must hold values (cpu or cuda)")
+    lens = seq_lens.detach().reshape(-1).to("cpu", torch.int64).numpy()
+    if lens.size != batch:
+        raise ValueError(f"{name} has {lens.size} entries, but {rows.format(batch=batch)}")
+    if batch and lens.min() < 0:
+        raise ValueError(f"{name} holds a negative length {int(lens.min())}")
+    if batch and lens.max() > MAX_KV_TOKENS:
+        raise ValueError(f"{name} holds a length {int(lens.max())} above 2^31 - 1 (int32 token counts)")
+    return lens
+
+
 def block_table_to_indptr(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, *,
                           seq_lens_name: str = "seq_lens", check_indices: bool = True) -> PageTables:
     """Convert a ``[batch, max_pages]`` block table and KV lengths into FlashInfer's page table:
@@ -111,19 +130,11 @@ def block_table_to_indptr(block_tables: torch.Tensor, seq_lens: torch.Tensor, pa
     check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32, torch.uint32))
     if block_tables.dtype == torch.uint32:  # (FlashInfer's documented dtype) an index >= 2^31 reads negative
         block_tables = block_tables.view(torch.int32)
-    check_tensor(seq_lens, seq_lens_name, dtypes=(torch.int32, torch.uint32, torch.int64))
-    for t, name in ((block_tables, "block_tables"), (seq_lens, seq_lens_name)):
-        if t.is_meta:
-            raise ValueError(f"{name} is on meta: it must hold values (cpu or cuda)")
+    if block_tables.is_meta:
+        raise ValueError("block_tables is on meta: it must hold values (cpu or cuda)")
     check_page_size(page_size)
-    lens = seq_lens.detach().reshape(-1).to("cpu", torch.int64).numpy()
     batch, max_pages = block_tables.shape
-    if lens.size != batch:
-        raise ValueError(f"{seq_lens_name} has {lens.size} entries, but block_tables has {batch} rows")
-    if batch and lens.min() < 0:
-        raise ValueError(f"{seq_lens_name} holds a negative length {int(lens.min())}")
-    if batch and lens.max() > MAX_KV_TOKENS:
-        raise ValueError(f"{seq_lens_name} holds a length {int(lens.max())} above 2^31 - 1 (int32 token counts)")
+    lens = host_seq_lens(seq_lens, seq_lens_name, batch, "block_tables has {batch} rows")
     pages = (lens + page_size - 1) // page_size
     if batch and pages.max() > max_pages:
         b = int(pages.argmax())

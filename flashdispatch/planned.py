@@ -92,9 +92,10 @@ def plan_problem(problem: Problem, torch_device: torch.device, params, requested
                             max_page_index, total_kv)
 
 
-def require_plan(planned: PlannedAttention | None, wrapper: str) -> PlannedAttention:
+def require_plan(planned: PlannedAttention | None, wrapper: str, method: str = "run()") -> PlannedAttention:
+    """``planned``, else ValueError: ``wrapper``.``method`` needs a plan() first."""
     if planned is None:
-        raise ValueError(f"{wrapper}.run() called before plan(): call plan() first")
+        raise ValueError(f"{wrapper}.{method} called before plan(): call plan() first")
     return planned
 
 
@@ -176,6 +177,7 @@ def run_attention(planned: PlannedAttention, q: torch.Tensor, kv: PagedKV | Ragg
     if q_scale is not None or k_scale is not None or v_scale is not None:
         q_scale, k_scale, v_scale = (checks.check_run_scale(s, n, dev) for s, n in (
             (q_scale, "q_scale"), (k_scale, "k_scale"), (v_scale, "v_scale")))
+        checks.check_score_scale(planned.params.sm_scale, q_scale, k_scale)
     inputs = AttentionInputs(q, kv, out, lse, q_scale, k_scale, v_scale, sinks)
     planned.backend.run(planned.plan, inputs)
     return (out, lse) if return_lse else out
@@ -425,11 +427,11 @@ class WrapperBase:
     @property
     def decision(self) -> Decision:
         """The backend decision of the last plan() (raises before plan())."""
-        return require_plan(self._planned, type(self).__name__).decision
+        return require_plan(self._planned, type(self).__name__, "decision").decision
 
     def explain(self) -> str:
         """The selection table of the last plan(): every backend, its verdict and why."""
-        return self.decision.explain()
+        return require_plan(self._planned, type(self).__name__, "explain()").decision.explain()
 
     def _scalars(self, key: tuple, build):
         """``build()`` (the checked scalar arguments: Problem, scales), reused while ``key`` (the

@@ -146,10 +146,12 @@ class BatchPrefillWithPagedKVCacheWrapper(DeferredPageCheck, _PrefillWrapper):
         self._graph_buffers = self._mask_bufs = None
         if use_cuda_graph:
             bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
-            for buf, name in zip(bufs, ("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
-                                        "paged_kv_last_page_len_buf")):
+            names = ("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf")
+            for buf, name in zip(bufs, names):
                 if buf is None:
                     raise ValueError(f"use_cuda_graph=True needs {name}")
+            checks.check_disjoint((*bufs, custom_mask_buf, mask_indptr_buf, float_workspace_buffer),
+                                  (*names, "custom_mask_buf", "mask_indptr_buf", "float_workspace_buffer"))
             self._graph_buffers = bufs
             if custom_mask_buf is not None:
                 self._mask_bufs = (custom_mask_buf, mask_indptr_buf)
@@ -260,6 +262,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         if use_cuda_graph:
             if qo_indptr_buf is None or kv_indptr_buf is None:
                 raise ValueError("use_cuda_graph=True needs qo_indptr_buf and kv_indptr_buf")
+            checks.check_disjoint((qo_indptr_buf, kv_indptr_buf, custom_mask_buf, mask_indptr_buf,
+                                   float_workspace_buffer), ("qo_indptr_buf", "kv_indptr_buf", "custom_mask_buf",
+                                                             "mask_indptr_buf", "float_workspace_buffer"))
             self._graph_buffers = (qo_indptr_buf, kv_indptr_buf)
             if custom_mask_buf is not None:
                 self._mask_bufs = (custom_mask_buf, mask_indptr_buf)

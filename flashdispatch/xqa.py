@@ -11,7 +11,11 @@ import torch
 
 from . import checks
 from .backends.base import PagedKV
+from .block_table_plan import check_queries_fit
+from .page import host_seq_lens
 from .quantization import segment_packbits
+
+_OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def spec_mask_to_custom(mask: torch.Tensor, qo_indptr_h: torch.Tensor, seq_lens: torch.Tensor, name: str = "mask"):
@@ -28,7 +32,8 @@ def spec_mask_to_custom(mask: torch.Tensor, qo_indptr_h: torch.Tensor, seq_lens:
     bits = mask.detach().to("cpu").view(torch.int16).to(torch.int32) & 0xFFFF
     j = torch.arange(q_len)
     draft = ((bits[:, :, j // 16] >> (j % 16)) & 1).bool()  # [batch, q_len, q_len]
-    kv_lens = seq_lens.detach().reshape(-1).to("cpu", torch.int64)
+    kv_lens = torch.from_numpy(host_seq_lens(seq_lens, "seq_lens", batch, "the queries hold {batch} requests"))
+    check_queries_fit(q_lens.numpy(), kv_lens.numpy())
     rows = []
     for b in range(batch):
         ql, kl = int(q_lens[b]), int(kv_lens[b])
@@ -47,6 +52,13 @@ def _scale(value, name: str, device: torch.device):
     if isinstance(value, torch.Tensor):
         return checks.check_run_scale(value, name, device)
     return checks.check_scale(value, name, 1.0)
+
+
+def _product(a, b, names: str):
+    """a x b of two scales (floats or 1-element tensors); two floats must multiply to [1e-30, 1e30]."""
+    if isinstance(a, float) and isinstance(b, float) and not 1.0 / checks.SCALAR_LIMIT <= a * b <= checks.SCALAR_LIMIT:
+        raise ValueError(f"{names} = {a} x {b} = {a * b:.3g} must be in [1e-30, 1e30]")
+    return a * b
 
 
 def _kv_views(k_cache, v_cache, kv_layout):
@@ -78,6 +90,7 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
     from .decode import paged_attention_from_block_tables
 
     checks.check_tensor(q, "q")
+    checks.check_positive_int(q_seq_len, "q_seq_len", high=checks.MAX_KV_TOKENS)
     if q.dim() == 4:
         if q.shape[1] != 1:
             raise ValueError(f"q beam_width={q.shape[1]}: only beam_width 1 is supported")
@@ -90,7 +103,7 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
         raise ValueError(f"q must be [batch, 1, heads, dim] or [batch, 1, q_seq_len, heads, dim], got {list(q.shape)}")
     if q_seq_len_found != q_seq_len:
         raise ValueError(f"q holds {q_seq_len_found} query tokens per request, but q_seq_len={q_seq_len}")
-    checks.check_tensor(output, "output", shape=list(q.shape), device=q.device)
+    checks.check_tensor(output, "output", shape=list(q.shape), device=q.device, dtypes=_OUTPUT_DTYPES)
     checks.check_distinct_elements(output, "output")
     k_cache, v_cache = _kv_views(k_cache, v_cache, kv_layout)
     found = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
@@ -101,25 +114,26 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
     if isinstance(sliding_win_size, bool) or not isinstance(sliding_win_size, int) or sliding_win_size < 0:
         raise ValueError(f"sliding_win_size={sliding_win_size!r} must be an int >= 0 (0 disables it)")
     batch = checks.check_tensor(page_table, "page_table", ndim=2).shape[0]
-    seq_lens_i32 = seq_lens.reshape(-1).to(torch.int32) if isinstance(seq_lens, torch.Tensor) else seq_lens
+    seq_lens = seq_lens.reshape(-1) if isinstance(seq_lens, torch.Tensor) else seq_lens  # ([batch, 1])
     packed = mask_indptr = None
     if mask is not None:
         qo_indptr_h = torch.arange(batch + 1, dtype=torch.int64) * q_seq_len
-        packed, mask_indptr = spec_mask_to_custom(mask, qo_indptr_h, seq_lens_i32, "mask")
+        packed, mask_indptr = spec_mask_to_custom(mask, qo_indptr_h, seq_lens, "mask")
     if sinks is not None:
         checks.check_tensor(sinks, "sinks", dtypes=(torch.float32,), device=q.device,
                             shape=(num_kv_heads, query.shape[1] // num_kv_heads))
         sinks = sinks.reshape(-1)
     q_scale, kv_scale = _scale(q_scale, "q_scale", q.device), _scale(kv_scale, "kv_scale", q.device)
-    bmm1 = q_scale * kv_scale / math.sqrt(q.shape[-1])
-    bmm2 = kv_scale * _scale(rcp_out_scale, "rcp_out_scale", q.device)
-    out = output.view(query.shape[0], query.shape[1], -1) if output.is_contiguous() else None  # (written in place)
+    rcp_out_scale = _scale(rcp_out_scale, "rcp_out_scale", q.device)
+    bmm1 = _product(q_scale, kv_scale, "q_scale x kv_scale") / math.sqrt(q.shape[-1])
+    bmm2 = _product(kv_scale, rcp_out_scale, "kv_scale x rcp_out_scale")
+    out = output.view(query.shape) if output.is_contiguous() else None  # (written in place)
     result = paged_attention_from_block_tables(
-        query, PagedKV(k_cache, v_cache, kv_layout), page_table, seq_lens_i32, q_len_per_req=q_seq_len,
+        query, PagedKV(k_cache, v_cache, kv_layout), page_table, seq_lens, q_len_per_req=q_seq_len,
         bmm1_scale=bmm1, bmm2_scale=bmm2, window_left=sliding_win_size - 1 if sliding_win_size > 0 else -1,
         out=out, out_dtype=output.dtype, sinks=sinks, backend="auto", causal=q_seq_len > 1 and mask is None,
         workspace_buffer=workspace_buffer, packed_mask=packed, mask_indptr=mask_indptr,
-        spec_decode_mask=mask is not None)
+        spec_decode_mask=mask is not None, table_name="page_table")
     if out is None:
         output.copy_(result.reshape(output.shape))
 
@@ -148,7 +162,7 @@ def xqa_mla(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     checks.check_tensor(k_cache, "k_cache", ndim=3, shape=(None, page_size, q.shape[-1]))
     ckv_dim = output.shape[-1]
     q_scale, kv_scale = _scale(q_scale, "q_scale", q.device), _scale(kv_scale, "kv_scale", q.device)
-    bmm1 = q_scale * kv_scale / math.sqrt(q.shape[-1])
+    bmm1 = _product(q_scale, kv_scale, "q_scale x kv_scale") / math.sqrt(q.shape[-1])
     query = q[:, 0]
     result = mla_paged_decode(query[..., :ckv_dim], query[..., ckv_dim:], k_cache[..., :ckv_dim],
                               k_cache[..., ckv_dim:], page_table, seq_lens.reshape(-1).to(torch.int32),

@@ -419,7 +419,9 @@ class DecodePlan(DecodePacking):
                 self.counters = torch.zeros(n_counters, dtype=torch.int32, device=run_device)
             else:
                 self.info = torch.empty(n_info, dtype=torch.int32, device=run_device)
-            self.plse, self.po, self.workspace_bytes = self._carve(n_partial, params)
+            plse, po, self.workspace_bytes = self._carve(n_partial, params)
+            # (no partial at all, a graph plan of no request: never written)
+            self.plse, self.po = (plse, po) if self.workspace_bytes else (self.work, self.work)
         else:  # one work item per request (a policy split of one chunk a request too)
             self.n_work, self.n_merge, self.max_chunks = self.batch, 0, 1
             self.fused_merge = False
