@@ -76,7 +76,7 @@ def check_positive_int(value, name: str, allowed: Sequence[int] | None = None, h
     if allowed is not None and value not in allowed:
         raise ValueError(f"{name}={value} not in {sorted(allowed)}")
     if high is not None and value > high:
-        raise ValueError(f"{name}={value} is above {high}")
+        raise ValueError(f"{name}={_shown(value)} is above {high}")
     return value
 
 
@@ -164,6 +164,8 @@ def check_run_scale(value, name: str, device: torch.device):
         return _float_in(value, name, "a float in [-1e30, 1e30] or a 1-element tensor", -SCALAR_LIMIT, SCALAR_LIMIT)
     if value.numel() != 1:
         raise ValueError(f"{name} must hold one element, got shape {list(value.shape)}")
+    if value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{name}.dtype={value.dtype}: a scale tensor must be real")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device}, but the planned device is {device}")
     return value

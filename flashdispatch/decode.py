@@ -249,8 +249,9 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         q_dtype, kv_dtype, o_dtype = checks.attention_dtypes(
             q_data_type if q_data_type is not None else "float16", kv_data_type, o_data_type)
         checks.check_heads(num_qo_heads, num_kv_heads)
-        checks.check_positive_int(head_dim, "head_dim")
-        head_dim_vo = head_dim if head_dim_vo is None else checks.check_positive_int(head_dim_vo, "head_dim_vo")
+        checks.check_positive_int(head_dim, "head_dim", high=checks.MAX_KV_TOKENS)
+        head_dim_vo = head_dim if head_dim_vo is None else checks.check_positive_int(
+            head_dim_vo, "head_dim_vo", high=checks.MAX_KV_TOKENS)
         checks.check_page_size(page_size)
         if fixed_split_size is not None:
             checks.check_positive_int(fixed_split_size, "fixed_split_size", high=checks.MAX_KV_TOKENS)
@@ -413,6 +414,8 @@ def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens
     else:
         qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
         batch, total_q = qo_lens.numel(), int(qo_indptr_h[-1])
+        if batch and int(qo_lens.min()) < 0:
+            raise ValueError(f"the query lengths hold a negative one, {int(qo_lens.min())}")
         q_len = int(qo_lens.max()) if op == "decode" and batch else 1
         uniform = total_q == batch * q_len
     if total_q != query.shape[0]:

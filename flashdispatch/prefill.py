@@ -15,7 +15,7 @@ from .deferred_check import DeferredPageCheck
 from .dispatch.entry_paths import selects_cudnn_direct
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
-from .page import block_table_to_indptr
+from .page import block_table_to_indptr, host_seq_lens
 from .planned import (WrapperBase, device_int32, host_workload, on_device, paged_params, run_attention,
                       refuse_runs_after_failure, scratch_workspace, single_key, single_plans)
 from .quantization import packbits, segment_packbits
@@ -89,10 +89,11 @@ class _PrefillWrapper(WrapperBase):
                        pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
                        q_data_type, kv_data_type, o_data_type, fixed_split_size, disable_split_kv):
         checks.check_heads(num_qo_heads, num_kv_heads)
-        checks.check_positive_int(head_dim_qk, "head_dim_qk")
-        head_dim_vo = head_dim_qk if head_dim_vo is None else checks.check_positive_int(head_dim_vo, "head_dim_vo")
+        checks.check_positive_int(head_dim_qk, "head_dim_qk", high=checks.MAX_KV_TOKENS)
+        head_dim_vo = head_dim_qk if head_dim_vo is None else checks.check_positive_int(
+            head_dim_vo, "head_dim_vo", high=checks.MAX_KV_TOKENS)
         if fixed_split_size is not None:
-            checks.check_positive_int(fixed_split_size, "fixed_split_size")
+            checks.check_positive_int(fixed_split_size, "fixed_split_size", high=checks.MAX_KV_TOKENS)
         q_dtype, kv_dtype, o_dtype = checks.attention_dtypes(q_data_type, kv_data_type, o_data_type)
         mask_mode = "custom" if masked else ("causal" if causal else "none")
         problem = Problem(op, q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
@@ -466,7 +467,9 @@ def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_
     checks.check_positive_int(max_sequence_kv, "max_sequence_kv")
     for name, t in (("actual_seq_lens_q", actual_seq_lens_q), ("actual_seq_lens_kv", actual_seq_lens_kv)):
         checks.check_tensor(t, name, dtypes=(torch.int32,), device=q.device)
-    q_lens = actual_seq_lens_q.detach().reshape(-1).to("cpu", torch.int64)
+    batch = actual_seq_lens_q.numel()
+    q_lens = torch.from_numpy(host_seq_lens(actual_seq_lens_q, "actual_seq_lens_q", batch, "{batch} requests"))
+    host_seq_lens(actual_seq_lens_kv, "actual_seq_lens_kv", batch, "actual_seq_lens_q has {batch}")
     qo_indptr_h = torch.zeros(q_lens.numel() + 1, dtype=torch.int64)
     qo_indptr_h[1:] = torch.cumsum(q_lens, 0)
     if q_lens.numel() and int(q_lens.max()) > max_token_per_sequence:

@@ -172,3 +172,28 @@ def test_xqa_names_its_page_table_and_runs_batch_0():
                torch.zeros(2, 1, 4, 64).half(), WS, None, 2, 16)
     q = torch.zeros(0, 1, 4, 64).half()
     fi.xqa(q, XQA_K, XQA_K, torch.zeros(0, 4, **I32), torch.zeros(0, 1, **I32), torch.zeros_like(q), WS, None, 2, 16)
+
+
+def test_cudnn_prefill_dispatch_refuses_negative_lengths():
+    """A negative query length made the row offsets run backwards: fa2 wrote outside its output
+    (the process aborted with heap corruption), the reference read garbage."""
+    q, cache = torch.randn(7, 4, 64).half(), torch.randn(10, 2, 16, 64).half()
+    args = dict(max_token_per_sequence=16, max_sequence_kv=32, block_tables=torch.tensor([[0, 1], [2, 3]], **I32),
+                causal=False, return_lse=False, backend="reference")
+    with pytest.raises(ValueError, match="actual_seq_lens_q holds a negative length -3"):
+        fi.cudnn_batch_prefill_with_kv_cache(q, cache, cache, 0.1, WS, actual_seq_lens_q=torch.tensor([10, -3], **I32),
+                                             actual_seq_lens_kv=torch.tensor([20, 10], **I32), **args)
+    with pytest.raises(ValueError, match="actual_seq_lens_kv has 3 entries, but actual_seq_lens_q has 2"):
+        fi.cudnn_batch_prefill_with_kv_cache(q, cache, cache, 0.1, WS, actual_seq_lens_q=torch.tensor([3, 4], **I32),
+                                             actual_seq_lens_kv=torch.tensor([20, 10, 5], **I32), **args)
+
+
+def test_complex_scale_tensors_and_huge_head_dims_refused():
+    w = decode_wrapper("reference")
+    with pytest.raises(TypeError, match=r"k_scale.dtype=torch.complex64: a scale tensor must be real"):
+        w.run(Q, CACHE, k_scale=torch.tensor([1j], dtype=torch.complex64))
+    with pytest.raises(ValueError, match="head_dim_qk=1000.* is above 2147483647"):
+        fi.BatchPrefillWithRaggedKVCacheWrapper(WS).plan(torch.tensor([0, 2], **I32), torch.tensor([0, 5], **I32),
+                                                         4, 2, 10 ** 400)
+    with pytest.raises(ValueError, match="head_dim=1000.* is above 2147483647"):
+        fi.BatchDecodeWithPagedKVCacheWrapper(WS).plan(INDPTR, INDICES, LAST, 4, 2, 10 ** 400, 8)
