@@ -9,6 +9,19 @@ import torch
 from .checks import MAX_KV_TOKENS, check_layout, check_page_size, check_tensor, unpack_paged_kv_cache
 
 
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_lengths_pair(indptr, indptr_name: str, per_request, per_request_name: str) -> None:
+    """A 1-D integer indptr ``[batch + 1]`` and a per-request tensor ``[batch]`` on its device (their
+    values are not read: these helpers run on the device without a host sync)."""
+    check_tensor(indptr, indptr_name, ndim=1, dtypes=_INT_DTYPES)
+    if indptr.numel() < 1:
+        raise ValueError(f"{indptr_name} is empty: it needs batch_size + 1 entries")
+    check_tensor(per_request, per_request_name, dtypes=_INT_DTYPES, device=indptr.device,
+                 shape=(indptr.numel() - 1,))
+
+
 def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
     """KV length of each request: ``(num_pages - 1) * page_size + last_page_len`` (0 with no pages).
 
@@ -21,6 +34,8 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     page_size : int
         Tokens per page.
     """
+    _check_lengths_pair(kv_indptr, "kv_indptr", kv_last_page_len, "kv_last_page_len")
+    check_page_size(page_size)
     pages = kv_indptr[1:] - kv_indptr[:-1]
     lens = (pages - 1).clamp(min=0) * page_size + kv_last_page_len
     return torch.where(pages > 0, lens, torch.zeros_like(lens))
@@ -32,6 +47,9 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
 
     Returns ``(batch_indices, positions)``, both int32 of shape ``[nnz]``.
     """
+    _check_lengths_pair(append_indptr, "append_indptr", seq_lens, "seq_lens")
+    if isinstance(nnz, bool) or not isinstance(nnz, int) or not 0 <= nnz <= MAX_KV_TOKENS:
+        raise ValueError(f"nnz={nnz!r} must be an int in [0, 2^31 - 1] (append_indptr[-1], the appended tokens)")
     counts = (append_indptr[1:] - append_indptr[:-1]).to(torch.int64)
     batch = torch.repeat_interleave(torch.arange(counts.numel(), device=append_indptr.device), counts, output_size=nnz)
     offset = torch.arange(nnz, device=append_indptr.device) - append_indptr[batch].to(torch.int64)

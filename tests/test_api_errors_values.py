@@ -197,3 +197,21 @@ def test_complex_scale_tensors_and_huge_head_dims_refused():
                                                          4, 2, 10 ** 400)
     with pytest.raises(ValueError, match="head_dim=1000.* is above 2147483647"):
         fi.BatchDecodeWithPagedKVCacheWrapper(WS).plan(INDPTR, INDICES, LAST, 4, 2, 10 ** 400, 8)
+
+
+def test_page_helpers_check_their_arguments():
+    indptr, last = torch.tensor([0, 2, 5], **I32), torch.tensor([3, 8], **I32)
+    with pytest.raises(TypeError, match="kv_indptr must be a torch.Tensor, got ndarray"):
+        fi.get_seq_lens(indptr.numpy(), last, 8)
+    with pytest.raises(ValueError, match=r"kv_last_page_len has shape \[1\], expected \[2\]"):
+        fi.get_seq_lens(indptr, last[:1], 8)
+    for page_size in (0, 8.5, 2 ** 40):
+        with pytest.raises(ValueError, match="page_size="):
+            fi.get_seq_lens(indptr, last, page_size)
+    assert fi.get_seq_lens(indptr, last, 8).tolist() == [11, 24]
+    with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor, got list"):
+        fi.get_batch_indices_positions(indptr, [11, 24], 5)
+    with pytest.raises(ValueError, match=r"seq_lens has shape \[1\], expected \[2\]"):
+        fi.get_batch_indices_positions(indptr, torch.tensor([11], **I32), 5)
+    with pytest.raises(ValueError, match="nnz=-1 must be an int in"):
+        fi.get_batch_indices_positions(indptr, torch.tensor([11, 24], **I32), -1)
