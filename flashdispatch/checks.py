@@ -171,6 +171,13 @@ def check_run_scale(value, name: str, device: torch.device):
     return value
 
 
+def scale_product(a, b, names: str):
+    """a x b of two scales (floats or 1-element tensors); two floats must multiply to [1e-30, 1e30]."""
+    if isinstance(a, float) and isinstance(b, float) and not 1.0 / SCALAR_LIMIT <= a * b <= SCALAR_LIMIT:
+        raise ValueError(f"{names} = {a} x {b} = {a * b:.3g} must be in [1e-30, 1e30]")
+    return a * b
+
+
 def check_score_scale(sm_scale: float, q_scale, k_scale) -> None:
     """The scores' scale, the product of the float factors given (a tensor's value is not read),
     within 1e30 in magnitude: past it a score overflows float32 and the softmax gives NaN."""

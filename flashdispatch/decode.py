@@ -377,10 +377,7 @@ def _output_scale(bmm2_scale, o_scale):
     if isinstance(bmm2_scale, torch.Tensor):
         checks.check_run_scale(bmm2_scale, "bmm2_scale", bmm2_scale.device)
         return bmm2_scale if o == 1.0 else bmm2_scale * o
-    b = checks.check_scale(bmm2_scale, "bmm2_scale", 1.0)
-    if not 1.0 / checks.SCALAR_LIMIT <= b * o <= checks.SCALAR_LIMIT:
-        raise ValueError(f"bmm2_scale x o_scale = {b} x {o} = {b * o:.3g} must be in [1e-30, 1e30]")
-    return b * o
+    return checks.scale_product(checks.check_scale(bmm2_scale, "bmm2_scale", 1.0), o, "bmm2_scale x o_scale")
 
 
 def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens, *, bmm1_scale, bmm2_scale,
@@ -414,8 +411,6 @@ def paged_attention_from_block_tables(query, kv: PagedKV, block_tables, seq_lens
     else:
         qo_lens = qo_indptr_h[1:] - qo_indptr_h[:-1]
         batch, total_q = qo_lens.numel(), int(qo_indptr_h[-1])
-        if batch and int(qo_lens.min()) < 0:
-            raise ValueError(f"the query lengths hold a negative one, {int(qo_lens.min())}")
         q_len = int(qo_lens.max()) if op == "decode" and batch else 1
         uniform = total_q == batch * q_len
     if total_q != query.shape[0]:

@@ -469,7 +469,8 @@ def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_
         checks.check_tensor(t, name, dtypes=(torch.int32,), device=q.device)
     batch = actual_seq_lens_q.numel()
     q_lens = torch.from_numpy(host_seq_lens(actual_seq_lens_q, "actual_seq_lens_q", batch, "{batch} requests"))
-    host_seq_lens(actual_seq_lens_kv, "actual_seq_lens_kv", batch, "actual_seq_lens_q has {batch}")
+    kv_lens = torch.from_numpy(host_seq_lens(actual_seq_lens_kv, "actual_seq_lens_kv", batch,
+                                             "actual_seq_lens_q has {batch}"))
     qo_indptr_h = torch.zeros(q_lens.numel() + 1, dtype=torch.int64)
     qo_indptr_h[1:] = torch.cumsum(q_lens, 0)
     if q_lens.numel() and int(q_lens.max()) > max_token_per_sequence:
@@ -483,7 +484,6 @@ def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_
             op="prefill_paged")
     else:
         checks.check_tensor(k_cache, "k_cache", ndim=3, device=q.device)
-        kv_lens = actual_seq_lens_kv.detach().reshape(-1).to("cpu", torch.int64)
         kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.cumsum(kv_lens, 0)
         wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)

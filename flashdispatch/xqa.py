@@ -54,13 +54,6 @@ def _scale(value, name: str, device: torch.device):
     return checks.check_scale(value, name, 1.0)
 
 
-def _product(a, b, names: str):
-    """a x b of two scales (floats or 1-element tensors); two floats must multiply to [1e-30, 1e30]."""
-    if isinstance(a, float) and isinstance(b, float) and not 1.0 / checks.SCALAR_LIMIT <= a * b <= checks.SCALAR_LIMIT:
-        raise ValueError(f"{names} = {a} x {b} = {a * b:.3g} must be in [1e-30, 1e30]")
-    return a * b
-
-
 def _kv_views(k_cache, v_cache, kv_layout):
     checks.check_layout(kv_layout)
     checks.check_tensor(k_cache, "k_cache", ndim=4)
@@ -125,8 +118,8 @@ def xqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tabl
         sinks = sinks.reshape(-1)
     q_scale, kv_scale = _scale(q_scale, "q_scale", q.device), _scale(kv_scale, "kv_scale", q.device)
     rcp_out_scale = _scale(rcp_out_scale, "rcp_out_scale", q.device)
-    bmm1 = _product(q_scale, kv_scale, "q_scale x kv_scale") / math.sqrt(q.shape[-1])
-    bmm2 = _product(kv_scale, rcp_out_scale, "kv_scale x rcp_out_scale")
+    bmm1 = checks.scale_product(q_scale, kv_scale, "q_scale x kv_scale") / math.sqrt(q.shape[-1])
+    bmm2 = checks.scale_product(kv_scale, rcp_out_scale, "kv_scale x rcp_out_scale")
     out = output.view(query.shape) if output.is_contiguous() else None  # (written in place)
     result = paged_attention_from_block_tables(
         query, PagedKV(k_cache, v_cache, kv_layout), page_table, seq_lens, q_len_per_req=q_seq_len,
@@ -162,7 +155,7 @@ def xqa_mla(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     checks.check_tensor(k_cache, "k_cache", ndim=3, shape=(None, page_size, q.shape[-1]))
     ckv_dim = output.shape[-1]
     q_scale, kv_scale = _scale(q_scale, "q_scale", q.device), _scale(kv_scale, "kv_scale", q.device)
-    bmm1 = _product(q_scale, kv_scale, "q_scale x kv_scale") / math.sqrt(q.shape[-1])
+    bmm1 = checks.scale_product(q_scale, kv_scale, "q_scale x kv_scale") / math.sqrt(q.shape[-1])
     query = q[:, 0]
     result = mla_paged_decode(query[..., :ckv_dim], query[..., ckv_dim:], k_cache[..., :ckv_dim],
                               k_cache[..., ckv_dim:], page_table, seq_lens.reshape(-1).to(torch.int32),
