@@ -53,6 +53,8 @@ def check_tensor(t, name: str, *, ndim: int | None = None, dtypes: Sequence[torc
     and contiguous when asked (a buffer read or written as flat memory)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if device is None and t.is_meta:  # (with a device, the check below names both)
+        raise ValueError(f"{name} is on the meta device (it holds no data)")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:

@@ -145,6 +145,7 @@ def mla_paged_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens,
     """MLA over block tables (shared by the TensorRT-LLM and XQA entry points); ``workspace_buffer``
     holds run()'s scratch."""
     checks.check_tensor(q_nope, "query", ndim=3)
+    checks.check_positive_int(q_nope.shape[1], "the query's head count")
     page_size = ckv_cache.shape[1]
     indptr, indices, _, kv_lens_h, max_page = block_table_to_indptr(block_tables, seq_lens, page_size)
     batch = indptr.numel() - 1
@@ -182,6 +183,9 @@ def trtllm_batch_decode_with_kv_cache_mla(query: torch.Tensor, kv_cache: torch.T
         raise Unsupported(f"sparse_mla_top_k={sparse_mla_top_k}: sparse MLA is not supported")
     if sinks is not None:
         raise Unsupported("sinks with MLA are not supported")
+    for name, value in (("qk_nope_head_dim", qk_nope_head_dim), ("kv_lora_rank", kv_lora_rank),
+                        ("qk_rope_head_dim", qk_rope_head_dim), ("max_seq_len", max_seq_len)):
+        checks.check_positive_int(value, name, high=checks.MAX_KV_TOKENS)
     checks.check_tensor(query, "query", ndim=4)
     checks.check_tensor(kv_cache, "kv_cache")
     if kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
@@ -190,9 +194,10 @@ def trtllm_batch_decode_with_kv_cache_mla(query: torch.Tensor, kv_cache: torch.T
     checks.check_tensor(kv_cache, "kv_cache", ndim=3, shape=(None, None, width))
     checks.check_tensor(query, "query", shape=(None, None, None, width))
     b, q_len, heads, _ = query.shape
-    for buf, name in ((out, "out"), (lse, "lse")):  # written through a flat view of them
-        if buf is not None:
-            checks.check_tensor(buf, name, contiguous=True)
+    for buf, name, shape in ((out, "out", (b, q_len, heads, kv_lora_rank)), (lse, "lse", (b, q_len, heads))):
+        if buf is not None:  # (written through a flat view of it)
+            checks.check_tensor(buf, name, shape=shape, contiguous=True)
+    bmm2_scale = checks.check_run_scale(bmm2_scale, "bmm2_scale", query.device)
     flat = query.reshape(b * q_len, heads, width)
     if lse is not None:
         lse = lse.reshape(b * q_len, heads)

@@ -6,7 +6,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .checks import MAX_KV_TOKENS, check_layout, check_page_size, check_tensor, unpack_paged_kv_cache
+from .checks import (MAX_KV_TOKENS, check_distinct_elements, check_layout, check_page_size, check_tensor,
+                     unpack_paged_kv_cache)
 
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -84,6 +85,12 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     heads, page_size = (kv.k.shape[2], kv.k.shape[1]) if kv_layout == "NHD" else kv.k.shape[1:3]
     check_tensor(append_key, "append_key", ndim=3, shape=[None, heads, kv.k.shape[3]], device=kv.k.device)
     check_tensor(append_value, "append_value", shape=[append_key.shape[0], heads, kv.v.shape[3]], device=kv.k.device)
+    for t, name in ((append_key, "append_key"), (append_value, "append_value")):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}.dtype={str(t.dtype).replace('torch.', '')} is not accepted; expected a floating "
+                            f"dtype (cast to the cache's {str(kv.k.dtype).replace('torch.', '')})")
+    check_distinct_elements(kv.k, "paged_kv_cache (k)")
+    check_distinct_elements(kv.v, "paged_kv_cache (v)")
     nnz = append_key.shape[0]
     for t, name, n in ((batch_indices, "batch_indices", nnz), (positions, "positions", nnz),
                        (kv_indices, "kv_indices", None), (kv_indptr, "kv_indptr", None)):

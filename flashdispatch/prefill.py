@@ -32,10 +32,14 @@ def _packed_mask(custom_mask, packed_custom_mask, qo_lens: np.ndarray, kv_lens: 
             raise ValueError(f"packed_custom_mask has {packed_custom_mask.numel()} bytes, the lengths need "
                              f"{int(byte_indptr[-1])} (sum of ceil(qo_len * kv_len / 8))")
         return on_device(packed_custom_mask, device), device_int32(device, byte_indptr)[0]
-    checks.check_tensor(custom_mask, "custom_mask")
-    if custom_mask.numel() != int(bits.sum()):
-        raise ValueError(f"custom_mask has {custom_mask.numel()} elements, expected sum(qo_len * kv_len) = "
-                         f"{int(bits.sum())}")
+    checks.check_tensor(custom_mask, "custom_mask", dtypes=(torch.bool,))
+    square = len(bits) == 1 and custom_mask.dim() == 2
+    if square and tuple(custom_mask.shape) != (int(qo_lens[0]), int(kv_lens[0])):
+        raise ValueError(f"custom_mask has shape {list(custom_mask.shape)}, expected [qo_len, kv_len] = "
+                         f"[{int(qo_lens[0])}, {int(kv_lens[0])}] or flattened")
+    if not square and (custom_mask.dim() != 1 or custom_mask.numel() != int(bits.sum())):
+        raise ValueError(f"custom_mask has shape {list(custom_mask.shape)}, expected the flattened masks "
+                         f"[sum(qo_len * kv_len)] = [{int(bits.sum())}]")
     bit_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(bits)]))
     packed, indptr = segment_packbits(custom_mask.contiguous().view(-1), bit_indptr.to(custom_mask.device),
                                       bitorder="little")
@@ -293,7 +297,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         kv_lens_h = checks.check_indptr(kv_indptr_h, "kv_indptr")
         qo_lens_h = checks.check_indptr(qo_indptr_h, "qo_indptr")
         for name, given, same in (("v_indptr", v_indptr, kv_indptr), ("o_indptr", o_indptr, qo_indptr)):
-            if given is not None and not torch.equal(given.to(same.device), same):
+            if given is not None and not torch.equal(checks.check_index_tensor(given, name).to(same.device), same):
                 raise Unsupported(f"{name} different from {'kv' if name[0] == 'v' else 'qo'}_indptr is not supported")
         tables = ()
         if self._graph_buffers is not None:
@@ -392,8 +396,7 @@ def _plan_single_prefill(q, k, v, o_dtype, custom_mask, packed_custom_mask, caus
     wrapper._DEFAULT_VARIANT = bool(return_lse)
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                  q.shape[1], num_kv_heads, q.shape[2],
-                 v.shape[2], custom_mask=None if custom_mask is None else checks.check_tensor(
-                     custom_mask, "custom_mask").reshape(-1),
+                 v.shape[2], custom_mask=custom_mask,
                  packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
                  window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                  rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
@@ -475,6 +478,8 @@ def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_
     qo_indptr_h[1:] = torch.cumsum(q_lens, 0)
     if q_lens.numel() and int(q_lens.max()) > max_token_per_sequence:
         raise ValueError(f"actual_seq_lens_q holds {int(q_lens.max())} > max_token_per_sequence={max_token_per_sequence}")
+    if kv_lens.numel() and int(kv_lens.max()) > max_sequence_kv:
+        raise ValueError(f"actual_seq_lens_kv holds {int(kv_lens.max())} > max_sequence_kv={max_sequence_kv}")
     if block_tables is not None:
         cudnn_direct.paged_cache(q, k_cache, v_cache, block_tables, max_sequence_kv)
         result = paged_attention_from_block_tables(
@@ -484,6 +489,7 @@ def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_
             op="prefill_paged")
     else:
         checks.check_tensor(k_cache, "k_cache", ndim=3, device=q.device)
+        checks.check_tensor(v_cache, "v_cache", ndim=3, device=q.device)
         kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.cumsum(kv_lens, 0)
         wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
@@ -511,12 +517,15 @@ def trtllm_batch_context_with_kv_cache(query: torch.Tensor, kv_cache, workspace_
     if out_dtype == "nvfp4" or o_sf_scale is not None or o_sf_vec_size is not None:
         raise Unsupported("nvfp4 output (out_dtype='nvfp4', o_sf_scale, o_sf_vec_size) is not supported")
     checks.check_positive_int(batch_size, "batch_size")
-    checks.check_positive_int(max_q_len, "max_q_len")  # (the lengths come from cum_seq_lens_q and seq_lens)
+    checks.check_positive_int(max_q_len, "max_q_len")  # (the longest of cum_seq_lens_q's lengths)
     checks.check_positive_int(max_kv_len, "max_kv_len")
     if cum_seq_lens_kv is not None:  # (not read: seq_lens gives the KV lengths)
         checks.check_tensor(cum_seq_lens_kv, "cum_seq_lens_kv", ndim=1, dtypes=(torch.int32,), shape=(batch_size + 1,))
     kv = _split_kv_cache(kv_cache, checks.check_layout(kv_layout))
     qo_indptr_h = checks.host_indptr(cum_seq_lens_q, "cum_seq_lens_q", batch_size + 1)
+    longest_q = int((qo_indptr_h[1:] - qo_indptr_h[:-1]).max())
+    if longest_q > max_q_len:
+        raise ValueError(f"cum_seq_lens_q holds a request of {longest_q} query tokens, above max_q_len={max_q_len}")
     return paged_attention_from_block_tables(
         query, kv, block_tables, seq_lens, qo_indptr_h=qo_indptr_h,
         bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, window_left=window_left, out=out, out_dtype=out_dtype,

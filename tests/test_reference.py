@@ -224,7 +224,7 @@ def test_small_budget_splits_groups_and_rows(monkeypatch, budget):
     plan = BACKEND.plan(case.problem, case.device, case.params)
     assert len(plan.groups) > 1
     if budget == 256:   # every request alone, long ones in several row blocks
-        assert max(len(g.blocks) for g in plan.groups) > 1
+        assert max(len(list(g.row_blocks())) for g in plan.groups) > 1
     else:               # several requests share one K/V gather
         assert max(g.kv_len.numel() for g in plan.groups) > 1
     check(case)
@@ -241,8 +241,9 @@ def test_long_prefill_plans_within_memory_budget():
     budget = ref_layout.ELEMENT_BUDGET["cpu"]
     (group,) = plan.groups
     assert group.kc * kv_heads * 2 * dim <= budget
-    assert sum(b.rows.shape[1] for b in group.blocks) == n and len(group.blocks) > 1
-    assert all(b.rows.numel() * heads * group.kc <= budget for b in group.blocks)
+    blocks = list(group.row_blocks())
+    assert sum(b.rows.shape[1] for b in blocks) == n and len(blocks) > 1
+    assert all(b.rows.numel() * heads * group.kc <= budget for b in blocks)
 
 
 def test_decode_speed_on_cpu():

@@ -9,7 +9,7 @@ import torch
 
 from ...dispatch.caps import ALL_FEATURES, Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
-from ...dispatch.reasons import Reason, Unsupported
+from ...dispatch.reasons import Reason
 from ..base import AttentionParams, Backend, MergeInputs, MLAParams, package_version
 from .attention import plan_attention
 from .merge import merge_states
@@ -18,9 +18,6 @@ from .mla import plan_mla
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _DEVICES = frozenset({"cpu", "cuda"})
 _MAX_Q_LEN = 1 << 16
-# plan() builds int64 token and slot indices for every key a request claims, before run() shows the
-# cache: a claim far beyond any cache (a huge page_size) must not exhaust host memory there
-_MAX_KV_LEN = 1 << 24
 
 
 def _caps(op: str, q_dtypes: frozenset, features: frozenset) -> Caps:
@@ -57,8 +54,8 @@ class ReferenceBackend(Backend):
             reasons.append(Reason("head_dim", f"head_dim_qk={problem.head_dim_qk} is odd: "
                                               "rotate-half RoPE needs an even head_dim_qk"))
         if problem.use_cuda_graph and device.is_cuda:
-            reasons.append(Reason("feature.cuda_graph", "the reference builds new gather tensors at every plan(), so "
-                                  "a graph captured on one plan would replay it after a re-plan",
+            reasons.append(Reason("feature.cuda_graph", "the reference's run() sizes its tensors from the plan's "
+                                  "lengths, so a graph captured on one plan would replay it after a re-plan",
                                   "use fa2 or cudnn for CUDA graphs"))
         if problem.num_qo_heads % problem.num_kv_heads:
             reasons.append(Reason("heads", f"num_qo_heads={problem.num_qo_heads} is not a multiple of "
@@ -66,11 +63,6 @@ class ReferenceBackend(Backend):
         return reasons
 
     def plan(self, problem: Problem, device: Device, params: AttentionParams | MLAParams):
-        longest = max(params.kv_lens_host, default=0)
-        if longest > _MAX_KV_LEN:
-            raise Unsupported("reference cannot run this problem", {self.name: [Reason(
-                "kv_len", f"a request of {longest} KV tokens: the reference indexes every key in plan() "
-                          f"(at most {_MAX_KV_LEN})", "use fa2 or cudnn on a GPU")]})
         if problem.op == "mla":
             return plan_mla(problem, params)
         return plan_attention(problem, params)

@@ -13,7 +13,7 @@ import torch
 from ...dispatch.problem import Problem
 from ..base import AttentionInputs, AttentionParams, PagedKV, Scale
 from ..common import alibi_slopes
-from .layout import BatchShape, KVGroup, RowBlock, gather_keys, plan_groups, unpack_mask_bits
+from .layout import BatchShape, KVGroup, RowBlock, Visibility, gather_keys, plan_groups, unpack_mask_bits
 from .positions import alibi_bias, apply_rope, rope_inv_freq
 
 LOG2E = 1.0 / math.log(2.0)
@@ -101,12 +101,13 @@ class AttentionPlan:
         v_scale = scale_value(inputs.v_scale, q.device)
         sinks = inputs.sinks.to(torch.float32) if inputs.sinks is not None else None
         for group in self.groups:
-            k = gather_keys(inputs.kv.k, group, self.layout)
-            v = zero_missing_keys(gather_keys(inputs.kv.v, group, self.layout), group)
+            index = group.token_index()
+            k = gather_keys(inputs.kv.k, group, index, self.layout)
+            v = zero_missing_keys(gather_keys(inputs.kv.v, group, index, self.layout), group)
             if self.inv_freq is not None:
                 k_pos = torch.arange(group.kc, device=q.device).expand(k.shape[0], -1)
                 k = apply_rope(k, k_pos, self.inv_freq, self.rope_scale)
-            for block in group.blocks:
+            for block in group.row_blocks():
                 qb = q[block.rows].to(torch.float32)
                 if self.inv_freq is not None:
                     qb = apply_rope(qb, block.pos, self.inv_freq, self.rope_scale)
@@ -124,19 +125,17 @@ def plan_attention(problem: Problem, params: AttentionParams) -> AttentionPlan:
     paged = problem.op != "prefill_ragged"
     if paged and params.kv_indices is None:
         raise ValueError(f"{problem.op} needs kv_indices (paged KV)")
-    custom = problem.mask_mode == "custom" or problem.spec_decode_mask
-    mask_bits = mask_indptr = None
-    if custom:
+    visibility = Visibility(problem.mask_mode == "causal", problem.window_left)
+    if problem.mask_mode == "custom" or problem.spec_decode_mask:
         if params.packed_mask is None or params.mask_indptr is None:
             raise ValueError("a custom (or speculative-decoding) mask needs packed_mask and mask_indptr")
-        mask_bits, mask_indptr = unpack_mask_bits(params.packed_mask), params.mask_indptr
+        visibility = Visibility(False, problem.window_left, unpack_mask_bits(params.packed_mask), params.mask_indptr)
     shape = BatchShape(
         qo_lens=list(params.qo_lens_host), kv_lens=list(params.kv_lens_host), kv_indptr=params.kv_indptr,
         kv_indices=params.kv_indices if paged else None, page_size=problem.page_size if paged else 0,
         num_qo_heads=problem.num_qo_heads,
         kv_elems_per_token=problem.num_kv_heads * (problem.head_dim_qk + problem.head_dim_vo))
-    groups = plan_groups(shape, device, causal=problem.mask_mode == "causal", window_left=problem.window_left,
-                         mask_bits=mask_bits, mask_indptr=mask_indptr)
+    groups = plan_groups(shape, device, visibility)
     rope = problem.pos_encoding_mode == "ROPE_LLAMA"
     return AttentionPlan(
         problem=problem, groups=groups, layout=problem.kv_layout if paged else "ragged",

@@ -12,7 +12,7 @@ import torch
 from ...dispatch.problem import Problem
 from ..base import MLAInputs, MLAParams
 from .attention import attend, scale_value, write_block, zero_missing_keys
-from .layout import BatchShape, KVGroup, gather_keys, plan_groups
+from .layout import BatchShape, KVGroup, Visibility, gather_keys, plan_groups
 
 
 @dataclass
@@ -24,11 +24,12 @@ class MLAPlan:
     def run(self, inputs: MLAInputs) -> None:
         v_scale = scale_value(inputs.v_scale, inputs.q_nope.device)
         for group in self.groups:
-            ckv = zero_missing_keys(gather_keys(inputs.ckv_cache, group, "NHD"), group)
-            kpe = gather_keys(inputs.kpe_cache, group, "NHD")
+            index = group.token_index()
+            ckv = zero_missing_keys(gather_keys(inputs.ckv_cache, group, index, "NHD"), group)
+            kpe = gather_keys(inputs.kpe_cache, group, index, "NHD")
             k = torch.cat([ckv, kpe], -1).unsqueeze(2)
             v = ckv.unsqueeze(2)
-            for block in group.blocks:
+            for block in group.row_blocks():
                 q = torch.cat([inputs.q_nope[block.rows], inputs.q_pe[block.rows]], -1).to(torch.float32)
                 o, lse_b = attend(q, k, v, block.visible, self.sm_scale)
                 write_block(block, o, lse_b, inputs.out, inputs.lse, v_scale)
@@ -40,5 +41,5 @@ def plan_mla(problem: Problem, params: MLAParams) -> MLAPlan:
         qo_lens=list(params.qo_lens_host), kv_lens=list(params.kv_lens_host), kv_indptr=params.kv_indptr,
         kv_indices=params.kv_indices, page_size=problem.page_size, num_qo_heads=problem.num_qo_heads,
         kv_elems_per_token=problem.head_dim_qk + problem.head_dim_vo)
-    groups = plan_groups(shape, params.qo_indptr.device, causal=params.causal, window_left=-1)
+    groups = plan_groups(shape, params.qo_indptr.device, Visibility(params.causal, -1))
     return MLAPlan(problem, groups, params.sm_scale)
