@@ -324,7 +324,8 @@ def sample_report():
                  env={"gpu": "Fake H200"}, ceilings={"bf16 matmul 8192^3 TFLOP/s": 800.0})
     rep.shapes, rep.columns = ["4096"], ["fd:fa2", "fd:cudnn", "fi:fa2"]
     rep.cells = [Cell("4096", "fd:fa2", ms=0.5, plan_us=None, run_us=55.0, first_s=3.25, rel_err=1.2e-3),
-                 Cell("4096", "fd:cudnn", error="Unsupported: no backend can run this\n  cudnn: feature.sliding_window"),
+                 Cell("4096", "fd:cudnn",
+                      error="Unsupported: no backend can run this\n  cudnn: feature.sliding_window"),
                  Cell("4096", "fi:fa2", ms=0.4, run_us=30.0, first_s=20.0, rel_err=0.0)]
     report.fill_derived(rep, "4096", 2e11)  # 0.2 TFLOP per call: 400 TFLOP/s at 0.5 ms
     return rep
@@ -397,9 +398,9 @@ def test_json_round_trip_and_summary_main(tmp_path, capsys):
     rep.save_json(str(path))
     back = Report.from_json(json.loads(path.read_text()))
     assert back.cell("4096", "fd:fa2").ratios == rep.cell("4096", "fd:fa2").ratios
-    assert report.main([str(path), str(tmp_path / "missing.json")]) == 0
-    out = capsys.readouterr().out
-    assert "best fd / fi:fa2" in out and "cannot read report" in out
+    assert report.main([str(path), str(tmp_path / "missing.json")]) == 2
+    out, err = capsys.readouterr()
+    assert "best fd / fi:fa2" in out and "cannot read report" in err
 
 
 def test_plot_is_written_or_explained(tmp_path):

@@ -247,14 +247,15 @@ def test_16bit_d128_defaults_pack_only_a_poorly_filled_plan():
 def test_gpu_defaults_pack(lens, heads, kv):
     """The d128 defaults pack batches whose plain plan fills its target poorly (fp8 under 0.95,
     bf16 under 0.65): fp8 on the kernel's line (few_pack_line), bf16 on the host, but 16 or more
-    bf16 GQA requests of mixed lengths on the line (few_line_mixed)."""
+    bf16 GQA requests of mixed lengths on the line (few_line_mixed). The Gluon fp8 kernel is off here
+    (it takes some of these fp8 plans on sm90: test_fa2_decode_gluon_gpu.py covers it)."""
     fp8 = kv == "e4m3"
     line = fp8 or heads[1] < heads[0] and len(set(lens)) > 1
     case = _case(lens, device="cuda", kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
                  num_qo_heads=heads[0], num_kv_heads=heads[1], k_scale=0.8 if fp8 else None,
                  v_scale=1.5 if fp8 else None, seed=len(lens) + heads[1])
     ref_out, ref_lse = reference_backend_result(case)
-    plan = run_fa2_decode(case)
+    plan = run_fa2_decode(case, {"gluon_fp8_stages": 0})
     assert plan.line if line else plan.items == 2
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 8e-2 if fp8 else 2e-2)
 

@@ -7,7 +7,9 @@ See docs/benchmarks.md for the method and the columns.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 
 from . import decode, prefill
 from .matrix import Column
@@ -18,10 +20,19 @@ KINDS = {"decode": dict(reps=50, shapes=decode.DEFAULT_SHAPES),
 # Our extra column names beyond registered backends, per kind.
 EXTRA_COLUMNS = {"decode": ("auto", *decode.OUR_FUNCTION_COLUMNS), "prefill": ("auto",)}
 OPS = {"decode": ("decode",), "prefill": ("prefill_paged", "prefill_ragged")}
+# Timing makes two CUDA events per rep up front and --json keeps every rep's time; 10^4 is 200x the default.
+MAX_REPS = 10_000
 
 
 def _csv(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def _heads(text: str) -> tuple[int, int]:
+    try:
+        return decode.parse_heads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,7 +50,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"comma list of {syntax} (default: {defaults['shapes']})")
         p.add_argument("--backends", type=_csv, default=None,
                        help="our columns, comma list (default: auto + every available backend"
-                            + (" + cudnn-fn, xqa-fn, fa2-fn" if kind == "decode" else "") + "; reference only on request)")
+                            + (" + cudnn-fn, xqa-fn, fa2-fn" if kind == "decode" else "")
+                            + "; reference only on request)")
         peers = decode.PEER_COLUMNS if kind == "decode" else prefill.PEER_COLUMNS
         p.add_argument("--peers", type=_csv, default=None,
                        help=f"peer columns from {', '.join(peers)} (default: all"
@@ -57,7 +69,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         p.add_argument("--dtype", choices=sorted(decode.DTYPES), default="bf16",
                        help="q, output and K/V dtype" + (" (KV unless the row says fp8)" if kind == "decode" else "")
                        + " (default: bf16)")
-        p.add_argument("--heads", type=decode.parse_heads, default=(32, 8), help="QO/KV heads (default: 32/8)")
+        p.add_argument("--heads", type=_heads, default=(32, 8), help="QO/KV heads (default: 32/8)")
         p.add_argument("--head-dim", type=int, default=128, help="(default: 128)")
         p.add_argument("--page-size", type=int, default=16, help="(default: 16)")
         p.add_argument("--reps", type=int, default=defaults["reps"],
@@ -74,9 +86,47 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return bench
 
 
+def check_options(args) -> None:
+    """ValueError naming the first bad option, before any work: integer ranges, empty name
+    lists, and --json/--plot paths (their directory must exist and be writable)."""
+    ranges = (("--reps", args.reps, 1, MAX_REPS, "timed calls per cell"),
+              ("--head-dim", args.head_dim, 1, None, "dims per head"),
+              ("--page-size", args.page_size, 1, decode.INT32_MAX, "tokens per page, int32"),
+              ("--seed", args.seed, 0, 2**64 - 1, "torch generator seeds are 64-bit"))
+    for option, value, low, high, what in ranges:
+        if value < low or (high is not None and value > high):
+            accepted = f"{low} .. {high}" if high is not None else f">= {low}"
+            raise ValueError(f"{option}={value}: expected {accepted} ({what})")
+    for option, names in (("--backends", args.backends), ("--peers", args.peers)):
+        if names == []:
+            raise ValueError(f"{option}: no names in the comma list (leave it out for the default)")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_output_path(option, path)
+
+
+def check_output_path(option: str, path: str) -> None:
+    """ValueError unless ``path`` names a file that can be written in an existing directory."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.basename(path) or os.path.isdir(path):
+        raise ValueError(f"{option}={path!r}: expected a file path, not a directory")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option}={path!r}: directory {folder!r} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=folder):  # a real write: os.access says yes to root, even on /proc
+            pass
+    except OSError as e:
+        raise ValueError(f"{option}={path!r}: directory {folder!r} not writable ({e.strerror})") from None
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{option}={path!r}: file not writable")
+
+
 def parse_shapes(args) -> list:
     parse = decode.parse_decode_shapes if args.bench_kind == "decode" else prefill.parse_prefill_shapes
-    return parse(args.shapes, decode.DTYPES[args.dtype], args.heads, args.head_dim, args.page_size)
+    try:
+        return parse(args.shapes, decode.DTYPES[args.dtype], args.heads, args.head_dim, args.page_size)
+    except ValueError as e:
+        raise ValueError(f"--shapes: {e}") from None
 
 
 def default_backends(kind: str) -> tuple[list[str], list[str]]:
@@ -197,6 +247,7 @@ def run_bench(args) -> int:
         from .report import main as summary_main
         return summary_main(args.paths)
     try:
+        check_options(args)
         shapes = parse_shapes(args)
         columns, notes = select_columns(args)
     except ValueError as e:

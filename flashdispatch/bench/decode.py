@@ -30,6 +30,14 @@ KV_MODS = {"fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn, "e5m2": torc
 VAR_SEED = 20261201  # the draw of a ``:var`` row's lengths
 DTYPE_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1, torch.float8_e5m2: 1}
 
+# Limits of a row (decode and prefill), checked when its shape is parsed, before anything is
+# allocated: lengths, indptrs, page tables and cache slots are int32 in our kernels and
+# FlashInfer's; no GPU holds 1 TiB (the largest hold 288 GB), so bigger inputs can only fail;
+# a million requests is far past any serving batch, and the host builds per-request arrays.
+INT32_MAX = 2**31 - 1
+MAX_INPUT_BYTES = 2**40
+MAX_BATCH = 2**20
+
 
 @dataclass(frozen=True)
 class DecodeShape:
@@ -94,15 +102,36 @@ def parse_decode_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: t
                 shape = replace(shape, var=True)
             else:
                 raise ValueError(f"decode shape {item!r}: unknown modifier {mod!r} (fp8, e4m3, e5m2, mha, var)")
+        check_decode_limits(f"decode shape {item!r}", shape)
         shapes.append(replace(shape, mods=tuple(mods)))
     if not shapes:
         raise ValueError(f"no decode shapes in {text!r}")
     return shapes
 
 
+def check_limit(where: str, what: str, value: int, limit: int, why: str) -> None:
+    """ValueError ``"<where>: <what> <value> > <limit> (<why>)"`` when ``value > limit``."""
+    if value > limit:
+        raise ValueError(f"{where}: {what} {value} > {limit} ({why})")
+
+
+def check_decode_limits(where: str, s: DecodeShape) -> None:
+    """Refuse a row past `MAX_BATCH`, int32 lengths and cache slots, or `MAX_INPUT_BYTES` of KV."""
+    check_limit(where, "batch", s.batch, MAX_BATCH, "past any serving batch")
+    check_limit(where, "kv_len", s.kv_len, INT32_MAX, "int32 lengths")
+    slots = int((-(-s.kv_lens() // s.page_size)).sum()) * s.page_size
+    check_limit(where, "KV cache slots (pages x page size)", slots, INT32_MAX, "int32 page tables")
+    check_limit(where, f"KV cache bytes ({s.kv_heads} KV heads, head dim {s.head_dim})",
+                slots * kv_bytes_per_token(s), MAX_INPUT_BYTES, "no GPU holds 1 TiB")
+
+
+def kv_bytes_per_token(s: DecodeShape) -> int:
+    return s.kv_heads * s.head_dim * 2 * DTYPE_BYTES[s.kv_dtype]
+
+
 def kv_bytes(s: DecodeShape) -> int:
     """Bytes of K and V a decode call must read."""
-    return int(s.kv_lens().sum()) * s.kv_heads * s.head_dim * 2 * DTYPE_BYTES[s.kv_dtype]
+    return int(s.kv_lens().sum()) * kv_bytes_per_token(s)
 
 
 @dataclass

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .decode import WORKSPACE_BYTES, api_function, selected_backend
+from .decode import (DTYPE_BYTES, INT32_MAX, MAX_BATCH, MAX_INPUT_BYTES, WORKSPACE_BYTES, api_function, check_limit,
+                     selected_backend)
 from .matrix import Column, NotApplicable
 from .timing import Job
 
@@ -92,10 +93,26 @@ def parse_prefill_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: 
                 shape = replace(shape, soft_cap=float(mod[3:]))
             else:
                 raise ValueError(f"prefill shape {item!r}: unknown modifier {mod!r} (nc, w<N>, mask, cap<X>)")
+        check_prefill_limits(f"prefill shape {item!r}", shape)
         shapes.append(shape)
     if not shapes:
         raise ValueError(f"no prefill shapes in {text!r}")
     return shapes
+
+
+def check_prefill_limits(where: str, s: PrefillShape) -> None:
+    """Refuse a row past `decode.MAX_BATCH`, int32 lengths, token counts, cache slots and mask
+    bits (FlashInfer's packed-mask offsets), or `decode.MAX_INPUT_BYTES` of q, k and v."""
+    check_limit(where, "batch", s.batch, MAX_BATCH, "past any serving batch")
+    check_limit(where, "kv_len", s.kv_len, INT32_MAX, "int32 lengths")
+    check_limit(where, "query tokens", s.requests * s.qo_len, INT32_MAX, "int32 qo_indptr")
+    slots = s.kv_len if s.single else s.batch * s.pages_per_request * s.page_size
+    check_limit(where, "KV cache slots", slots, INT32_MAX, "int32 page tables")
+    if s.custom_mask:
+        check_limit(where, "mask bits", s.requests * s.qo_len * s.kv_len, INT32_MAX, "int32 mask offsets")
+    nbytes = (s.requests * s.qo_len * s.qo_heads + 2 * slots * s.kv_heads) * s.head_dim * DTYPE_BYTES[s.dtype]
+    check_limit(where, f"q, k and v bytes (heads {s.qo_heads}/{s.kv_heads}, head dim {s.head_dim})", nbytes,
+                MAX_INPUT_BYTES, "no GPU holds 1 TiB")
 
 
 def _positive_float(text: str) -> bool:
@@ -106,15 +123,21 @@ def _positive_float(text: str) -> bool:
 
 
 def visible_pairs(qo_len: int, kv_len: int, causal: bool, window_left: int = -1) -> int:
-    """Query-key pairs one request computes: query i sits at p = i + kv_len - qo_len and
-    sees keys j < kv_len, j <= p if causal, j >= p - window_left if window_left >= 0."""
-    total = 0
-    for i in range(qo_len):
-        p = i + kv_len - qo_len
-        hi = min(kv_len - 1, p) if causal else kv_len - 1
-        lo = max(0, p - window_left) if window_left >= 0 else 0
-        total += max(0, hi - lo + 1)
-    return total
+    """Query-key pairs one request computes (kv_len >= qo_len): query i sits at
+    p = i + kv_len - qo_len and sees keys j < kv_len, j <= p if causal, j >= p - window_left
+    if window_left >= 0; summed in closed form over p = kv_len - qo_len .. kv_len - 1."""
+    if kv_len < qo_len:
+        raise ValueError(f"visible_pairs: kv_len={kv_len} < qo_len={qo_len}")
+    first, last = kv_len - qo_len, kv_len - 1
+    seen = _range_sum(first + 1, last + 1) if causal else qo_len * kv_len  # keys j <= hi
+    if window_left >= 0:  # minus the keys j < p - window_left
+        seen -= _range_sum(max(first, window_left + 1) - window_left, last - window_left)
+    return seen
+
+
+def _range_sum(lo: int, hi: int) -> int:
+    """lo + (lo + 1) + ... + hi (0 when hi < lo)."""
+    return (lo + hi) * (hi - lo + 1) // 2 if hi >= lo else 0
 
 
 def prefill_flops(s: PrefillShape) -> float:

@@ -282,23 +282,23 @@ def save_plot(report: Report, path: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the summary table of each saved JSON report."""
+    """Print the summary table of each saved JSON report; 2 if any could not be read."""
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
         print("usage: python -m flashdispatch.bench summary RESULT.json [...]", file=sys.stderr)
         return 2
+    failed = False
     for path in paths:
         try:
             with open(path) as f:
                 report = Report.from_json(json.load(f))
-        except (OSError, ValueError, TypeError) as e:
-            print(f"{path}: cannot read report: {e}")
+            lines = [f"== {path}", *(f"note: {note}" for note in report.notes),
+                     f"{report.kind} summary: {report.unit}", render_plain(*summary_rows(report)),
+                     *geomean_lines(report)]
+        except Exception as e:  # noqa: BLE001 - any unreadable or malformed file is reported, not raised
+            print(f"bench: summary: {path}: cannot read report: {type(e).__name__}: {one_line(str(e), 200)}",
+                  file=sys.stderr)
+            failed = True
             continue
-        print(f"== {path}")
-        for note in report.notes:
-            print(f"note: {note}")
-        render(*summary_rows(report), title=f"{report.kind} summary: {report.unit}", use_rich=False)
-        for line in geomean_lines(report):
-            print(line)
-    return 0
-
+        print("\n".join(lines))
+    return 2 if failed else 0

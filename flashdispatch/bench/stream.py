@@ -2,8 +2,8 @@
 
 What would a kernel that only reads the row's bytes take, timed the same way (same L2 flush,
 same events)? A Triton kernel sums the cache as int32 words, each program one contiguous slice,
-with or without an L2 eviction hint on its loads, whichever is faster (picked per row by a short calibration under the run's flush);
-``x stream`` in the detail table is each cell's rate over it.
+with or without an L2 eviction hint on its loads, whichever is faster (picked per row by a short
+calibration under the run's flush); ``x stream`` in the detail table is each cell's rate over it.
 
 It is a reference point, not an upper bound. Its loads are plain (``ld.global``), which can
 carry an L2 ``evict_first`` hint: under the write flush that hint keeps the flush's dirty lines
