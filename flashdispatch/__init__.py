@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 from . import cascade, decode, mla, page, prefill, quantization, utils  # noqa: F401  (flashinfer.decode, ...)
-from .cascade import merge_state, merge_state_in_place, merge_states
+from .cascade import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
+                      MultiLevelCascadeAttentionWrapper, merge_state, merge_state_in_place, merge_states)
 from .decode import (BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
                      cudnn_batch_decode_with_kv_cache, single_decode_with_kv_cache,
                      trtllm_batch_decode_with_kv_cache)
@@ -31,7 +32,9 @@ __all__ = [
     "single_decode_with_kv_cache", "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse",
     "cudnn_batch_decode_with_kv_cache", "cudnn_batch_prefill_with_kv_cache", "trtllm_batch_decode_with_kv_cache",
     "trtllm_batch_context_with_kv_cache", "trtllm_batch_decode_with_kv_cache_mla", "xqa", "xqa_mla",
-    "merge_state", "merge_state_in_place", "merge_states", "packbits", "segment_packbits", "get_seq_lens",
+    "MultiLevelCascadeAttentionWrapper", "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper", "merge_state", "merge_state_in_place", "merge_states",
+    "packbits", "segment_packbits", "get_seq_lens",
     "get_batch_indices_positions", "append_paged_kv_cache", "explain", "select_backend", "use_backends",
     "load_config", "Problem", "Device", "Workload", "Decision", "Reason", "Unsupported",
 ]

@@ -420,6 +420,24 @@ def check_distinct_elements(t: torch.Tensor, name: str) -> None:
                          f"expanded view?); an output must hold each element once")
 
 
+def check_in_place(t: torch.Tensor, name: str) -> None:
+    """A tensor written in place (no host sync): each element held once, by `check_distinct_elements`
+    and then by its strides (its dims of more than one element, by increasing stride, each step past
+    the span of the ones before; an interleaved layout this cannot show disjoint is refused too),
+    and, with grad mode on, not an autograd leaf that requires grad, nor a view of one."""
+    check_distinct_elements(t, name)
+    span = 1
+    for stride, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1) if t.numel() else ():
+        if stride < span:
+            raise ValueError(f"{name} has elements that may share memory (shape {list(t.shape)}, stride "
+                             f"{t.stride()}); a tensor written in place must hold each element once")
+        span += (n - 1) * stride
+    root = t if t._base is None else t._base
+    if t.requires_grad and root.is_leaf and torch.is_grad_enabled():
+        raise ValueError(f"{name} is a leaf tensor that requires grad (or a view of one): it cannot be written in "
+                         f"place; pass {name}.detach() or call under torch.no_grad()")
+
+
 def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     """[first, end) of the bytes ``t``'s elements occupy; None when it has none (or no memory: meta)."""
     if t.numel() == 0 or t.is_meta:

@@ -12,13 +12,22 @@ _BITORDERS = ("big", "little")
 
 
 def _check_bitorder(bitorder: str) -> None:
-    if bitorder not in _BITORDERS:
+    if not isinstance(bitorder, str) or bitorder not in _BITORDERS:
         raise ValueError(f"bitorder={bitorder!r} not in {list(_BITORDERS)}")
 
 
+def _check_bits(x, name: str = "x") -> None:
+    """``x``: a 1-D tensor of bool or integer dtype (numpy.packbits' input types; float is refused).
+    Its values are not read: as in numpy, any nonzero element packs as a 1 bit."""
+    check_tensor(x, name, ndim=1)
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        raise TypeError(f"{name}.dtype={str(x.dtype).replace('torch.', '')} is not accepted; expected bool or an "
+                        "integer dtype holding 0/1")
+
+
+
 def _weights(bitorder: str, device) -> torch.Tensor:
-    """uint8 [8]: the value of bit j of a byte (``bitorder`` checked)."""
-    _check_bitorder(bitorder)
+    """uint8 [8]: the value of bit j of a byte (``bitorder`` already checked)."""
     w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
     return w if bitorder == "little" else w.flip(0)
 
@@ -29,7 +38,7 @@ def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
     Parameters
     ----------
     x : torch.Tensor
-        The 1-D binary-valued (bool or 0/1) tensor to pack.
+        The 1-D binary-valued tensor to pack: bool, or an integer dtype (nonzero packs as 1).
     bitorder : str
         ``"big"`` (first element in the most significant bit, numpy's default) or ``"little"``.
 
@@ -38,9 +47,10 @@ def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
     torch.Tensor
         uint8 tensor of ``ceil(x.numel() / 8)`` bytes; the last byte is zero-padded.
     """
-    check_tensor(x, "x")
+    _check_bits(x)
+    _check_bitorder(bitorder)
     w = _weights(bitorder, x.device)
-    flat = (x.reshape(-1) != 0).view(torch.uint8)  # one byte per element, 0 or 1
+    flat = (x != 0).view(torch.uint8)  # one byte per element, 0 or 1
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
@@ -53,7 +63,7 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     Parameters
     ----------
     x : torch.Tensor
-        The 1-D binary-valued tensor holding all segments.
+        The 1-D binary-valued tensor (bool, or integers: nonzero packs as 1) holding all segments.
     indptr : torch.Tensor
         int32/int64 offsets of the segments in ``x``, shape ``[num_segments + 1]``.
     bitorder : str
@@ -65,7 +75,7 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
         ``y``: uint8 concatenation of the packed segments; ``new_indptr``: int32 byte offsets of
         each segment in ``y``, shape ``[num_segments + 1]``.
     """
-    check_tensor(x, "x")
+    _check_bits(x)
     check_tensor(indptr, "indptr", ndim=1, dtypes=(torch.int32, torch.int64))
     _check_bitorder(bitorder)
     ip = indptr.to(device=x.device, dtype=torch.int64)
@@ -84,12 +94,12 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
         from .bitpack import pack_segments
         return pack_segments(x, ip, new_indptr, total, bitorder), new_indptr.to(torch.int32)
     if bool((seg_len % 8 == 0).all()):  # every segment is whole bytes: one packbits over all of them
-        return packbits(x.reshape(-1)[first:last], bitorder), new_indptr.to(torch.int32)
+        return packbits(x[first:last], bitorder), new_indptr.to(torch.int32)
     seg_of_byte = torch.repeat_interleave(torch.arange(seg_len.numel(), device=x.device), seg_bytes)
     byte_in_seg = torch.arange(total, device=x.device) - new_indptr[seg_of_byte]
     bit = byte_in_seg[:, None] * 8 + torch.arange(8, device=x.device)
     valid = bit < seg_len[seg_of_byte][:, None]
     src = (ip[seg_of_byte][:, None] + bit).clamp(max=max(x.numel() - 1, 0))
-    flat = (x.reshape(-1) != 0).view(torch.uint8)
+    flat = (x != 0).view(torch.uint8)
     bits = torch.where(valid, flat[src] if flat.numel() else torch.zeros_like(src, dtype=torch.uint8), 0)
     return (bits * _weights(bitorder, x.device)).sum(-1, dtype=torch.uint8), new_indptr.to(torch.int32)

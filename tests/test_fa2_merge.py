@@ -148,3 +148,56 @@ def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
     assert specs[2] == spec_key(args[2]) and specs[2] != specs[0]
     assert specs[3] == spec_key(args[3]) and args[3][5:7] == (144, 72) and specs[3] != specs[0]
     assert specs[4] is None
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_merge_strided_head_dim(dtype):
+    """v and v_out whose head_dim is not their contiguous dimension (a transposed view): read and
+    written through their column strides, as the reference does."""
+    gen = torch.Generator().manual_seed(8)
+    base = torch.randn(3, 4, 24, 2, generator=gen).to(dtype)  # [seq, states, dim, heads]
+    v, s = base.transpose(2, 3), 4 * torch.randn(3, 4, 2, generator=gen)
+    assert v.stride(-1) == 2
+    v_out = torch.full((3, 24, 2), float("nan"), dtype=dtype, device=DEVICE).transpose(1, 2)
+    s_out = torch.full((3, 2), float("nan"), device=DEVICE)
+    merge_states(MergeInputs(v.to(DEVICE), s.to(DEVICE), v_out, s_out))
+    ref_v, ref_s = oracle_merge(v.float(), s)
+    assert rel_err(v_out.cpu(), ref_v) <= TOL[dtype]
+    assert (s_out.cpu().double() - ref_s).abs().max().item() <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's 0 * inf, masked out
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_merge_empty_states_match_the_reference(poison):
+    """fa2 and the reference agree on states of lse -inf whose v holds NaN/inf (they add nothing)
+    and on rows of only such states (v 0, lse -inf)."""
+    from flashdispatch.backends.reference.merge import merge_states as reference_merge
+    v, s = _states(5, 3, 2, 16, torch.float32, seed=9, neg_inf_frac=0.4)
+    s[1] = float("-inf")
+    v[s == float("-inf")] = poison
+    out_v, out_s = _merge(v, s)
+    ref_v, ref_s = torch.empty_like(out_v), torch.empty_like(out_s)
+    reference_merge(MergeInputs(v, s, ref_v, ref_s))
+    assert not out_v.isnan().any() and not ref_v.isnan().any()
+    assert torch.equal(out_v[1], torch.zeros_like(out_v[1])) and torch.equal(ref_v[1], out_v[1])
+    assert torch.equal(torch.isneginf(out_s), torch.isneginf(ref_s))
+    assert rel_err(out_v, ref_v.double()) <= 1e-5
+
+
+def test_public_merge_states_takes_a_transposed_v():
+    """merge_states / merge_state_in_place selecting fa2, with views whose last dim is strided: the
+    result of their contiguous copies (to an ulp: on a GPU the tile layout, so the order of the
+    sum over states, depends on the strides)."""
+    import flashdispatch as fi
+    gen = torch.Generator().manual_seed(10)
+    v = torch.randn(4, 3, 16, 2, generator=gen).half().to(DEVICE).transpose(2, 3)
+    s = torch.randn(4, 3, 2, generator=gen).to(DEVICE)
+    with fi.use_backends("fa2"):
+        got_v, got_s = fi.merge_states(v, s)
+        want_v, want_s = fi.merge_states(v.contiguous(), s)
+        assert torch.allclose(got_v, want_v, rtol=0, atol=2e-3) and torch.allclose(got_s, want_s, rtol=0, atol=1e-6)
+        dst = v[:, 0].transpose(1, 2).contiguous().transpose(1, 2)  # [4, 2, 16], column stride 2
+        dst_s = s[:, 0].clone()
+        fi.merge_state_in_place(dst, dst_s, v[:, 1], s[:, 1])
+        want_v, want_s = fi.merge_state(v[:, 0].contiguous(), s[:, 0], v[:, 1].contiguous(), s[:, 1])
+    assert torch.allclose(dst, want_v, rtol=0, atol=2e-3) and torch.allclose(dst_s, want_s, rtol=0, atol=1e-6)

@@ -54,14 +54,16 @@ def _merge_step(m_i, l_i, acc, s_k, v_k, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, head_dim, write_s,
-                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_S: tl.constexpr):
-    """Merge states first..first+n-1 of one (row, head) over columns [0, head_dim) of v_ptr; the
-    pointers already point at it. States are read BLOCK_S at a time, so a few dozen splits cost
-    one or two load rounds. The merged s is stored where WRITE_S and ``write_s``."""
+def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, stride_vd, stride_vod, head_dim,
+                write_s, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_S: tl.constexpr):
+    """Merge states first..first+n-1 of one (row, head) over columns [0, head_dim) of v_ptr (column
+    strides stride_vd in v, stride_vod in the output); the pointers already point at it. States are
+    read BLOCK_S at a time, so a few dozen splits cost one or two load rounds. The merged s is stored
+    where WRITE_S and ``write_s``."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
+    cols = offs_d.to(tl.int64)
     m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -69,11 +71,11 @@ def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, he
         ok = s0 + offs_s < n
         k = (first + s0 + offs_s).to(tl.int64)
         s_k = tl.load(s_ptr + k * stride_ss, mask=ok, other=float("-inf"))
-        v_k = tl.load(v_ptr + k[:, None] * stride_vs + offs_d[None, :], mask=ok[:, None] & mask_d[None, :],
+        v_k = tl.load(v_ptr + k[:, None] * stride_vs + cols[None, :] * stride_vd, mask=ok[:, None] & mask_d[None, :],
                       other=0.0).to(tl.float32)
         m_i, l_i, acc = _merge_step(m_i, l_i, acc, s_k, v_k, 0)
     l_safe = tl.where(l_i == 0, 1.0, l_i)
-    tl.store(vo_ptr + offs_d, (acc / l_safe).to(vo_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(vo_ptr + cols * stride_vod, (acc / l_safe).to(vo_ptr.dtype.element_ty), mask=mask_d)
     if WRITE_S:
         tl.store(so_ptr, tl.where(l_i == 0, float("-inf"), m_i + tl.log2(l_safe)), mask=write_s)
 
@@ -106,14 +108,15 @@ def _merge_row_block(v_rows, s_rows, vo_rows, so_rows, row_ok, first, n, stride_
 
 @triton.jit
 def _merge_states_kernel(v_ptr, s_ptr, vo_ptr, so_ptr, num_states, head_dim,
-                         stride_vt, stride_vs, stride_vh, stride_st, stride_ss, stride_sh,
-                         stride_vot, stride_voh, stride_sot, stride_soh,
+                         stride_vt, stride_vs, stride_vh, stride_vd, stride_st, stride_ss, stride_sh,
+                         stride_vot, stride_voh, stride_vod, stride_sot, stride_soh,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     _merge_rows(v_ptr + t * stride_vt + h * stride_vh, s_ptr + t * stride_st + h * stride_sh,
                 vo_ptr + t * stride_vot + h * stride_voh, so_ptr + t * stride_sot + h * stride_soh,
-                0, num_states, stride_vs, stride_ss, head_dim, True, BLOCK_S, BLOCK_D, WRITE_S=True)
+                0, num_states, stride_vs, stride_ss, stride_vd, stride_vod, head_dim, True, BLOCK_S, BLOCK_D,
+                WRITE_S=True)
 
 
 @triton.jit
@@ -140,7 +143,7 @@ def _merge_decode_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, info_ptr,
         row = (row_base + qi).to(tl.int64)
         _merge_rows(po_ptr + (qi * NUM_HEADS + h) * HEAD_DIM + col, plse_ptr + qi * NUM_HEADS + h,
                     out_ptr + row * stride_ot + h * stride_oh + col, lse_ptr + row * stride_lt + h * stride_lh,
-                    first, n, QLEN * NUM_HEADS * HEAD_DIM, QLEN * NUM_HEADS, BLOCK_D, col == 0,
+                    first, n, QLEN * NUM_HEADS * HEAD_DIM, QLEN * NUM_HEADS, 1, 1, BLOCK_D, col == 0,
                     BLOCK_S, BLOCK_D, WRITE_S=WRITE_LSE)
 
 
@@ -207,14 +210,12 @@ def _merge_states_launcher(head_dim: int) -> BoundKernel:
 
 
 def merge_states(inputs: MergeInputs) -> None:
-    """op ``merge``: fill inputs.v_out [seq, H, D] and inputs.s_out [seq, H] (base 2)."""
+    """op ``merge``: fill inputs.v_out [seq, H, D] and inputs.s_out [seq, H] (base 2); any strides
+    (a unit column stride, the usual case, is Triton's specialisation of 1: contiguous loads)."""
     v, s, v_out, s_out = inputs.v, inputs.s, inputs.v_out, inputs.s_out
     seq, num_states, num_heads, head_dim = v.shape
     if seq == 0:
         return
-    if v.stride(-1) != 1 or v_out.stride(-1) != 1:
-        raise ValueError("merge_states: v and v_out need a contiguous last dimension "
-                         f"(strides {tuple(v.stride())}, {tuple(v_out.stride())})")
     _merge_states_launcher(head_dim)(
-        (seq, num_heads), v, s, v_out, s_out, num_states, head_dim, v.stride(0), v.stride(1), v.stride(2),
-        s.stride(0), s.stride(1), s.stride(2), v_out.stride(0), v_out.stride(1), s_out.stride(0), s_out.stride(1))
+        (seq, num_heads), v, s, v_out, s_out, num_states, head_dim, *v.stride(), *s.stride(), *v_out.stride(),
+        *s_out.stride())
