@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .dispatch.explain import torch_device
 from .mla import BatchMLAPagedAttentionWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -79,9 +80,15 @@ def _mla(dev, dtype, gen) -> bool:
                    outs[1][1], 2e-2 if dtype != torch.float32 else 1e-4)
 
 
-def run_demo(device: str | None = None) -> int:
+def demo_device(device: str | torch.device | None = None) -> torch.device:
+    """The device the demo runs on: ``device`` (cpu or cuda[:N] of this machine, else ValueError),
+    by default cuda if present, else cpu."""
+    return torch_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def run_demo(device: str | torch.device | None = None) -> int:
     """Run the three checks; exit status 0 when every output matches the reference."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = demo_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gen = torch.Generator(device=dev).manual_seed(0)
     print(f"flashdispatch demo on {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}), "

@@ -183,6 +183,19 @@ def test_use_backends_validates_names(fakes, bad):
             pass
 
 
+@pytest.mark.parametrize("bad", [3, None, b"fa2", 2.5])
+def test_use_backends_refuses_what_is_not_names(fakes, bad):
+    with pytest.raises(TypeError, match=r"use_backends: backends=.*: expected a backend name \(str\) or an iterable"):
+        with use_backends(bad):
+            pass
+
+
+def test_decision_reasons_of_an_unknown_backend_lists_the_candidates(fakes):
+    d = select(problem(), SM90)
+    with pytest.raises(KeyError, match="'nope' is not a candidate of this decision; candidates: fa2, cudnn"):
+        d.reasons("nope")
+
+
 def test_env_backend_order(fakes, monkeypatch):
     monkeypatch.setenv("FLASHDISPATCH_BACKEND", "xqa")
     d = select(problem(), SM90)
@@ -338,7 +351,8 @@ def test_explain_table(fakes):
     assert lines[3] == "  cudnn       REJECT  package  cudnn missing (pip it)"
     assert lines[4] == "                      feature.soft_cap  logits_soft_cap > 0 is not supported"
     assert "  reference   OK      (last resort on a GPU)" in lines
-    assert any(l.startswith("  fa3         REJECT  op  op=decode not in {prefill_paged}  (not in order)") for l in lines)
+    assert any(l.startswith("  fa3         REJECT  op  op=decode not in {prefill_paged}  (not in order)")
+               for l in lines)
     assert "  cutlass     OK      (not in order)" in lines
     for name in registry.BACKEND_NAMES:
         assert sum(l.startswith(f"  {name} ") for l in lines) == 1, name
@@ -393,19 +407,20 @@ def test_describe_problem_features():
     q = describe_problem(features=["custom_mask", "rope", "q_len_per_req"], q_len_per_req=4, return_lse=False)
     assert q.mask_mode == "custom" and q.pos_encoding_mode == "ROPE_LLAMA" and q.q_len_per_req == 4
     assert not q.return_lse
-    assert describe_problem(q_dtype="fp8_e4m3").o_dtype == torch.bfloat16
+    assert describe_problem(q_dtype="fp8_e4m3").o_dtype == torch.float16  # as plan() (FlashInfer) defaults it
+    assert describe_problem("mla", q_dtype="fp8_e4m3").o_dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(op="attention"), "op='attention'; valid: decode"),
-    (dict(features="causal,flash"), "feature 'flash'; valid: alibi"),
+    (dict(features="causal,flash"), "features: 'flash' is not a feature; valid: alibi"),
     (dict(features="sliding_window"), "needs its value: give window_left"),
     (dict(features="soft_cap"), "give logits_soft_cap"),
     (dict(features="q_len_per_req"), "give q_len_per_req"),
     (dict(features="causal,custom_mask"), "exclude each other"),
     (dict(features="rope,alibi"), "exclude each other"),
     (dict(features="fp8_kv", kv_dtype="bf16"), "needs an fp8 kv_dtype"),
-    (dict(q_dtype="double"), "q_dtype='double' is not a dtype name; valid: fp16, bf16"),
+    (dict(q_dtype="double"), "q_dtype='double' is not a dtype name; accepted: .*'bf16'"),
     (dict(heads="32/x"), "heads='32/x'"),
     (dict(head_dim=0), "head_dim=0"),
     (dict(layout="nhd"), "layout='nhd'; valid: NHD, HND"),
@@ -444,7 +459,8 @@ def test_backends_table_with_fakes(fakes):
     rows = {l.split()[0]: l for l in lines[1:] if not l.startswith(" ")}
     assert list(rows) == list(registry.BACKEND_NAMES)
     assert rows["fa2"].split()[1:] == ["available", "fake", "fa2", "1.0"]
-    assert "unavailable" in rows["cudnn"] and "import: flashdispatch.backends.cudnn: ImportError: no cudnn here" in rows["cudnn"]
+    assert "unavailable" in rows["cudnn"]
+    assert "import: flashdispatch.backends.cudnn: ImportError: no cudnn here" in rows["cudnn"]
     assert rows["xqa"].rstrip().endswith("device: no CUDA device")
     assert any(l.strip() == "not_implemented: later" for l in lines)
 

@@ -220,8 +220,8 @@ BAD = [
     ("rules:\n  - {name: x, when: {device_type: gpu}, order: [fa2]}\n", "rules[0].when.device_type", "cpu, cuda"),
     ("rules:\n  - {name: x, when: {kv_layout: nhd}, order: [fa2]}\n", "rules[0].when.kv_layout", "NHD, HND"),
     ("rules:\n  - {name: x, when: {features_any: [flash]}, order: [fa2]}\n", "rules[0].when.features_any", "causal"),
-    ("rules:\n  - {name: x, when: {min_batch: many}, order: [fa2]}\n", "rules[0].when.min_batch", "non-negative integer"),
-    ("rules:\n  - {name: x, when: {max_kv_len: true}, order: [fa2]}\n", "rules[0].when.max_kv_len", "non-negative integer"),
+    ("rules:\n  - {name: x, when: {min_batch: many}, order: [fa2]}\n", "rules[0].when.min_batch", "non-negative"),
+    ("rules:\n  - {name: x, when: {max_kv_len: true}, order: [fa2]}\n", "rules[0].when.max_kv_len", "non-negative"),
     ("rules:\n  - {name: x, when: {head_dim_qk: [128, x]}, order: [fa2]}\n", "rules[0].when.head_dim_qk", "integer"),
     ("pins:\n  - {when: {op: decode}}\n", "pins[0].backend", "missing"),
     ("pins:\n  - {when: {op: decode}, backend: fast}\n", "pins[0].backend", "'fast' is not a backend"),
@@ -253,6 +253,46 @@ def test_bad_file_from_env_fails_at_use(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHDISPATCH_CONFIG", write(tmp_path, "reference_fallback: sometimes\n"))
     with pytest.raises(ValueError, match="reference_fallback"):
         active_policy()
+
+
+@pytest.mark.parametrize("text, key, line", [
+    ("rules: []\nrules:\n  - {name: x, order: [fa2]}\n", "rules", 2),
+    ("rules:\n  - name: x\n    order: [fa2]\n    name: y\n", "name", 4),
+    ("defaults:\n  decode: [fa2]\n  decode: [cudnn]\n", "decode", 3),
+    ("rules:\n  - {name: x, when: {op: decode, op: mla}, order: [fa2]}\n", "op", 2),
+])
+def test_duplicate_keys_are_refused(tmp_path, text, key, line):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match=f"^{path}: line {line}: key '{key}' appears twice"):
+        load_policy(path)
+
+
+def test_yaml_merge_keys_may_override(tmp_path):
+    path = write(tmp_path, """\
+        rules:
+          - &base {name: a, when: {op: decode}, order: [fa2]}
+          - <<: *base
+            name: b
+        """)
+    assert [(r.name, r.order) for r in load_policy(path).rules[:2]] == [("a", ("fa2",)), ("b", ("fa2",))]
+
+
+def test_non_utf8_file_is_named(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("reference_fallback: warn  # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=f"^{path}: not UTF-8 text"):
+        load_policy(path)
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(TypeError, match=r"path=3: expected a str or os.PathLike naming a policy file \(or None\)"):
+        load_config(3)
+    with pytest.raises(ValueError, match=r"path='a\\x00b': expected a policy file's path"):
+        load_config("a\0b")
+    with pytest.raises(ValueError, match="path='': expected a policy file's path"):
+        load_policy("")
+    path = write(tmp_path, "", "p.yaml")
+    assert load_policy(path.encode()).files[-1] == path  # a bytes path names the file as a str
 
 
 def test_only_safe_yaml_is_read(tmp_path):

@@ -5,8 +5,9 @@ or the file named by the environment variable ``FLASHDISPATCH_CONFIG``) is merge
 it: its ``defaults`` replace the packaged order of the ops it names, its ``rules`` and
 ``pins`` come before the packaged ones (first match wins), and its
 ``reference_fallback`` replaces the packaged one. The schema is documented in
-``configs/default.yaml``. Files are read with ``yaml.safe_load`` only; every mistake is a
-ValueError naming the file, the key and the accepted values.
+``configs/default.yaml``. Files are UTF-8, read with a ``yaml.SafeLoader`` that refuses a key
+repeated in one mapping; every mistake is a ValueError naming the file, the key and the accepted
+values.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Callable
 
-import torch
 import yaml
 
 from .caps import ALL_FEATURES
@@ -30,15 +30,6 @@ DEVICE_TYPES = ("cpu", "cuda")
 _TOP_KEYS = ("defaults", "rules", "pins", "reference_fallback")
 _RULE_KEYS = ("name", "when", "order")
 _PIN_KEYS = ("name", "when", "backend")
-
-
-def parse_dtype(value: str | torch.dtype, what: str = "dtype") -> torch.dtype:
-    """A torch dtype from its name (``bf16``, ``bfloat16``, ``fp8_e4m3``, ...) or itself."""
-    if isinstance(value, torch.dtype):
-        return value
-    if value not in DTYPE_BY_NAME:
-        raise ValueError(f"{what}={value!r} is not a dtype name; valid: {', '.join(DTYPE_BY_NAME)}")
-    return DTYPE_BY_NAME[value]
 
 
 # --- the `when` conditions -----------------------------------------------------------------
@@ -248,10 +239,36 @@ def _pins(items: Any, label: str) -> tuple[Pin, ...]:
     return tuple(pins)
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, mark):
+        super().__init__(f"line {mark.line + 1}: key {key!r} appears twice in one mapping (each key once)")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key repeated in one mapping (safe_load keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                repeated = key in seen
+            except TypeError:  # an unhashable key: SafeLoader names it
+                continue
+            if repeated:
+                raise _DuplicateKey(key, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _read(text: str, label: str) -> dict:
     """Parse and validate one file; returns its parts (only the keys it has)."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as e:
+        raise ValueError(f"{label}: {e}") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{label}: not valid YAML: {e}") from None
     data = _mapping({} if data is None else data, label, "", _TOP_KEYS)
@@ -275,16 +292,29 @@ def _packaged_text() -> str:
     return resources.files("flashdispatch").joinpath("configs/default.yaml").read_text()
 
 
+def _path_label(path) -> str:
+    """``path`` (a str, bytes or os.PathLike) as a str, refusing what cannot name a file."""
+    try:
+        label = os.fsdecode(path)
+    except TypeError:
+        raise TypeError(f"path={path!r}: expected a str or os.PathLike naming a policy file (or None)") from None
+    if not label or "\0" in label:
+        raise ValueError(f"path={label!r}: expected a policy file's path (non-empty, without NUL bytes)")
+    return label
+
+
 def load_policy(path: str | os.PathLike | None = None) -> Policy:
     """The packaged policy with the file at ``path`` (if any) merged over it."""
     layers = [(_read(_packaged_text(), PACKAGED_LABEL), PACKAGED_LABEL)]
     if path is not None:
-        label = os.fspath(path)
+        label = _path_label(path)
         try:
             with open(label, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"{label}: cannot read policy file: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{label}: not UTF-8 text ({e}); a policy file is UTF-8 YAML") from None
         layers.append((_read(text, label), label))
     defaults: dict[str, tuple[tuple[str, ...], str]] = {}
     rules: tuple[Rule, ...] = ()

@@ -5,8 +5,10 @@ All three are frozen and hashable: selection decisions are cached on them.
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 OPS = ("decode", "prefill_paged", "prefill_ragged", "mla", "merge")
@@ -14,6 +16,7 @@ LAYOUTS = ("NHD", "HND")
 MASK_MODES = ("none", "causal", "custom")
 POS_ENCODINGS = ("NONE", "ROPE_LLAMA", "ALIBI")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SOFT_CAP_LIMIT = 1e30  # (checks.SCALAR_LIMIT: the wrappers' bound on logits_soft_cap)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,24 @@ class Problem:
     sinks: bool = False
     spec_decode_mask: bool = False
     head_dim_kpe: int = 0
+
+    def __post_init__(self):
+        # plan() builds Problems on every call: the valid case is one expression, `_check_fields` names the bad field
+        if not (self.op in OPS and self.kv_layout in LAYOUTS and self.mask_mode in MASK_MODES
+                and self.pos_encoding_mode in POS_ENCODINGS and type(self.q_dtype) is torch.dtype
+                and type(self.kv_dtype) is torch.dtype and type(self.o_dtype) is torch.dtype
+                and type(self.num_qo_heads) is int and type(self.num_kv_heads) is int and self.num_qo_heads > 0
+                and self.num_kv_heads > 0
+                and type(self.head_dim_qk) is int and self.head_dim_qk > 0
+                and type(self.head_dim_vo) is int and self.head_dim_vo > 0
+                and type(self.page_size) is int and self.page_size >= 0
+                and type(self.window_left) is int and self.window_left >= -1
+                and type(self.logits_soft_cap) is float and 0.0 <= self.logits_soft_cap <= SOFT_CAP_LIMIT
+                and type(self.q_len_per_req) is int and self.q_len_per_req >= 1
+                and type(self.head_dim_kpe) is int and self.head_dim_kpe >= 0
+                and type(self.use_cuda_graph) is bool and type(self.return_lse) is bool
+                and type(self.sinks) is bool and type(self.spec_decode_mask) is bool):
+            _check_fields(self)
 
     def features(self) -> frozenset[str]:
         """The feature names (as `Caps.features` spells them) this problem needs."""
@@ -101,6 +122,73 @@ class Problem:
         return " ".join(parts)
 
 
+_CHOICES = {"op": OPS, "kv_layout": LAYOUTS, "mask_mode": MASK_MODES, "pos_encoding_mode": POS_ENCODINGS}
+_LOWEST = {"num_qo_heads": 1, "num_kv_heads": 1, "head_dim_qk": 1, "head_dim_vo": 1, "page_size": 0,
+           "window_left": -1, "q_len_per_req": 1, "head_dim_kpe": 0}
+
+
+def _fail(cls: str, name: str, value, accepted: str, error=ValueError):
+    raise error(f"{cls}.{name}={value!r}: expected {accepted}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_ints(obj, lowest: dict[str, int]) -> None:
+    """Int fields (numpy ints are taken as ints), each at least its ``lowest``."""
+    for name, low in lowest.items():
+        value = getattr(obj, name)
+        if not _is_int(value):
+            _fail(type(obj).__name__, name, value, f"an int >= {low}", TypeError)
+        if value < low:
+            _fail(type(obj).__name__, name, value, f"an int >= {low}")
+        object.__setattr__(obj, name, int(value))
+
+
+def _check_bool(obj, name: str) -> None:
+    """A bool field; ints 0/1 and numpy bools are taken as bools."""
+    value = getattr(obj, name)
+    if isinstance(value, (bool, np.bool_)) or (_is_int(value) and value in (0, 1)):
+        object.__setattr__(obj, name, bool(value))
+    else:
+        _fail(type(obj).__name__, name, value, "a bool", TypeError)
+
+
+def _check_fields(p: Problem) -> None:
+    """Raise TypeError/ValueError for the first field of ``p`` outside its accepted values."""
+    for name, choices in _CHOICES.items():
+        value = getattr(p, name)
+        if not isinstance(value, str) or value not in choices:
+            _fail("Problem", name, value, f"one of {', '.join(choices)}")
+    for name in ("q_dtype", "kv_dtype", "o_dtype"):
+        if not isinstance(getattr(p, name), torch.dtype):
+            _fail("Problem", name, getattr(p, name), "a torch.dtype", TypeError)
+    _check_ints(p, _LOWEST)
+    cap = p.logits_soft_cap
+    if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
+        _fail("Problem", "logits_soft_cap", cap, "a float", TypeError)
+    if not 0.0 <= cap <= SOFT_CAP_LIMIT:  # (NaN fails it)
+        _fail("Problem", "logits_soft_cap", cap, "a float in [0, 1e30] (0: no soft cap)")
+    object.__setattr__(p, "logits_soft_cap", float(cap))
+    for name in ("use_cuda_graph", "return_lse", "sinks", "spec_decode_mask"):
+        _check_bool(p, name)
+
+
+def _check_device(d: Device) -> None:
+    """Raise TypeError/ValueError for the first field of ``d`` outside its accepted values."""
+    if not isinstance(d.type, str) or not d.type:
+        error = ValueError if isinstance(d.type, str) else TypeError
+        _fail("Device", "type", d.type, "a device type such as 'cpu' or 'cuda'", error)
+    cc = d.cc
+    if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2 and all(_is_int(v) and v >= 0 for v in cc)):
+        _fail("Device", "cc", cc, "None or a compute capability (major, minor) of two ints, e.g. (9, 0)")
+    if not isinstance(d.name, str):
+        _fail("Device", "name", d.name, "a str", TypeError)
+    _check_ints(d, {"index": 0, "sm_count": 0, "shared_per_block": 0})
+    _check_bool(d, "described")
+
+
 _DTYPE_NAMES = {
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
@@ -142,6 +230,15 @@ class Device:
     sm_count: int = 0
     described: bool = False
     shared_per_block: int = 0
+
+    def __post_init__(self):
+        if not (type(self.type) is str and self.type and type(self.index) is int and self.index >= 0
+                and (self.cc is None or (type(self.cc) is tuple and len(self.cc) == 2 and type(self.cc[0]) is int
+                                         and type(self.cc[1]) is int and min(self.cc) >= 0))
+                and type(self.name) is str and type(self.sm_count) is int and self.sm_count >= 0
+                and type(self.described) is bool and type(self.shared_per_block) is int
+                and self.shared_per_block >= 0):
+            _check_device(self)
 
     @property
     def is_cuda(self) -> bool:

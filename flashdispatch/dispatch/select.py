@@ -57,7 +57,8 @@ class Decision:
         for candidate, reasons, _ in self.candidates:
             if candidate == name:
                 return reasons
-        raise KeyError(name)
+        raise KeyError(f"{name!r} is not a candidate of this decision; candidates: "
+                       f"{', '.join(c for c, _, _ in self.candidates)}")
 
     def rejected(self) -> dict[str, list[Reason]]:
         """Reasons of every backend in the order that cannot run the problem."""
@@ -74,7 +75,13 @@ _use_backends: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.Cont
 
 
 def _backend_names(names: str | Iterable[str], what: str) -> tuple[str, ...]:
-    items = [names] if isinstance(names, str) else list(names)
+    if isinstance(names, str):
+        items = [names]
+    elif isinstance(names, Iterable) and not isinstance(names, (bytes, bytearray)):
+        items = list(names)
+    else:
+        raise TypeError(f"{what}: backends={names!r}: expected a backend name (str) or an iterable of names "
+                        f"from {', '.join(registry.BACKEND_NAMES)}")
     out: list[str] = []
     for name in items:
         if name not in registry.BACKEND_NAMES:

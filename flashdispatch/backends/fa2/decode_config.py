@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ...dispatch.problem import FP8_DTYPES, Problem
+from .decode_env import CONFIG_ENV, apply_env
 
-CONFIG_ENV = "FLASHDISPATCH_FA2_DECODE_CONFIG"
 MAX_LINE_SEGMENT_TOKENS = 4096  # DecodeConfig.line_segment_tokens: gap x requests stays far inside int32
 MAX_PACK_ITEMS = 4  # DecodeConfig.pack_items: the kernel's body is compiled that many times
 
@@ -551,7 +550,7 @@ def _base_config(head_dim: int, kv_dtype: torch.dtype, page_size: int, group: in
                  env: str | None) -> DecodeConfig:
     cfg = default_config(Problem("decode", torch.float16, kv_dtype, torch.float16, group, 1, head_dim, head_dim,
                                  page_size=page_size), shared)
-    return apply_overrides(cfg, json.loads(env)) if env else cfg
+    return apply_env(cfg, env, apply_overrides) if env else cfg
 
 
 def resolve_config(problem: Problem, overrides: dict | None = None, shared: int = 0) -> DecodeConfig:
