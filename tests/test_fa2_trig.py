@@ -25,19 +25,19 @@ def half_budget(x: np.ndarray) -> np.ndarray:
 
 
 @triton.jit
-def _sincos_kernel(X, S, C, n, BLOCK: tl.constexpr):
+def _sincos_kernel(X, S, C, n, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < n, other=0.0)
-    s, c = sincos(x)
+    s, c = sincos(x, WIDE)
     tl.store(S + offs, s, mask=offs < n)
     tl.store(C + offs, c, mask=offs < n)
 
 
-def triton_sincos(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def triton_sincos(x: np.ndarray, wide: bool = True) -> tuple[np.ndarray, np.ndarray]:
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=F32))
     s, c = torch.full_like(xt, float("nan")), torch.full_like(xt, float("nan"))
     block = 1 << 16
-    _sincos_kernel[(triton.cdiv(xt.numel(), block),)](xt, s, c, xt.numel(), BLOCK=block)
+    _sincos_kernel[(triton.cdiv(xt.numel(), block),)](xt, s, c, xt.numel(), BLOCK=block, WIDE=wide)
     return s.numpy(), c.numpy()
 
 
@@ -135,6 +135,27 @@ def test_huge_angles_stay_on_the_unit_circle():
     assert np.abs(s).max() <= 1 + 1e-6 and np.abs(c).max() <= 1 + 1e-6
     assert np.abs(s.astype(np.float64) ** 2 + c.astype(np.float64) ** 2 - 1).max() < 1e-5
 
+
+
+def test_the_narrow_variant_is_the_wide_one_up_to_2_pow_31():
+    """Plans whose angles stay within 2^31 radians compile sincos without its guard (WIDE=False):
+    bit for bit the guarded results there, 2^31 itself included."""
+    rng = np.random.default_rng(7)
+    wide = np.exp2(rng.uniform(21, 31, 100_000)) * rng.choice([-1.0, 1.0], 100_000)
+    x = np.concatenate([sample_angles(seed=2)[::8], wide,
+                        [2.0 ** 31, -2.0 ** 31, np.nextafter(F32(2 ** 31), F32(0))]]).astype(F32)
+    for got, want in zip(triton_sincos(x, wide=False), triton_sincos(x, wide=True)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mode, scale, theta, head_dim, kind", [
+    ("NONE", 0.001, 1e4, 128, 0), ("ALIBI", 1.0, 1e4, 128, 0), ("ROPE_LLAMA", 1.0, 1e4, 128, 1),
+    ("ROPE_LLAMA", 8.0, 5e5, 64, 1), ("ROPE_LLAMA", 1.0, 1.0, 256, 1), ("ROPE_LLAMA", 0.999, 1e4, 128, 2),
+    ("ROPE_LLAMA", 1e-30, 1e4, 128, 2), ("ROPE_LLAMA", 1.0, 0.5, 128, 2), ("ROPE_LLAMA", 2.0, 0.5, 128, 1),
+    ("ROPE_LLAMA", 1.0, 1e-300, 128, 2), ("ROPE_LLAMA", 1e300, 5e-324, 64, 2)])
+def test_rope_kernel_variant(mode, scale, theta, head_dim, kind):
+    """1 exactly where (2^31 / scale) * theta^(-2t/d) <= 2^31 for every t < d/2, else 2; 0 without RoPE."""
+    assert trig.rope_kernel_variant(mode, scale, theta, head_dim) == kind
 
 
 def test_angles_without_a_phase_give_a_unit_vector():

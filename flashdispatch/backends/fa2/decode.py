@@ -85,6 +85,7 @@ from .decode_workspace import carve_partials, counters_offset, int_workspace_int
 from .launch import BoundKernel, SpecKeys, bind, launch_kept
 from .merge import MERGE_INFO_COLS, DecodeMerge
 from .paging import decode_strides
+from .trig import rope_kernel_variant
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -173,6 +174,7 @@ class DecodePlan(DecodePacking):
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)
         self.sm_scale = params.sm_scale
         self.rope = (1.0 / params.rope_scale, math.log2(params.rope_theta))
+        self.rope_kind = rope_kernel_variant(p.pos_encoding_mode, params.rope_scale, params.rope_theta, p.head_dim_qk)
         self.kv_indices = params.block_tables if self.table else params.kv_indices
         run_device = self.kv_indices.device
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
@@ -476,7 +478,7 @@ class DecodePlan(DecodePacking):
                                    p.head_dim_vo, self.pdl) if merge_kernel else None)
         self._consts = kernel_constants(p, self.config, self.block_m, self.row_blocks, self.fused_merge,
                                         self.direct, self.split_slots > 1, self.pdl, self.items, self.line,
-                                        self.table, self.total_split)
+                                        self.table, self.total_split, self.rope_kind)
         self._launchers: dict = {}  # (WRITE_LSE, Q/K/V_SCALE_T, SHARED_KV_ROWS) -> BoundKernel
         self._set_tables()
 

@@ -125,11 +125,12 @@ WORK_COLS = 8
 
 
 @triton.jit
-def _rope(x1, x2, pos, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM: tl.constexpr):
-    """Rotate-half RoPE of (x1, x2) = the two halves, [rows, HALF], at positions pos [rows]."""
+def _rope(x1, x2, pos, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+    """Rotate-half RoPE of (x1, x2) = the two halves, [rows, HALF], at positions pos [rows]
+    (``ROPE`` 2: angles past 2^31 radians possible, `trig.rope_kernel_variant`)."""
     inv_freq = tl.exp2(-(offs_half.to(tl.float32) * (2.0 / HEAD_DIM)) * rope_log2_theta)
     angle = (pos.to(tl.float32) * rope_rcp_scale)[:, None] * inv_freq[None, :]
-    s, c = sincos(angle)
+    s, c = sincos(angle, ROPE == 2)
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
@@ -322,7 +323,7 @@ def _decode_item(
         q1 = tl.load(q_ptr + q_off[:, None] + offs_half[None, :], mask=row_ok[:, None], other=0.0)
         q2 = tl.load(q_ptr + q_off[:, None] + HALF + offs_half[None, :], mask=row_ok[:, None], other=0.0)
         q1r, q2r = _rope(q1.to(tl.float32), q2.to(tl.float32), pos, offs_half,
-                         rope_rcp_scale, rope_log2_theta, HEAD_DIM)
+                         rope_rcp_scale, rope_log2_theta, HEAD_DIM, ROPE)
         if FP16_DOTS:
             q_up, q_down = _row_pow2(tl.maximum(tl.abs(q1r), tl.abs(q2r)))
             q1r = q1r * q_up[:, None]
@@ -383,7 +384,7 @@ def _decode_item(
         if ROPE:
             k1 = tl.load(k_head + k_off[:, None] + offs_half[None, :]).to(tl.float32)
             k2 = tl.load(k_head + k_off[:, None] + HALF + offs_half[None, :]).to(tl.float32)
-            k1r, k2r = _rope(k1, k2, t, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM)
+            k1r, k2r = _rope(k1, k2, t, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM, ROPE)
             if FP16_DOTS:  # |rotated fp8| <= sqrt(2) x 57344 would overflow fp16
                 k1r = k1r * 0.5
                 k2r = k2r * 0.5

@@ -49,9 +49,11 @@ def register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool)
 @functools.lru_cache(maxsize=256)
 def kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: int, fused_merge: bool,
                      direct: bool, direct_split: bool, pdl: bool, items: int = 1, line: bool = False,
-                     table: bool = False, total_split: bool = False) -> dict:
+                     table: bool = False, total_split: bool = False, rope: int | None = None) -> dict:
     """The decode kernel's constexprs and launch options of a plan (cached: plan() is host-time
-    bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``)."""
+    bound; the dict is only read, as ``bind(decode_kernel, **consts, ...)``); ``rope``: the
+    kernel's ROPE (`trig.rope_kernel_variant` of the plan's rope_scale and rope_theta; None: of
+    FlashInfer's defaults, 1 and 1e4)."""
     q_len, group = p.q_len_per_req, p.num_qo_heads // p.num_kv_heads
     fp16_dots = p.kv_dtype in FP8_DTYPES and (cfg.fp8_dot_dtype == "fp16" or p.q_dtype == torch.float16)
     merge_r, merge_s = merge_tile(min(block_m, q_len * group), p.head_dim_vo, cfg.fused_merge_values)
@@ -61,7 +63,7 @@ def kernel_constants(p: Problem, cfg: DecodeConfig, block_m: int, row_blocks: in
         PAGE=p.page_size, HEAD_DIM=p.head_dim_qk, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         CAUSAL=p.mask_mode == "causal" and q_len > 1, WINDOW=p.window_left >= 0,
         SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
-        ROPE=p.pos_encoding_mode == "ROPE_LLAMA", SINKS=p.sinks, K_ROWS=cfg.k_rows,
+        ROPE=int(p.pos_encoding_mode == "ROPE_LLAMA") if rope is None else rope, SINKS=p.sinks, K_ROWS=cfg.k_rows,
         FP16_DOTS=cfg.fp8_dot_dtype == "fp16" and p.kv_dtype in FP8_DTYPES,
         HEADS_FASTEST=cfg.heads_fastest, PAGE_PREFETCH=cfg.page_prefetch,
         V_STAGED=cfg.fp8_v_convert == "staged" and fp16_dots and not TRITON_INTERPRETED,

@@ -63,14 +63,14 @@ def _row_offsets(page, slot, stride_page, stride_slot):
 
 @triton.jit
 def _rope(x, x_partner, pos, offs_d, HALF: tl.constexpr, HEAD_QK: tl.constexpr,
-          rope_inv_scale, rope_log2_theta):
+          rope_inv_scale, rope_log2_theta, ROPE: tl.constexpr):
     """Rotate-half RoPE of rows ``x`` (float32, columns ``offs_d``) at positions ``pos``;
     ``x_partner`` holds column (c + HALF) % HEAD_QK of each column c."""
     t = tl.where(offs_d < HALF, offs_d, offs_d - HALF).to(tl.float32)
     inv_freq = tl.exp2(-(2.0 * t / HEAD_QK) * rope_log2_theta)
     angle = (pos.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
     sign = tl.where(offs_d < HALF, -1.0, 1.0)
-    sin_a, cos_a = sincos(angle)
+    sin_a, cos_a = sincos(angle, ROPE == 2)
     return x * cos_a + (sign[None, :] * x_partner) * sin_a
 
 
@@ -92,7 +92,7 @@ def _load_k_part(k_base, row_off, kv_len, offs_n, offs_d, stride_kd, pos_n, rope
         else:
             kp = tl.load(pptrs)
         k = _rope(k.to(tl.float32), kp.to(tl.float32), pos_n, offs_d, HALF, HEAD_QK,
-                  rope_inv_scale, rope_log2_theta)
+                  rope_inv_scale, rope_log2_theta, ROPE)
     return k.to(DTYPE)
 
 
@@ -263,7 +263,7 @@ def _load_q_part(Q, q_row_off, offs_m, qo_len, offs_d, stride_qd, pos_m, rope_in
         partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
         qp = tl.load(Q + q_row_off[:, None] + partner[None, :] * stride_qd, mask=row_ok, other=0.0)
         q = _rope(q.to(tl.float32), qp.to(tl.float32), pos_m, offs_d, HALF, HEAD_QK,
-                  rope_inv_scale, rope_log2_theta)
+                  rope_inv_scale, rope_log2_theta, ROPE)
     return q.to(DTYPE)
 
 

@@ -18,11 +18,15 @@ Measured against float64 sin/cos (tests/test_fa2_trig.py): |error| <= 7.5e-8 for
 <= 1.9e-7 for |x| < 12867, and <= 2^-24 |x| + 2e-7 above; at most 0.5 of the RoPE budget
 2e-7 + 2^-23 |x| over |x| <= 4e6 (positions up to 2^21 give angles up to 2^21). Past ~2^24 the
 first reduction leaves |r| beyond the fit: a second step (k2, zero below that) brings it back,
-so sin and cos stay on the unit circle up to |x| < 2^31 (the fp32 angle itself carries radians
-of rounding there). Beyond, and for inf or NaN angles, the reduced angle is taken as 0 (a point
-of the unit circle, never NaN: FlashInfer's fp32 angles carry no phase there either).
+so sin and cos stay on the unit circle up to |x| <= 2^31 (the fp32 angle itself carries radians
+of rounding there). Beyond, and for inf or NaN angles, ``WIDE`` takes the reduced angle as 0 (a
+point of the unit circle, never NaN: FlashInfer's fp32 angles carry no phase there either). That
+guard costs a compare and a select per element (+17 % on a RoPE prefill, session 56), so only
+plans whose angles can leave the range compile it (`rope_kernel_variant`).
 """
 from __future__ import annotations
+
+import math
 
 import triton
 import triton.language as tl
@@ -41,9 +45,21 @@ COS_3 = tl.constexpr(2.4746481358306482e-05)
 COS_4 = tl.constexpr(-2.578025259936112e-07)
 
 
+def rope_kernel_variant(pos_encoding_mode: str, rope_scale: float, rope_theta: float, head_dim: int) -> int:
+    """The kernels' ``ROPE`` constexpr: 0 without RoPE; 1 where every angle (position / rope_scale)
+    * rope_theta^(-2t / head_dim), t < head_dim / 2, stays within 2^31 radians for int32 positions
+    (rope_scale >= 1 and rope_theta >= 1 among others); 2 where it may not, and sincos needs WIDE."""
+    if pos_encoding_mode != "ROPE_LLAMA":
+        return 0
+    # log2 of the largest inv_freq (t = 0 when theta >= 1, else t = head_dim / 2 - 1) over rope_scale
+    log2_freq = max(0.0, -math.log2(rope_theta) * (head_dim - 2) / head_dim)
+    return 1 if log2_freq <= math.log2(rope_scale) else 2
+
+
 @triton.jit
-def sincos(x):
-    """(sin x, cos x) of an fp32 tensor (accuracy: see the module docstring)."""
+def sincos(x, WIDE: tl.constexpr):
+    """(sin x, cos x) of an fp32 tensor (accuracy: see the module docstring); ``WIDE``: |x| may
+    exceed 2^31 or be inf / NaN (a point of the unit circle there, never NaN)."""
     k = tl.floor(x * INV_PI + 0.5)
     r = x - k * PI_C1
     r = r - k * PI_C2
@@ -54,9 +70,10 @@ def sincos(x):
     r = r - k2 * PI_C1
     r = r - k2 * PI_C2
     r = r - k2 * PI_C3
-    # past 2^31 (or an inf / NaN angle: rope_scale or rope_theta near 0) no fp32 phase is left and
-    # the int32 parities overflow: any point of the unit circle is as right, so r = 0 there, never NaN
-    r = tl.where(tl.abs(r) <= 2.0, r, 0.0)
+    if WIDE:
+        # past 2^31 (or an inf / NaN angle: rope_scale or rope_theta near 0) no fp32 phase is left and
+        # the int32 parities overflow: any point of the unit circle is as right, so r = 0 there, never NaN
+        r = tl.where(tl.abs(r) <= 2.0, r, 0.0)
     u = r * r
     s = r + (r * u) * (SIN_1 + u * (SIN_2 + u * (SIN_3 + u * SIN_4)))
     c = (1.0 - 0.5 * u) + (u * u) * (COS_1 + u * (COS_2 + u * (COS_3 + u * COS_4)))
