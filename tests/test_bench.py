@@ -81,6 +81,45 @@ def test_prefill_soft_cap_rows_pass_the_cap_and_skip_the_peers_without_one():
             peers.flex_job(d)
 
 
+def test_rope_rows_apply_rope_and_skip_the_columns_without_it():
+    """``:rope`` rows plan ROPE_LLAMA (decode wrapper, prefill single and paged: the outputs equal
+    the API called with it and differ from the row without it); the decode function columns and
+    the SDPA / flex peers take no RoPE argument: not applicable."""
+    dshape = decode.parse_decode_shapes("3x40:rope", torch.float16, (4, 2), 64)[0]
+    assert dshape.rope and dshape.label == "3x40:rope"
+    d = decode.make_decode_data(dshape, device="cpu")
+    got = _run(decode.our_column(fd, "reference").build(d))
+    plain = _run(decode.our_column(fd, "reference").build(dataclasses.replace(d, shape=dataclasses.replace(
+        dshape, rope=False))))
+    wrapper = fd.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), "NHD")
+    wrapper.plan(d.indptr, d.indices, d.last_page_len, 4, 2, 64, 16, pos_encoding_mode="ROPE_LLAMA",
+                 q_data_type=torch.float16)
+    assert torch.equal(got, wrapper.run(d.q, d.cache)) and not torch.equal(got, plain)
+    for name in ("cudnn-fn", "fa2-fn"):
+        with pytest.raises(NotApplicable):
+            decode.our_column(fd, name).build(d)
+    for text in ("16/40:rope", "2x8/20:rope"):
+        shape = dataclasses.replace(prefill.parse_prefill_shapes(text)[0], qo_heads=4, kv_heads=2, head_dim=64,
+                                    dtype=torch.float16)
+        pd = prefill.make_prefill_data(shape, device="cpu")
+        got = _run(prefill.our_column(fd, "reference").build(pd))
+        plain = _run(prefill.our_column(fd, "reference").build(dataclasses.replace(
+            pd, shape=dataclasses.replace(shape, rope=False))))
+        assert shape.rope and not torch.equal(got, plain)
+        if shape.single:
+            assert torch.equal(got, fd.single_prefill_with_kv_cache(pd.q, pd.k, pd.v, causal=True,
+                                                                    pos_encoding_mode="ROPE_LLAMA"))
+        for peer in (lambda: peers.sdpa_job("flash", pd), lambda: peers.flex_job(pd)):
+            with pytest.raises(NotApplicable):
+                peer()
+
+
+def _run(job):
+    if job.plan is not None:
+        job.plan()
+    return job.run()
+
+
 @pytest.mark.parametrize("text", ["", "0x16", "16/8", "4x", "4096:causal", "4096:w", "4096:wx", "ax4/8", "4096:cap0",
                                   "4096:capx"])
 def test_bad_prefill_shapes(text):

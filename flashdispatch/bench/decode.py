@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .matrix import Column
+from .matrix import Column, NotApplicable
 from .timing import Job, graphed
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -54,6 +54,7 @@ class DecodeShape:
     dtype: torch.dtype = torch.bfloat16  # q and output
     kv_dtype: torch.dtype = torch.bfloat16
     var: bool = False
+    rope: bool = False  # pos_encoding_mode ROPE_LLAMA (rope_scale 1, rope_theta 1e4)
     mods: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -82,14 +83,15 @@ def parse_decode_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: t
                         head_dim: int = 128, page_size: int = 16) -> list[DecodeShape]:
     """``"64x4096,256x1024:fp8,16x8192:mha,36x4096:var"`` -> shapes. Modifiers after ``:``:
     ``fp8`` (= ``e4m3``) or ``e5m2`` KV, ``mha`` (as many KV heads as query heads), ``var``
-    (lengths drawn around kv_len, see `DecodeShape`)."""
+    (lengths drawn around kv_len, see `DecodeShape`), ``rope`` (RoPE applied in the kernel)."""
     shapes = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         head, *mods = item.split(":")
         try:
             batch, kv_len = (int(x) for x in head.lower().split("x"))
         except ValueError:
-            raise ValueError(f"decode shape {item!r}: expected BATCHxKV_LEN[:fp8|e5m2|mha|var], e.g. 64x4096") from None
+            raise ValueError(f"decode shape {item!r}: expected BATCHxKV_LEN[:fp8|e5m2|mha|var|rope], "
+                             "e.g. 64x4096") from None
         if batch <= 0 or kv_len <= 0:
             raise ValueError(f"decode shape {item!r}: batch and kv_len must be positive")
         shape = DecodeShape(batch, kv_len, heads[0], heads[1], head_dim, page_size, dtype, dtype)
@@ -98,10 +100,10 @@ def parse_decode_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: t
                 shape = replace(shape, kv_dtype=KV_MODS[mod])
             elif mod == "mha":
                 shape = replace(shape, kv_heads=shape.qo_heads)
-            elif mod == "var":
-                shape = replace(shape, var=True)
+            elif mod in ("var", "rope"):
+                shape = replace(shape, **{mod: True})
             else:
-                raise ValueError(f"decode shape {item!r}: unknown modifier {mod!r} (fp8, e4m3, e5m2, mha, var)")
+                raise ValueError(f"decode shape {item!r}: unknown modifier {mod!r} (fp8, e4m3, e5m2, mha, var, rope)")
         check_decode_limits(f"decode shape {item!r}", shape)
         shapes.append(replace(shape, mods=tuple(mods)))
     if not shapes:
@@ -210,7 +212,8 @@ def wrapper_job(mod, backend: str, d: DecodeData, cuda_graph: bool = False, **wr
 
     def plan():
         wrapper.plan(d.indptr, d.indices, d.last_page_len, s.qo_heads, s.kv_heads, s.head_dim,
-                     s.page_size, q_data_type=s.dtype, kv_data_type=s.kv_dtype)
+                     s.page_size, pos_encoding_mode="ROPE_LLAMA" if s.rope else "NONE", q_data_type=s.dtype,
+                     kv_data_type=s.kv_dtype)
 
     job = Job(run=lambda: wrapper.run(d.q, d.cache), plan=plan, info=lambda: selected_backend(wrapper))
     return _maybe_graphed(job, cuda_graph)
@@ -223,9 +226,11 @@ def selected_backend(wrapper) -> str:
 
 
 def cudnn_fn_job(mod, d: DecodeData) -> Job:
-    """``cudnn_batch_decode_with_kv_cache`` on an HND cache (no plan)."""
-    fn = api_function(mod, "decode", "cudnn_batch_decode_with_kv_cache")
+    """``cudnn_batch_decode_with_kv_cache`` on an HND cache (no plan; no RoPE argument)."""
     s = d.shape
+    if s.rope:
+        raise NotApplicable
+    fn = api_function(mod, "decode", "cudnn_batch_decode_with_kv_cache")
     k, v = d.hnd()
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
     seq_lens, max_len = d.seq_lens.view(s.batch, 1, 1, 1), d.max_kv_len
@@ -234,7 +239,10 @@ def cudnn_fn_job(mod, d: DecodeData) -> Job:
 
 
 def block_table_fn_job(mod, d: DecodeData, backend: str) -> Job:
-    """``trtllm_batch_decode_with_kv_cache(..., kv_layout="NHD", backend=backend)`` (no plan)."""
+    """``trtllm_batch_decode_with_kv_cache(..., kv_layout="NHD", backend=backend)`` (no plan; no
+    RoPE argument)."""
+    if d.shape.rope:
+        raise NotApplicable
     fn = api_function(mod, "decode", "trtllm_batch_decode_with_kv_cache")
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=d.q.device)
     kv, max_len = (d.cache[:, 0], d.cache[:, 1]), d.max_kv_len

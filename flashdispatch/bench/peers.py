@@ -61,8 +61,9 @@ def sdpa_job(kernel: str, d: PrefillData) -> Job:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     s = d.shape
-    if not s.single or s.window_left >= 0 or s.custom_mask or s.soft_cap or (s.causal and s.qo_len != s.kv_len):
-        raise NotApplicable  # SDPA's fast kernels have no window, mask, soft cap or bottom-right causal
+    if (not s.single or s.window_left >= 0 or s.custom_mask or s.soft_cap or s.rope
+            or (s.causal and s.qo_len != s.kv_len)):
+        raise NotApplicable  # SDPA's fast kernels have no window, mask, soft cap, RoPE or bottom-right causal
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]
     group = s.qo_heads // s.kv_heads
     q, k, v = _heads_first(d.q), _heads_first(d.k, group), _heads_first(d.v, group)
@@ -86,7 +87,7 @@ def flex_job(d: PrefillData) -> Job:
     from torch.nn.attention.flex_attention import create_block_mask
 
     s = d.shape
-    if not s.single or s.soft_cap:  # (a soft cap would be a score_mod: not built)
+    if not s.single or s.soft_cap or s.rope:  # (a soft cap would be a score_mod, RoPE a pass over q/k: not built)
         raise NotApplicable
     offset = s.kv_len - s.qo_len
     mask, causal, window = d.mask, s.causal, s.window_left

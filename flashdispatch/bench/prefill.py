@@ -4,7 +4,8 @@ Shape syntax: ``N`` or ``Q/K`` is a single prefill (Q query tokens over K keys, 
 default); ``BxQ/K`` is a paged batch of B requests with Q new tokens each and K keys in
 total (the new ones included; K=Q by default). Modifiers after ``:``: ``nc`` (not causal),
 ``w<N>`` (window_left=N), ``mask`` (a custom mask equal to the causal pattern, passed as
-a mask so the kernel cannot use the causal shortcut), ``cap<X>`` (logits_soft_cap=X).
+a mask so the kernel cannot use the causal shortcut), ``cap<X>`` (logits_soft_cap=X), ``rope``
+(pos_encoding_mode ROPE_LLAMA: RoPE applied in the kernel).
 TFLOP/s = 4 x qo_heads x head_dim x (query-key pairs the mask lets through) / time.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class PrefillShape:
     window_left: int = -1
     custom_mask: bool = False
     soft_cap: float = 0.0  # logits_soft_cap (0: none)
+    rope: bool = False  # pos_encoding_mode ROPE_LLAMA (rope_scale 1, rope_theta 1e4)
     qo_heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
@@ -77,7 +79,7 @@ def parse_prefill_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: 
             kv_len = int(k_text) if k_text else qo_len
         except ValueError:
             raise ValueError(f"prefill shape {item!r}: expected N, Q/K or BxQ/K with modifiers "
-                             f":nc :w<N> :mask :cap<X>, e.g. 4096 or 8x512/8192:w1024") from None
+                             f":nc :w<N> :mask :cap<X> :rope, e.g. 4096 or 8x512/8192:w1024") from None
         if (batch_text and batch <= 0) or qo_len <= 0 or kv_len < qo_len:
             raise ValueError(f"prefill shape {item!r}: need batch > 0, qo_len > 0 and kv_len >= qo_len")
         shape = PrefillShape(batch, qo_len, kv_len, qo_heads=heads[0], kv_heads=heads[1], head_dim=head_dim,
@@ -91,8 +93,10 @@ def parse_prefill_shapes(text: str, dtype: torch.dtype = torch.bfloat16, heads: 
                 shape = replace(shape, window_left=int(mod[1:]))
             elif mod.startswith("cap") and _positive_float(mod[3:]):
                 shape = replace(shape, soft_cap=float(mod[3:]))
+            elif mod == "rope":
+                shape = replace(shape, rope=True)
             else:
-                raise ValueError(f"prefill shape {item!r}: unknown modifier {mod!r} (nc, w<N>, mask, cap<X>)")
+                raise ValueError(f"prefill shape {item!r}: unknown modifier {mod!r} (nc, w<N>, mask, cap<X>, rope)")
         check_prefill_limits(f"prefill shape {item!r}", shape)
         shapes.append(shape)
     if not shapes:
@@ -217,7 +221,8 @@ def paged_wrapper_job(mod, backend: str, d: PrefillData) -> Job:
     def plan():
         wrapper.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, s.qo_heads, s.kv_heads,
                      s.head_dim, s.page_size, causal=s.causal and mask is None, window_left=s.window_left,
-                     custom_mask=mask, logits_soft_cap=s.soft_cap or None, q_data_type=s.dtype,
+                     custom_mask=mask, logits_soft_cap=s.soft_cap or None, pos_encoding_mode=_pos_encoding(s),
+                     q_data_type=s.dtype,
                      kv_data_type=s.dtype)
 
     return Job(run=lambda: wrapper.run(d.q, d.cache), plan=plan, info=lambda: selected_backend(wrapper))
@@ -230,10 +235,15 @@ def single_job(mod, backend: str, d: PrefillData) -> Job:
     if not s.single:
         raise NotApplicable
     fn = api_function(mod, "prefill", "single_prefill_with_kv_cache")
-    kwargs = dict(causal=s.causal, window_left=s.window_left, logits_soft_cap=s.soft_cap or None, backend=backend)
+    kwargs = dict(causal=s.causal, window_left=s.window_left, logits_soft_cap=s.soft_cap or None,
+                  pos_encoding_mode=_pos_encoding(s), backend=backend)
     if d.mask is not None:
         kwargs.update(causal=False, packed_custom_mask=pack_bits_little(d.mask))
     return Job(run=lambda: fn(d.q, d.k, d.v, **kwargs))
+
+
+def _pos_encoding(s: PrefillShape) -> str:
+    return "ROPE_LLAMA" if s.rope else "NONE"
 
 
 def our_column(fd, name: str) -> Column:
