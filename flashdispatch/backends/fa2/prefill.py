@@ -69,8 +69,7 @@ _MAX_ROW_STRIDE = 2**31  # K/V page and token strides: the kernel forms row offs
 class LaunchVariant(NamedTuple):
     """The per-run constexprs of a prefill launch: q dtype, sinks, lse, per-tensor q/k/v scale
     tensors, TMA loads, V rows at K's row offsets (paged tiles that cross pages, with equal K/V
-    page and token strides), a score scale known to be > 0 (no q/k scale tensors), and the RoPE
-    kind (`trig.rope_kernel_variant` of the run's rope_scale and rope_theta)."""
+    page and token strides), and a score scale known to be > 0 (no q/k scale tensors)."""
     dtype: torch.dtype
     sinks: bool
     has_lse: bool
@@ -80,7 +79,6 @@ class LaunchVariant(NamedTuple):
     tma: bool
     shared_rows: bool
     scale_pos: bool
-    rope: int
 
 
 def prefill_extra_checks(problem: Problem, device: Device) -> list[Reason]:
@@ -202,6 +200,8 @@ class PrefillPlan:
     def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig):
         self.problem, self.params, self.config = problem, params, config
         self.paged = problem.op == "prefill_paged"
+        self.rope_kind = rope_kernel_variant(problem.pos_encoding_mode, params.rope_scale, params.rope_theta,
+                                             problem.head_dim_qk)
         # page ids clamped into the cache unless plan() checked them before any launch; a CUDA
         # graph replays this kernel after re-plans whose indices may not be checked yet
         self.clamp_pages = self.paged and (problem.use_cuda_graph or not params.indices_checked)
@@ -353,7 +353,7 @@ class PrefillPlan:
         """The prefill kernel with this plan's constexprs and the per-run ones in ``variant``: a
         BoundKernel, wrapped to provide the descriptors' scratch when TMA is on."""
         p, cfg = self.problem, self.config
-        dtype, sinks, has_lse, q_t, k_t, v_t, tma, shared_rows, scale_pos, rope = variant
+        dtype, sinks, has_lse, q_t, k_t, v_t, tma, shared_rows, scale_pos = variant
         head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
         launch = self._launchers[variant] = bind(
             fa2_prefill_kernel,
@@ -363,7 +363,7 @@ class PrefillPlan:
             DTYPE=_TL_DTYPES[dtype], DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
             CAUSAL=p.mask_mode == "causal", CUSTOM_MASK=p.mask_mode == "custom", WINDOW=p.window_left >= 0,
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
-            ROPE=rope, SINKS=sinks,
+            ROPE=self.rope_kind, SINKS=sinks,
             HAS_LSE=has_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
             PERSISTENT=p.use_cuda_graph, TMA=tma, SHARED_ROWS=shared_rows, SCALE_POS=scale_pos,
             CLAMP_PAGES=self.clamp_pages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -412,8 +412,7 @@ class PrefillPlan:
         # caches, and tuples of equal strides)
         shared_rows = self.paged and p.page_size % self.config.block_n != 0 and sk[:2] == sv[:2]
         variant = LaunchVariant(q.dtype, inputs.sinks is not None, lse is not None, q_t, k_t, v_t, tma,
-                                shared_rows, qk_scale >= _MIN_NORMAL_F32 and not (q_t or k_t),
-                                rope_kernel_variant(p.pos_encoding_mode, prm.rope_scale, prm.rope_theta, p.head_dim_qk))
+                                shared_rows, qk_scale >= _MIN_NORMAL_F32 and not (q_t or k_t))
         launch = self._launchers.get(variant) or self._bind(variant)
         launch(
             self.grid, q, k, v, out, lse if lse is not None else out,
