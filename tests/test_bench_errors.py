@@ -53,30 +53,22 @@ def test_huge_decode_batch_is_refused_before_allocating():
     assert_refused(r.returncode, r.stderr, "--shapes", "batch 99999999999 > 1048576")
 
 
-@pytest.mark.parametrize("shape,needle", [
-    ("1x99999999999999999999", "kv_len 99999999999999999999 > 2147483647"),
-    ("1048577x1", "batch 1048577 > 1048576"),
-    ("1048576x2048", "KV cache slots (pages x page size) 2147483648 > 2147483647"),
-    ("1000x1000000:var", "KV cache bytes"),
-    ("64x4096,1x2147483648:fp8", "'1x2147483648:fp8'"),
+@pytest.mark.parametrize("kind,shape,needle", [
+    ("decode", "1x99999999999999999999", "kv_len 99999999999999999999 > 2147483647"),
+    ("decode", "1048577x1", "batch 1048577 > 1048576"),
+    ("decode", "1048576x2048", "KV cache slots (pages x page size) 2147483648 > 2147483647"),
+    ("decode", "1000x1000000:var", "KV cache bytes"),
+    ("decode", "64x4096,1x2147483648:fp8", "'1x2147483648:fp8'"),
+    ("prefill", "1/3000000000", "kv_len 3000000000 > 2147483647"),
+    ("prefill", "2000000x1/1", "batch 2000000 > 1048576"),
+    ("prefill", "65536x32768", "query tokens 2147483648 > 2147483647"),
+    ("prefill", "2x1/2000000000", "KV cache slots 4000000000 > 2147483647"),
+    ("prefill", "50000:mask", "mask bits 2500000000 > 2147483647"),
+    ("prefill", "1000x100000", "q, k and v bytes (heads 32/8, head dim 128)"),
 ])
-def test_decode_shapes_past_the_limits(shape, needle, capsys):
-    rc, out, err = run(["decode", "--dry-run", "--no-peer", "--backends", "fa2", "--shapes", shape], capsys)
-    assert_refused(rc, err, "bench: --shapes: decode shape", needle)
-    assert out == ""
-
-
-@pytest.mark.parametrize("shape,needle", [
-    ("1/3000000000", "kv_len 3000000000 > 2147483647"),
-    ("2000000x1/1", "batch 2000000 > 1048576"),
-    ("65536x32768", "query tokens 2147483648 > 2147483647"),
-    ("2x1/2000000000", "KV cache slots 4000000000 > 2147483647"),
-    ("50000:mask", "mask bits 2500000000 > 2147483647"),
-    ("1000x100000", "q, k and v bytes (heads 32/8, head dim 128)"),
-])
-def test_prefill_shapes_past_the_limits(shape, needle, capsys):
-    rc, out, err = run(["prefill", "--dry-run", "--no-peer", "--backends", "fa2", "--shapes", shape], capsys)
-    assert_refused(rc, err, "bench: --shapes: prefill shape", needle)
+def test_shapes_past_the_limits(kind, shape, needle, capsys):
+    rc, out, err = run([kind, "--dry-run", "--no-peer", "--backends", "fa2", "--shapes", shape], capsys)
+    assert_refused(rc, err, f"bench: --shapes: {kind} shape", needle)
     assert out == ""
 
 
