@@ -36,6 +36,7 @@ from .merge import MERGE_INFO_COLS, DecodeMerge
 from .prefill_kernels import (RUNS_HEAD, WORK_COLS, fa2_prefill_kernel, heaviest_first_kernel, mask_tile_classes_kernel,
                               mask_tile_runs_kernel)
 from .prefill_config import CONFIG_ENV, PrefillConfig, config_from_env, default_config
+from .prefill_rope import PrerotatedPrefill, prerotation_applies, without_rope
 from .prefill_tma import launch_with_scratch, tma_layout_ok, tma_unused_reason
 from .trig import rope_kernel_variant
 
@@ -431,16 +432,26 @@ class PrefillPlan:
 
 
 def plan_prefill(problem: Problem, device: Device, params: AttentionParams,
-                 config: PrefillConfig | None = None,
-                 autotune: bool | None = None) -> "PrefillPlan | tuning.AutotunedPlan":
+                 config: PrefillConfig | None = None, autotune: bool | None = None):
     """Plan a paged or ragged prefill. ``config`` (or FLASHDISPATCH_FA2_PREFILL_CONFIG) overrides
     the per-head-dim tile sizes, e.g. for a benchmark sweep. ``autotune`` (None: whether
     FLASHDISPATCH_FA2_AUTOTUNE=1) picks the tile config per shape bucket instead (see
     tuning.py); never with an explicit config or under CUDA graphs, and on a CUDA device only
-    unless asked for explicitly."""
+    unless asked for explicitly. A ragged RoPE prefill with a tile of queries rotates Q and K
+    first and plans the kernel without RoPE (prefill_rope.py)."""
     reasons = prefill_extra_checks(problem, device)
     if reasons:
         raise Unsupported("fa2 prefill cannot run this problem", {"fa2": reasons})
+    if prerotation_applies(problem, params):
+        rope_kind = rope_kernel_variant(problem.pos_encoding_mode, params.rope_scale, params.rope_theta,
+                                        problem.head_dim_qk)
+        inner = _plan_kernel(without_rope(problem), device, params, config, autotune)
+        return PrerotatedPrefill(inner, problem, params, rope_kind)
+    return _plan_kernel(problem, device, params, config, autotune)
+
+
+def _plan_kernel(problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig | None,
+                 autotune: bool | None) -> "PrefillPlan | tuning.AutotunedPlan":
     base = default_config(problem, device, params.qo_lens_host)
     if config is not None or os.environ.get(CONFIG_ENV, "").strip():
         return PrefillPlan(problem, device, params, (config or config_from_env(base)).validate())

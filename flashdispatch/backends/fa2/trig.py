@@ -1,28 +1,27 @@
-"""sin and cos of fp32 RoPE angles, and the soft cap's tanh, from plain Triton arithmetic (shared
-by the fa2 kernels).
+"""sin and cos of fp32 RoPE angles, and the soft cap's tanh (shared by the fa2 kernels).
 
-``tl.sin``/``tl.cos`` lower to libdevice's precise sinf/cosf, whose large-argument path
-(Payne-Hanek) is inlined at every use; in the unrolled RoPE tiles that made a first compile take
-tens of seconds. ``sincos`` is about 22 mul/add/floor/bit operations per element and runs the
-same way under TRITON_INTERPRET=1.
+``sincos`` reduces the angle by 2 pi in plain arithmetic, then takes the hardware's fast sine and
+cosine (``sin.approx``/``cos.approx``, one MUFU instruction each, as FlashInfer's ``__sincosf``) of
+the reduced angle; under TRITON_INTERPRET=1, where no PTX runs, numpy's sin/cos of the same
+reduced angle. ``tl.sin``/``tl.cos`` would lower to libdevice's precise sinf/cosf, whose
+large-argument path (Payne-Hanek) is inlined at every use: in the unrolled RoPE tiles that made a
+first compile take tens of seconds. Until session 57 the fa2 kernels took ~22 mul/add/floor/bit
+operations of polynomial per element instead, which left RoPE decode at 0.73x and RoPE prefill at
+0.67x FlashInfer (perf-notes, session 56).
 
-Method: k = nearest integer to x / pi, r = x - k*pi by Cody-Waite with pi = C1 + C2 + C3 (C1 has
-12 significant bits, so k*C1 and x - k*C1 are exact for |k| < 2^12, i.e. |x| < 12867; above, the
-rounding of k*C1 adds at most 2^-24 |x|, which is the fp32 angle's own rounding), then
-sin x = (-1)^k sin r, cos x = (-1)^k cos r with
-sin r = r + r^3 (s1 + s2 r^2 + s3 r^4 + s4 r^6) and cos r = 1 - r^2/2 + r^4 (c1 + ... + c4 r^6),
-fitted near-minimax in absolute error on |r| <= 1.8 (fit errors 2.0e-8 and 2.0e-9; the rounded
-estimate of k leaves |r| up to 1.67 at |x| = 2^21, not pi/2).
+Reduction: k = nearest integer to x / 2pi, r = x - k*2pi by Cody-Waite with 2pi = C1 + C2 + C3 (C1
+and C2 have 8 significant bits: k*C1, k*C2 and x - k*C1 are exact for |k| < 2^16, i.e. |x| <
+411774; above, the rounding of k*C1 adds at most 2^-24 |x|, the fp32 angle's own rounding). |r| <= pi + 1e-6 there;
+the estimate of k drifts past ~2^22 and leaves |r| up to ~250 at |x| = 2^31, where the fast
+instructions still give a point of the unit circle (the angle carries radians of rounding there).
 
-Measured against float64 sin/cos (tests/test_fa2_trig.py): |error| <= 7.5e-8 for |x| < 1,
-<= 1.9e-7 for |x| < 12867, and <= 2^-24 |x| + 2e-7 above; at most 0.5 of the RoPE budget
-2e-7 + 2^-23 |x| over |x| <= 4e6 (positions up to 2^21 give angles up to 2^21). Past ~2^24 the
-first reduction leaves |r| beyond the fit: a second step (k2, zero below that) brings it back,
-so sin and cos stay on the unit circle up to |x| <= 2^31 (the fp32 angle itself carries radians
-of rounding there). Beyond, and for inf or NaN angles, ``WIDE`` takes the reduced angle as 0 (a
-point of the unit circle, never NaN: FlashInfer's fp32 angles carry no phase there either). That
-guard costs a compare and a select per element (+17 % on a RoPE prefill, session 56), so only
-plans whose angles can leave the range compile it (`rope_kernel_variant`).
+Accuracy against float64 (tests/test_fa2_trig.py): the hardware's sine and cosine are within
+2^-21.41 and 2^-21.19 on [-pi, pi] (CUDA's bounds for __sinf/__cosf), so |error| <= 1e-6 +
+2^-23 |x| on the GPU (a GPU test measures it); <= 2e-7 + 2^-23 |x| under the interpreter. Past
+2^31 radians (rope_scale or rope_theta near 0), and for inf or NaN angles, ``WIDE`` takes the
+reduced angle as 0 (a point of the unit circle, never NaN: FlashInfer's fp32 angles carry no phase
+there either). The guard costs a compare and a select per element, so only plans whose angles can
+leave the range compile it (`rope_kernel_variant`).
 """
 from __future__ import annotations
 
@@ -30,19 +29,16 @@ import math
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-INV_PI = tl.constexpr(0.3183098861837907)
-PI_C1 = tl.constexpr(3.140625)  # 3216 / 2^10
-PI_C2 = tl.constexpr(0.0009676535846665502)  # fp32(pi - C1)
-PI_C3 = tl.constexpr(5.126565838509123e-12)  # fp32(pi - C1 - C2)
-SIN_1 = tl.constexpr(-0.16666638851165771)
-SIN_2 = tl.constexpr(0.008332626894116402)
-SIN_3 = tl.constexpr(-0.00019782193703576922)
-SIN_4 = tl.constexpr(2.5530280254315585e-06)
-COS_1 = tl.constexpr(0.04166663438081741)
-COS_2 = tl.constexpr(-0.0013888173270970583)
-COS_3 = tl.constexpr(2.4746481358306482e-05)
-COS_4 = tl.constexpr(-2.578025259936112e-07)
+from ..common import TRITON_INTERPRETED
+
+INV_2PI = tl.constexpr(0.15915493667125702)
+TWO_PI_C1 = tl.constexpr(6.28125)  # 201 / 32
+TWO_PI_C2 = tl.constexpr(0.0019378662109375)  # 254 / 2^17
+TWO_PI_C3 = tl.constexpr(-2.559031372584286e-06)  # fp32(2pi - C1 - C2)
+WIDE_BOUND = tl.constexpr(512.0)  # past it the reduced angle is no phase: |x| > 2^31, inf or NaN
+HARDWARE_TRIG = tl.constexpr(not TRITON_INTERPRETED)
 
 
 def rope_kernel_variant(pos_encoding_mode: str, rope_scale: float, rope_theta: float, head_dim: int) -> int:
@@ -60,27 +56,16 @@ def rope_kernel_variant(pos_encoding_mode: str, rope_scale: float, rope_theta: f
 def sincos(x, WIDE: tl.constexpr):
     """(sin x, cos x) of an fp32 tensor (accuracy: see the module docstring); ``WIDE``: |x| may
     exceed 2^31 or be inf / NaN (a point of the unit circle there, never NaN)."""
-    k = tl.floor(x * INV_PI + 0.5)
-    r = x - k * PI_C1
-    r = r - k * PI_C2
-    r = r - k * PI_C3
-    # past |x| ~ 2^24 the roundings of x / pi and k * C1 leave |r| beyond the polynomials' range:
-    # a second step brings it back (k2 is 0 below that, and r unchanged)
-    k2 = tl.floor(r * INV_PI + 0.5)
-    r = r - k2 * PI_C1
-    r = r - k2 * PI_C2
-    r = r - k2 * PI_C3
+    k = tl.floor(x * INV_2PI + 0.5)
+    r = x - k * TWO_PI_C1
+    r = r - k * TWO_PI_C2
+    r = r - k * TWO_PI_C3
     if WIDE:
-        # past 2^31 (or an inf / NaN angle: rope_scale or rope_theta near 0) no fp32 phase is left and
-        # the int32 parities overflow: any point of the unit circle is as right, so r = 0 there, never NaN
-        r = tl.where(tl.abs(r) <= 2.0, r, 0.0)
-    u = r * r
-    s = r + (r * u) * (SIN_1 + u * (SIN_2 + u * (SIN_3 + u * SIN_4)))
-    c = (1.0 - 0.5 * u) + (u * u) * (COS_1 + u * (COS_2 + u * (COS_3 + u * COS_4)))
-    flip = ((k.to(tl.int32) + k2.to(tl.int32)) & 1) << 31  # sign bit set for odd k + k2
-    s = (s.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
-    c = (c.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
-    return s, c
+        r = tl.where(tl.abs(r) <= WIDE_BOUND, r, 0.0)
+    if HARDWARE_TRIG:
+        return libdevice.fast_sinf(r), libdevice.fast_cosf(r)
+    else:
+        return tl.sin(r), tl.cos(r)
 
 
 @triton.jit

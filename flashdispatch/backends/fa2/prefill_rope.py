@@ -1,0 +1,121 @@
+"""RoPE before a ragged prefill: Q and K rotated once into scratch, then attention without RoPE.
+
+Rotating inside the prefill kernel (prefill_kernels._rope) repeats the work of a K tile in every
+program that reads it: once per query tile and per query head, so a 4096-token causal prefill
+with 32 query heads rotates each key ~1000 times, and that kernel cannot load K through TMA (the
+rotation needs a second, permuted load). `rotate_rows_kernel` rotates each query and key row
+once, its sines and cosines shared by all heads of the row, into buffers of q's dtype; the
+rounding to that dtype is the one the kernel applies to its rotated tiles, so both paths compute
+the same attention. The cost is the scratch (the size of q and k, from torch's caching allocator
+at each run) and one extra read and write of each, which pays once a request has a tile of queries
+(`MIN_QUERY_ROWS`); shorter queries, paged KV (its rows sit in the shared cache), fp8 or split
+head dims (192/128), and CUDA-graph plans (their kernels are fixed at capture, while the choice
+depends on the lengths) keep the rotation in the kernel.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ...dispatch.problem import Problem
+from ..base import AttentionInputs, AttentionParams, RaggedKV
+from .launch import bind
+from .trig import sincos
+
+MIN_QUERY_ROWS = 64  # the longest request's query rows from which RoPE is applied before the kernel
+_POW2_HEAD_DIMS = (64, 128, 256)
+_ROWS_PER_PROGRAM = 32
+
+
+def prerotation_applies(problem: Problem, params: AttentionParams) -> bool:
+    """Whether this prefill rotates Q and K before the kernel (see the module docstring)."""
+    return (problem.op == "prefill_ragged" and problem.pos_encoding_mode == "ROPE_LLAMA"
+            and not problem.use_cuda_graph and problem.kv_dtype == problem.q_dtype
+            and problem.head_dim_qk in _POW2_HEAD_DIMS
+            and max(params.qo_lens_host, default=0) >= MIN_QUERY_ROWS)
+
+
+@triton.jit
+def rotate_rows_kernel(X, Y, indptr_ptr, other_indptr_ptr, num_rows, batch, search_steps,
+                       rope_inv_scale, rope_log2_theta, stride_xt, stride_xh, stride_xd, stride_yt, stride_yh,
+                       HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                       QUERY: tl.constexpr, ROPE: tl.constexpr):
+    """Rotate-half RoPE of rows [num_rows, HEADS, HEAD_DIM] of X into Y. Row r of request b (the
+    last b < batch with indptr[b] <= r) sits at position r - indptr[b]; query rows (``QUERY``,
+    indptr = qo_indptr, other = kv_indptr) after that request's kv_len - qo_len keys."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < num_rows
+    lo = tl.zeros([BLOCK_R], tl.int32)
+    hi = lo + batch
+    for _ in range(search_steps):  # binary search; idempotent once hi = lo + 1
+        mid = (lo + hi) // 2
+        below = tl.load(indptr_ptr + mid) <= rows
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    pos = rows - tl.load(indptr_ptr + lo)
+    if QUERY:
+        kv_len = tl.load(other_indptr_ptr + lo + 1) - tl.load(other_indptr_ptr + lo)
+        qo_len = tl.load(indptr_ptr + lo + 1) - tl.load(indptr_ptr + lo)
+        pos += kv_len - qo_len
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF)
+    inv_freq = tl.exp2(-(offs.to(tl.float32) * (2.0 / HEAD_DIM)) * rope_log2_theta)
+    angle = (pos.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
+    s, c = sincos(angle, ROPE == 2)
+    x = X + rows.to(tl.int64)[:, None] * stride_xt + offs[None, :] * stride_xd
+    y = Y + rows.to(tl.int64)[:, None] * stride_yt + offs[None, :]
+    for _ in range(HEADS):  # pointers step by a head: no int32 product of head and stride
+        x1 = tl.load(x, mask=ok[:, None]).to(tl.float32)
+        x2 = tl.load(x + HALF * stride_xd, mask=ok[:, None]).to(tl.float32)
+        tl.store(y, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=ok[:, None])
+        tl.store(y + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=ok[:, None])
+        x += stride_xh
+        y += stride_yh
+
+
+class PrerotatedPrefill:
+    """A ragged RoPE prefill as Q and K rotation, then ``inner``: the plan of the same problem
+    without RoPE (`prerotation_applies`)."""
+
+    def __init__(self, inner, problem: Problem, params: AttentionParams, rope_kind: int):
+        self.inner, self.params, self.rope_kind = inner, params, rope_kind
+        self.qo_indptr, self.kv_indptr = params.qo_indptr, params.kv_indptr  # uploaded now, not in run()
+        self.batch = len(params.qo_lens_host)
+        self.q_rows = sum(params.qo_lens_host)
+        self.kv_rows, _ = params.kv_lens_stats()
+        self._rotate = {query: bind(rotate_rows_kernel, HEAD_DIM=problem.head_dim_qk, BLOCK_R=_ROWS_PER_PROGRAM,
+                                    QUERY=query, ROPE=rope_kind,
+                                    HEADS=problem.num_qo_heads if query else problem.num_kv_heads)
+                        for query in (True, False)}
+
+    def refresh_tile_lists(self) -> None:
+        """A new custom mask: the inner plan's tile lists."""
+        self.inner.refresh_tile_lists()
+
+    def _rotated(self, x: torch.Tensor, rows: int, query: bool) -> torch.Tensor:
+        prm = self.params
+        indptr, other = (self.qo_indptr, self.kv_indptr) if query else (self.kv_indptr, self.qo_indptr)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if rows == 0:
+            return y
+        self._rotate[query]((triton.cdiv(rows, _ROWS_PER_PROGRAM),), x, y, indptr, other, rows, self.batch,
+                            self.batch.bit_length(), 1.0 / prm.rope_scale, math.log2(prm.rope_theta),
+                            x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1))
+        return y
+
+    def run(self, inputs: AttentionInputs) -> None:
+        kv = inputs.kv
+        if not isinstance(kv, RaggedKV):
+            raise TypeError("fa2 prefill_ragged plan run with paged KV")
+        q = self._rotated(inputs.q, self.q_rows, query=True)
+        k = self._rotated(kv.k, self.kv_rows, query=False)
+        self.inner.run(replace(inputs, q=q, kv=RaggedKV(k, kv.v)))
+
+
+def without_rope(problem: Problem) -> Problem:
+    """The problem the kernel runs once Q and K are rotated."""
+    return problem.with_(pos_encoding_mode="NONE")
