@@ -79,7 +79,7 @@ def _signature(kernel, const: dict, pointers: dict) -> dict:
 
 def prefill_variant(head: int, rope: bool, split: bool, tiles: list[int] | None):
     """(kernel, signature, constexprs, options, config text) of one prefill variant."""
-    cfg = default_config(_problem("prefill", head, rope), H200)
+    cfg = default_config(_problem("prefill_ragged", head, rope), H200)
     if tiles:
         cfg = dataclasses.replace(cfg, **dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tiles)))
     head_a = 128 if head == 192 else head

@@ -74,8 +74,8 @@ def sample_angles(seed: int = 0) -> np.ndarray:
     near_quadrants = F32(np.arange(1, 1 << 21, 7) * (np.pi / 4))  # every 7th multiple of pi/4
     edges = np.concatenate([
         near_quadrants, np.nextafter(near_quadrants, F32(np.inf)), np.nextafter(near_quadrants, F32(0)),
-        np.array([0.0, 1e-30, 1e-7, 0.5, np.pi / 4, np.pi / 2, np.pi, 12866.0, 12868.0, 411774.0, 411775.0, 2 ** 21 - 0.25, 2 ** 21,
-                  3e6], F32)])
+        np.array([0.0, 1e-30, 1e-7, 0.5, np.pi / 4, np.pi / 2, np.pi, 12866.0, 12868.0, 411774.0, 411775.0,
+                  2 ** 21 - 0.25, 2 ** 21, 3e6], F32)])
     parts = [rng.uniform(0, 2 ** 21, 300_000), np.exp(rng.uniform(np.log(1e-6), np.log(2 ** 21), 200_000)),
              rng.uniform(0, 64, 100_000), -rng.uniform(0, 2 ** 21, 50_000), rope_angles(rng, 200_000), edges]
     return np.concatenate([np.asarray(p).astype(F32) for p in parts])

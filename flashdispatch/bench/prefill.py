@@ -5,7 +5,7 @@ default); ``BxQ/K`` is a paged batch of B requests with Q new tokens each and K 
 total (the new ones included; K=Q by default). Modifiers after ``:``: ``nc`` (not causal),
 ``w<N>`` (window_left=N), ``mask`` (a custom mask equal to the causal pattern, passed as
 a mask so the kernel cannot use the causal shortcut), ``cap<X>`` (logits_soft_cap=X), ``rope``
-(pos_encoding_mode ROPE_LLAMA: RoPE applied in the kernel).
+(pos_encoding_mode ROPE_LLAMA: RoPE applied by the attention call itself).
 TFLOP/s = 4 x qo_heads x head_dim x (query-key pairs the mask lets through) / time.
 """
 from __future__ import annotations

@@ -29,6 +29,7 @@ from .trig import sincos
 MIN_QUERY_ROWS = 64  # the longest request's query rows from which RoPE is applied before the kernel
 _POW2_HEAD_DIMS = (64, 128, 256)
 _ROWS_PER_PROGRAM = 32
+_HEADS_PER_PROGRAM = 4  # 4096 query rows x 32 heads: 1024 programs (one per 32 rows: 128, too few to read at speed)
 
 
 def prerotation_applies(problem: Problem, params: AttentionParams) -> bool:
@@ -43,10 +44,11 @@ def prerotation_applies(problem: Problem, params: AttentionParams) -> bool:
 def rotate_rows_kernel(X, Y, indptr_ptr, other_indptr_ptr, num_rows, batch, search_steps,
                        rope_inv_scale, rope_log2_theta, stride_xt, stride_xh, stride_xd, stride_yt, stride_yh,
                        HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                       QUERY: tl.constexpr, ROPE: tl.constexpr):
-    """Rotate-half RoPE of rows [num_rows, HEADS, HEAD_DIM] of X into Y. Row r of request b (the
-    last b < batch with indptr[b] <= r) sits at position r - indptr[b]; query rows (``QUERY``,
-    indptr = qo_indptr, other = kv_indptr) after that request's kv_len - qo_len keys."""
+                       BLOCK_H: tl.constexpr, QUERY: tl.constexpr, ROPE: tl.constexpr):
+    """Rotate-half RoPE of rows [num_rows, HEADS, HEAD_DIM] of X into Y, BLOCK_R rows x BLOCK_H
+    heads a program. Row r of request b (the last b < batch with indptr[b] <= r) sits at position
+    r - indptr[b]; query rows (``QUERY``, indptr = qo_indptr, other = kv_indptr) after that
+    request's kv_len - qo_len keys."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < num_rows
     lo = tl.zeros([BLOCK_R], tl.int32)
@@ -66,15 +68,18 @@ def rotate_rows_kernel(X, Y, indptr_ptr, other_indptr_ptr, num_rows, batch, sear
     inv_freq = tl.exp2(-(offs.to(tl.float32) * (2.0 / HEAD_DIM)) * rope_log2_theta)
     angle = (pos.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
     s, c = sincos(angle, ROPE == 2)
-    x = X + rows.to(tl.int64)[:, None] * stride_xt + offs[None, :] * stride_xd
-    y = Y + rows.to(tl.int64)[:, None] * stride_yt + offs[None, :]
-    for _ in range(HEADS):  # pointers step by a head: no int32 product of head and stride
-        x1 = tl.load(x, mask=ok[:, None]).to(tl.float32)
-        x2 = tl.load(x + HALF * stride_xd, mask=ok[:, None]).to(tl.float32)
-        tl.store(y, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=ok[:, None])
-        tl.store(y + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=ok[:, None])
+    head = tl.program_id(1) * BLOCK_H
+    x = X + rows.to(tl.int64)[:, None] * stride_xt + head.to(tl.int64) * stride_xh + offs[None, :] * stride_xd
+    y = Y + rows.to(tl.int64)[:, None] * stride_yt + head.to(tl.int64) * stride_yh + offs[None, :]
+    for _ in tl.static_range(BLOCK_H):  # pointers step by a head: no int32 product of head and stride
+        keep = (ok & (head < HEADS))[:, None]
+        x1 = tl.load(x, mask=keep).to(tl.float32)
+        x2 = tl.load(x + HALF * stride_xd, mask=keep).to(tl.float32)
+        tl.store(y, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=keep)
+        tl.store(y + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=keep)
         x += stride_xh
         y += stride_yh
+        head += 1
 
 
 class PrerotatedPrefill:
@@ -87,10 +92,10 @@ class PrerotatedPrefill:
         self.batch = len(params.qo_lens_host)
         self.q_rows = sum(params.qo_lens_host)
         self.kv_rows, _ = params.kv_lens_stats()
+        self.heads = {True: problem.num_qo_heads, False: problem.num_kv_heads}
         self._rotate = {query: bind(rotate_rows_kernel, HEAD_DIM=problem.head_dim_qk, BLOCK_R=_ROWS_PER_PROGRAM,
-                                    QUERY=query, ROPE=rope_kind,
-                                    HEADS=problem.num_qo_heads if query else problem.num_kv_heads)
-                        for query in (True, False)}
+                                    BLOCK_H=_HEADS_PER_PROGRAM, QUERY=query, ROPE=rope_kind, HEADS=heads)
+                        for query, heads in self.heads.items()}
 
     def refresh_tile_lists(self) -> None:
         """A new custom mask: the inner plan's tile lists."""
@@ -102,7 +107,8 @@ class PrerotatedPrefill:
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if rows == 0:
             return y
-        self._rotate[query]((triton.cdiv(rows, _ROWS_PER_PROGRAM),), x, y, indptr, other, rows, self.batch,
+        grid = (triton.cdiv(rows, _ROWS_PER_PROGRAM), triton.cdiv(self.heads[query], _HEADS_PER_PROGRAM))
+        self._rotate[query](grid, x, y, indptr, other, rows, self.batch,
                             self.batch.bit_length(), 1.0 / prm.rope_scale, math.log2(prm.rope_theta),
                             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1))
         return y

@@ -106,7 +106,8 @@ class AutotunedPlan:
         best, best_ms = None, float("inf")
         for cfg in self.configs:
             try:
-                plan = self.first_plan if cfg is self.configs[0] and self.first_plan is not None else self.make_plan(cfg)
+                first = cfg is self.configs[0] and self.first_plan is not None
+                plan = self.first_plan if first else self.make_plan(cfg)
                 ms = self.timer(lambda: plan.run(inputs))
             except Exception as e:  # a config that does not compile or fit: skip it, keep its reason
                 if cfg is self.configs[0]:
