@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .backends.base import PagedKV
-from .dispatch.problem import DTYPE_BY_NAME, LAYOUTS, POS_ENCODINGS
+from .dispatch.problem import DTYPE_BY_NAME, LAYOUTS, POS_ENCODINGS, SCALAR_LIMIT
 
 ATTENTION_DTYPES = frozenset(DTYPE_BY_NAME.values())
 
@@ -117,9 +117,6 @@ def check_window_left(window_left) -> int:
             or window_left > MAX_KV_TOKENS):
         raise ValueError(f"window_left={window_left!r} must be an int in [-1, 2^31 - 1] (-1 disables the window)")
     return window_left
-
-
-SCALAR_LIMIT = 1e30  # float scalars' magnitude bound: the kernels' products of them stay finite in float32
 
 
 def _shown(value) -> str:

@@ -16,7 +16,7 @@ LAYOUTS = ("NHD", "HND")
 MASK_MODES = ("none", "causal", "custom")
 POS_ENCODINGS = ("NONE", "ROPE_LLAMA", "ALIBI")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-SOFT_CAP_LIMIT = 1e30  # (checks.SCALAR_LIMIT: the wrappers' bound on logits_soft_cap)
+SCALAR_LIMIT = 1e30  # float scalars' magnitude bound: the kernels' products of them stay finite in float32
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Problem:
                 and type(self.head_dim_vo) is int and self.head_dim_vo > 0
                 and type(self.page_size) is int and self.page_size >= 0
                 and type(self.window_left) is int and self.window_left >= -1
-                and type(self.logits_soft_cap) is float and 0.0 <= self.logits_soft_cap <= SOFT_CAP_LIMIT
+                and type(self.logits_soft_cap) is float and 0.0 <= self.logits_soft_cap <= SCALAR_LIMIT
                 and type(self.q_len_per_req) is int and self.q_len_per_req >= 1
                 and type(self.head_dim_kpe) is int and self.head_dim_kpe >= 0
                 and type(self.use_cuda_graph) is bool and type(self.return_lse) is bool
@@ -168,7 +168,7 @@ def _check_fields(p: Problem) -> None:
     cap = p.logits_soft_cap
     if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
         _fail("Problem", "logits_soft_cap", cap, "a float", TypeError)
-    if not 0.0 <= cap <= SOFT_CAP_LIMIT:  # (NaN fails it)
+    if not 0.0 <= cap <= SCALAR_LIMIT:  # (NaN fails it)
         _fail("Problem", "logits_soft_cap", cap, "a float in [0, 1e30] (0: no soft cap)")
     object.__setattr__(p, "logits_soft_cap", float(cap))
     for name in ("use_cuda_graph", "return_lse", "sinks", "spec_decode_mask"):
