@@ -44,7 +44,7 @@ from flashdispatch.backends.fa2 import decode_config as fa2_decode_config  # noq
 from flashdispatch.backends.fa2 import decode_variant as fa2_decode_variant  # noqa: E402
 from flashdispatch.backends.fa2.prefill_config import default_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
-from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel  # noqa: E402
+from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel, qk_parts  # noqa: E402
 from flashdispatch.dispatch.problem import Device, Problem  # noqa: E402
 
 QO_HEADS, KV_HEADS, PAGE = 32, 8, 16
@@ -82,8 +82,8 @@ def prefill_variant(head: int, rope: bool, split: bool, tiles: list[int] | None)
     cfg = default_config(_problem("prefill_ragged", head, rope), H200)
     if tiles:
         cfg = dataclasses.replace(cfg, **dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tiles)))
-    head_a = 128 if head == 192 else head
-    const = dict(NUM_QO_HEADS=QO_HEADS, GROUP=QO_HEADS // KV_HEADS, HEAD_QK_A=head_a, HEAD_QK_B=head - head_a,
+    head_a, head_b = qk_parts(head, rope)
+    const = dict(NUM_QO_HEADS=QO_HEADS, GROUP=QO_HEADS // KV_HEADS, HEAD_QK_A=head_a, HEAD_QK_B=head_b,
                  HEAD_VO=head, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=0, DTYPE=tl.float16,
                  DOT_PREC="tf32", CAUSAL=False, CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False,
                  ROPE=rope, SINKS=False, HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False,

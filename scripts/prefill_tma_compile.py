@@ -31,7 +31,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel  # noqa: E402
+from flashdispatch.backends.fa2.prefill_kernels import fa2_prefill_kernel, qk_parts  # noqa: E402
 from offline_compile import compile_like_launch, ptxas_usage  # noqa: E402  (scripts/, the script's own folder)
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -48,8 +48,9 @@ def compile_variant(head: int, tiles: list[int], mask: str, tma: bool, rope: boo
     """The CompiledKernel of one ragged bf16 variant (32/8 heads, lse on; head 192 is the
     (192, 128) pair, split into K parts of 128 and 64 like a launch)."""
     block_m, block_n, warps, stages = tiles
-    head_a, head_vo = (128, 128) if head == 192 else (head, head)
-    const = dict(NUM_QO_HEADS=32, GROUP=4, HEAD_QK_A=head_a, HEAD_QK_B=head - head_a, HEAD_VO=head_vo,
+    head_a, head_b = qk_parts(head, rope)
+    head_vo = 128 if head == 192 else head
+    const = dict(NUM_QO_HEADS=32, GROUP=4, HEAD_QK_A=head_a, HEAD_QK_B=head_b, HEAD_VO=head_vo,
                  BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=0, DTYPE=tl.bfloat16, DOT_PREC="tf32", CAUSAL=False,
                  CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, SINKS=False,
                  HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, SPLIT=False,

@@ -331,7 +331,7 @@ def test_custom_mask_128_wide_tiles(monkeypatch):
 def test_heaviest_first_kernel_ranks_like_a_stable_sort():
     """150 rows over five programs and several compare steps, many ties: the rows land where a
     stable descending sort of their visible-tile counts puts them."""
-    from flashdispatch.backends.fa2.prefill_kernels import heaviest_first_kernel
+    from flashdispatch.backends.fa2.prefill_mask_tiles import heaviest_first_kernel
     gen = torch.Generator().manual_seed(8)
     n = 150
     work = torch.randint(0, 1000, (n, 10), dtype=torch.int32, generator=gen)

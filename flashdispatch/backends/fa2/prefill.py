@@ -33,8 +33,8 @@ from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scales, kernel_win
 from .launch import bind
 from . import tuning
 from .merge import MERGE_INFO_COLS, DecodeMerge
-from .prefill_kernels import (RUNS_HEAD, WORK_COLS, fa2_prefill_kernel, heaviest_first_kernel, mask_tile_classes_kernel,
-                              mask_tile_runs_kernel)
+from .prefill_kernels import RUNS_HEAD, WORK_COLS, fa2_prefill_kernel, qk_parts
+from .prefill_mask_tiles import heaviest_first_kernel, mask_tile_classes_kernel, mask_tile_runs_kernel
 from .prefill_config import CONFIG_ENV, PrefillConfig, config_from_env, default_config
 from .prefill_rope import PrerotatedPrefill, prerotation_applies, without_rope
 from .prefill_tma import launch_with_scratch, tma_layout_ok, tma_unused_reason
@@ -355,11 +355,11 @@ class PrefillPlan:
         BoundKernel, wrapped to provide the descriptors' scratch when TMA is on."""
         p, cfg = self.problem, self.config
         dtype, sinks, has_lse, q_t, k_t, v_t, tma, shared_rows, scale_pos = variant
-        head_a = 128 if p.head_dim_qk == 192 else p.head_dim_qk
+        head_a, head_b = qk_parts(p.head_dim_qk, self.rope_kind > 0)
         launch = self._launchers[variant] = bind(
             fa2_prefill_kernel,
             NUM_QO_HEADS=p.num_qo_heads, GROUP=p.num_qo_heads // p.num_kv_heads,
-            HEAD_QK_A=head_a, HEAD_QK_B=p.head_dim_qk - head_a, HEAD_VO=p.head_dim_vo,
+            HEAD_QK_A=head_a, HEAD_QK_B=head_b, HEAD_VO=p.head_dim_vo,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=p.page_size if self.paged else 0,
             DTYPE=_TL_DTYPES[dtype], DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
             CAUSAL=p.mask_mode == "causal", CUSTOM_MASK=p.mask_mode == "custom", WINDOW=p.window_left >= 0,

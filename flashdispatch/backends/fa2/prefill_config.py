@@ -142,7 +142,8 @@ def default_config(problem: Problem, device: Device, qo_lens: Sequence[int] | No
             tma = tma_unused_reason(problem, device, 3, False) is None
             if _small_tiles_pay(problem, tma, qo_lens):
                 return PrefillConfig(64, 64, 4, 3, tma=tma)
-        # 128-wide KV tiles run out of shared memory with RoPE's second K load; with a custom
+        # RoPE keeps 64-wide KV tiles (chosen when its second, permuted K load did not fit at 128;
+        # rotated from K's halves since session 57, 128x128 fits: not measured); with a custom
         # mask's bitmaps they fit on sm90 only (228 KB, partial tiles unpipelined): H200, same
         # run, 128x64 -> 128x128 TFLOP/s: single 4096 mask 360 -> 397, paged 8x512/8192 mask 443 -> 482
         wide = features - {"custom_mask"} <= _LIGHT_FEATURES and (not custom or sm90)

@@ -2,8 +2,8 @@
 
 Rotating inside the prefill kernel (prefill_kernels._rope) repeats the work of a K tile in every
 program that reads it: once per query tile and per query head, so a 4096-token causal prefill
-with 32 query heads rotates each key ~1000 times, and that kernel cannot load K through TMA (the
-rotation needs a second, permuted load). `rotate_rows_kernel` rotates each query and key row
+with 32 query heads rotates each key ~1000 times, and that kernel loads K through pointers, not
+TMA. `rotate_rows_kernel` rotates each query and key row
 once, its sines and cosines shared by all heads of the row, into buffers of q's dtype; the
 rounding to that dtype is the one the kernel applies to its rotated tiles, so both paths compute
 the same attention. The cost is the scratch (the size of q and k, from torch's caching allocator
