@@ -86,8 +86,9 @@ def prefill_variant(head: int, rope: bool, split: bool, tiles: list[int] | None)
     const = dict(NUM_QO_HEADS=QO_HEADS, GROUP=QO_HEADS // KV_HEADS, HEAD_QK_A=head_a, HEAD_QK_B=head_b,
                  HEAD_VO=head, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=0, DTYPE=tl.float16,
                  DOT_PREC="tf32", CAUSAL=False, CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False,
-                 ROPE=rope, SINKS=False, HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False,
-                 SPLIT=split, PERSISTENT=False, TMA=False, SHARED_ROWS=True, SCALE_POS=True, CLAMP_PAGES=False)
+                 ROPE=rope, K_ROTATED=False, SINKS=False, HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False,
+                 V_SCALE_T=False, SPLIT=split, PERSISTENT=False, TMA=False, SHARED_ROWS=True, SCALE_POS=True,
+                 CLAMP_PAGES=False)
     fp16 = {name: "*fp16" for name in ("Q", "K", "V", "O")}
     f32 = {name: "*fp32" for name in ("LSE", "PO", "PLSE", "sinks_ptr", "alibi_ptr", "q_scale_ptr",
                                       "k_scale_ptr", "v_scale_ptr")}

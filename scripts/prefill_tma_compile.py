@@ -52,7 +52,7 @@ def compile_variant(head: int, tiles: list[int], mask: str, tma: bool, rope: boo
     head_vo = 128 if head == 192 else head
     const = dict(NUM_QO_HEADS=32, GROUP=4, HEAD_QK_A=head_a, HEAD_QK_B=head_b, HEAD_VO=head_vo,
                  BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=0, DTYPE=tl.bfloat16, DOT_PREC="tf32", CAUSAL=False,
-                 CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, SINKS=False,
+                 CUSTOM_MASK=False, WINDOW=False, SOFT_CAP=False, ALIBI=False, ROPE=rope, K_ROTATED=False, SINKS=False,
                  HAS_LSE=True, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False, SPLIT=False,
                  PERSISTENT=False, TMA=tma, SHARED_ROWS=False, SCALE_POS=True, CLAMP_PAGES=False)
     const.update(MASKS[mask])

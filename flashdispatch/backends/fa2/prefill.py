@@ -198,11 +198,15 @@ def add_tile_lists(items: np.ndarray, block_n: int) -> tuple[int, int]:
 class PrefillPlan:
     """A planned prefill: work list on the device, constexpr features, grid, tile config."""
 
-    def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig):
+    def __init__(self, problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig,
+                 q_rope: int = 0):
+        """``q_rope``: for a problem planned without RoPE whose K the caller rotates first
+        (prefill_rope.py), the RoPE kind (`trig.rope_kernel_variant`) the kernel applies to Q."""
         self.problem, self.params, self.config = problem, params, config
         self.paged = problem.op == "prefill_paged"
         self.rope_kind = rope_kernel_variant(problem.pos_encoding_mode, params.rope_scale, params.rope_theta,
                                              problem.head_dim_qk)
+        self.q_rope = q_rope
         # page ids clamped into the cache unless plan() checked them before any launch; a CUDA
         # graph replays this kernel after re-plans whose indices may not be checked yet
         self.clamp_pages = self.paged and (problem.use_cuda_graph or not params.indices_checked)
@@ -364,7 +368,7 @@ class PrefillPlan:
             DTYPE=_TL_DTYPES[dtype], DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
             CAUSAL=p.mask_mode == "causal", CUSTOM_MASK=p.mask_mode == "custom", WINDOW=p.window_left >= 0,
             SOFT_CAP=p.logits_soft_cap > 0, ALIBI=p.pos_encoding_mode == "ALIBI",
-            ROPE=self.rope_kind, SINKS=sinks,
+            ROPE=self.rope_kind or self.q_rope, K_ROTATED=self.q_rope > 0, SINKS=sinks,
             HAS_LSE=has_lse, Q_SCALE_T=q_t, K_SCALE_T=k_t, V_SCALE_T=v_t, SPLIT=self.n_merge > 0,
             PERSISTENT=p.use_cuda_graph, TMA=tma, SHARED_ROWS=shared_rows, SCALE_POS=scale_pos,
             CLAMP_PAGES=self.clamp_pages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -437,26 +441,26 @@ def plan_prefill(problem: Problem, device: Device, params: AttentionParams,
     the per-head-dim tile sizes, e.g. for a benchmark sweep. ``autotune`` (None: whether
     FLASHDISPATCH_FA2_AUTOTUNE=1) picks the tile config per shape bucket instead (see
     tuning.py); never with an explicit config or under CUDA graphs, and on a CUDA device only
-    unless asked for explicitly. A ragged RoPE prefill with a tile of queries rotates Q and K
-    first and plans the kernel without RoPE (prefill_rope.py)."""
+    unless asked for explicitly. A ragged RoPE prefill with a tile of queries rotates K first and
+    plans the kernel without RoPE on K (prefill_rope.py)."""
     reasons = prefill_extra_checks(problem, device)
     if reasons:
         raise Unsupported("fa2 prefill cannot run this problem", {"fa2": reasons})
     if prerotation_applies(problem, params):
         rope_kind = rope_kernel_variant(problem.pos_encoding_mode, params.rope_scale, params.rope_theta,
                                         problem.head_dim_qk)
-        inner = _plan_kernel(without_rope(problem), device, params, config, autotune)
+        inner = _plan_kernel(without_rope(problem), device, params, config, autotune, q_rope=rope_kind)
         return PrerotatedPrefill(inner, problem, params, rope_kind)
     return _plan_kernel(problem, device, params, config, autotune)
 
 
 def _plan_kernel(problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig | None,
-                 autotune: bool | None) -> "PrefillPlan | tuning.AutotunedPlan":
+                 autotune: bool | None, q_rope: int = 0) -> "PrefillPlan | tuning.AutotunedPlan":
     base = default_config(problem, device, params.qo_lens_host)
     if config is not None or os.environ.get(CONFIG_ENV, "").strip():
-        return PrefillPlan(problem, device, params, (config or config_from_env(base)).validate())
+        return PrefillPlan(problem, device, params, (config or config_from_env(base)).validate(), q_rope)
     tune = tuning.enabled() and device.is_cuda if autotune is None else autotune
     if tune and not problem.use_cuda_graph:
         return tuning.plan_with_autotune(problem, device, params, base,
-                                         lambda cfg: PrefillPlan(problem, device, params, cfg.validate()))
-    return PrefillPlan(problem, device, params, base.validate())
+                                         lambda cfg: PrefillPlan(problem, device, params, cfg.validate(), q_rope))
+    return PrefillPlan(problem, device, params, base.validate(), q_rope)

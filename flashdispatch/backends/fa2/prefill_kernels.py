@@ -21,8 +21,8 @@ Every feature is a tl.constexpr, so a feature that is off costs nothing on the h
 KV head) instead of pointer loads (prefill_tma.py). RoPE: Q tiles are rotated once per program;
 a K tile of a power-of-two head is rotated from its two halves (`qk_parts`, `_load_k_halves`: two
 score dots of half width), of the 192/128 pair with a second, permuted load per part
-(`_load_k_part`). Ragged prefills with long queries rotate Q and K before this kernel instead
-(prefill_rope.py).
+(`_load_k_part`). Ragged prefills with long queries rotate K before this kernel instead
+(prefill_rope.py, ``K_ROTATED``).
 """
 from __future__ import annotations
 
@@ -282,12 +282,14 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
                  CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
-                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
-                 HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
+                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, K_ROTATED: tl.constexpr,
+                 SINKS: tl.constexpr, HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
                  V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
                  SHARED_ROWS: tl.constexpr, SCALE_POS: tl.constexpr, CLAMP_PAGES: tl.constexpr):
     """The tile of one (work item, query head): pid = item * NUM_QO_HEADS + head. TMA (ragged KV
-    only, HEAD_QK_B == 0): K/V tiles through descriptors of the request's rows of this KV head."""
+    only, HEAD_QK_B == 0): K/V tiles through descriptors of the request's rows of this KV head.
+    K_ROTATED: K arrives rotated (prefill_rope.py), so ROPE applies to Q only."""
+    K_ROPE: tl.constexpr = 0 if K_ROTATED else ROPE  # the RoPE kind of the K tiles
     head = pid % NUM_QO_HEADS
     item = pid // NUM_QO_HEADS
     row = work_ptr + item * _WORK_COLS
@@ -382,7 +384,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                             stride_vp, stride_vs, stride_vh, stride_vd, scale, alibi_log2, soft_cap,
                                             window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                             partial == 1, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL,
-                                            CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS,
+                                            CUSTOM_MASK, WINDOW, SOFT_CAP, ALIBI, K_ROPE, SPLIT, TMA, SHARED_ROWS,
                                             SCALE_POS, CLAMP_PAGES)
     else:
         # masked [lo, b), unmasked [b, c), masked [c, hi)
@@ -391,13 +393,13 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
                                     alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                     True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                    WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
+                                    WINDOW, SOFT_CAP, ALIBI, K_ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, b, c, k_src, v_src, kv_indices_ptr, last_page, mask_ptr,
                                     kv_start, kv_len, kv_lo, kv_hi, kvh, mask_off, offs_m, pos_m, qo_len, stride_kp,
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
                                     alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                     False, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK,
-                                    WINDOW, SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
+                                    WINDOW, SOFT_CAP, ALIBI, K_ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
         # keys from c on are inside every stored row's window (c >= b, the first such tile, or the
         # range is empty): no window test
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_a, q_b, c, hi, k_src, v_src, kv_indices_ptr, last_page, mask_ptr,
@@ -405,7 +407,7 @@ def _prefill_one(pid, Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_ind
                                     stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, scale,
                                     alibi_log2, soft_cap, window_left, rope_inv_scale, rope_log2_theta, DTYPE, DOT_PREC,
                                     True, BLOCK_N, PAGE_SIZE, HEAD_QK_A, HEAD_QK_B, HEAD_VO, CAUSAL, CUSTOM_MASK, False,
-                                    SOFT_CAP, ALIBI, ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
+                                    SOFT_CAP, ALIBI, K_ROPE, SPLIT, TMA, SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
 
     seen = l_i > 0.0
     out_scale = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0) * v_scale
@@ -442,8 +444,8 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                        DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
                        CAUSAL: tl.constexpr, CUSTOM_MASK: tl.constexpr, WINDOW: tl.constexpr,
-                       SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
-                       HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
+                       SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, K_ROTATED: tl.constexpr,
+                       SINKS: tl.constexpr, HAS_LSE: tl.constexpr, Q_SCALE_T: tl.constexpr, K_SCALE_T: tl.constexpr,
                        V_SCALE_T: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
                        TMA: tl.constexpr, SHARED_ROWS: tl.constexpr, SCALE_POS: tl.constexpr,
                        CLAMP_PAGES: tl.constexpr):
@@ -452,6 +454,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
     SPLIT: some items are KV chunks whose partial states go to PO/PLSE (never with PERSISTENT).
     TMA: K/V tiles through device-side tensor descriptors (prefill_tma.py; ragged KV only).
     SCALE_POS: qk_scale is > 0 and no q/k scale tensor multiplies it (see _attn_tiles).
+    K_ROTATED: K arrives rotated by RoPE (prefill_rope.py): ROPE rotates the Q tiles only.
     CLAMP_PAGES: every page id read is clamped to the last of the cache's ``num_pages`` (see
     _attn_tiles)."""
     last_page = (num_pages - 1).to(tl.uint32)
@@ -465,7 +468,7 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                          stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                          stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                          BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                         SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
+                         SOFT_CAP, ALIBI, ROPE, K_ROTATED, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
                          SHARED_ROWS, SCALE_POS, CLAMP_PAGES)
     else:
         _prefill_one(tl.program_id(0), Q, K, V, O, LSE, PO, PLSE, work_ptr, qo_indptr_ptr, kv_indptr_ptr,
@@ -475,5 +478,5 @@ def fa2_prefill_kernel(Q, K, V, O, LSE, PO, PLSE, work_ptr, num_work_ptr, qo_ind
                      stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                      stride_lt, stride_lh, NUM_QO_HEADS, GROUP, HEAD_QK_A, HEAD_QK_B, HEAD_VO,
                      BLOCK_M, BLOCK_N, PAGE_SIZE, DTYPE, DOT_PREC, CAUSAL, CUSTOM_MASK, WINDOW,
-                     SOFT_CAP, ALIBI, ROPE, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
+                     SOFT_CAP, ALIBI, ROPE, K_ROTATED, SINKS, HAS_LSE, Q_SCALE_T, K_SCALE_T, V_SCALE_T, SPLIT, TMA,
                      SHARED_ROWS, SCALE_POS, CLAMP_PAGES)

@@ -1,16 +1,17 @@
-"""RoPE before a ragged prefill: Q and K rotated once into scratch, then attention without RoPE.
+"""RoPE before a ragged prefill: K rotated once into scratch, then attention that rotates Q only.
 
-Rotating inside the prefill kernel (prefill_kernels._rope) repeats the work of a K tile in every
-program that reads it: once per query tile and per query head, so a 4096-token causal prefill
+Rotating inside the prefill kernel (prefill_kernels._load_k_halves) repeats the work of a K tile in
+every program that reads it: once per query tile and per query head, so a 4096-token causal prefill
 with 32 query heads rotates each key ~1000 times, and that kernel loads K through pointers, not
-TMA. `rotate_rows_kernel` rotates each query and key row
-once, its sines and cosines shared by all heads of the row, into buffers of q's dtype; the
-rounding to that dtype is the one the kernel applies to its rotated tiles, so both paths compute
-the same attention. The cost is the scratch (the size of q and k, from torch's caching allocator
-at each run) and one extra read and write of each, which pays once a request has a tile of queries
-(`MIN_QUERY_ROWS`); shorter queries, paged KV (its rows sit in the shared cache), fp8 or split
-head dims (192/128), and CUDA-graph plans (their kernels are fixed at capture, while the choice
-depends on the lengths) keep the rotation in the kernel.
+TMA. `rotate_rows_kernel` rotates each key row once, its sines and cosines shared by the heads of a
+program, into a buffer of k's dtype; the rounding to that dtype is the one the kernel applies to
+its rotated tiles, so both paths compute the same attention. The prefill kernel then runs the
+problem as without RoPE (its config, TMA loads on sm90) but rotates each Q tile as it loads it
+(``K_ROTATED``: once a program, ~1/1000 of the K work above). The cost is the scratch (k's size,
+from torch's caching allocator at each run) and one extra read and write of K, which pays once a
+request has a tile of queries (`MIN_QUERY_ROWS`); shorter queries, paged KV (its rows sit in the
+shared cache), fp8 or split head dims (192/128), and CUDA-graph plans (their kernels are fixed at
+capture, while the choice depends on the lengths) keep the rotation in the kernel.
 """
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ from ..base import AttentionInputs, AttentionParams, RaggedKV
 from .launch import bind
 from .trig import sincos
 
-MIN_QUERY_ROWS = 64  # the longest request's query rows from which RoPE is applied before the kernel
+MIN_QUERY_ROWS = 64  # the longest request's query rows from which K is rotated before the kernel
 _POW2_HEAD_DIMS = (64, 128, 256)
 _ROWS_PER_PROGRAM = 32
-_HEADS_PER_PROGRAM = 4  # 4096 query rows x 32 heads: 1024 programs (one per 32 rows: 128, too few to read at speed)
+_HEADS_PER_PROGRAM = 2  # 4096 rows x 8 heads: 512 programs (one per 32 rows: 128, too few to read at speed)
 
 
 def prerotation_applies(problem: Problem, params: AttentionParams) -> bool:
-    """Whether this prefill rotates Q and K before the kernel (see the module docstring)."""
+    """Whether this prefill rotates K before the kernel (see the module docstring)."""
     return (problem.op == "prefill_ragged" and problem.pos_encoding_mode == "ROPE_LLAMA"
             and not problem.use_cuda_graph and problem.kv_dtype == problem.q_dtype
             and problem.head_dim_qk in _POW2_HEAD_DIMS
@@ -41,14 +42,13 @@ def prerotation_applies(problem: Problem, params: AttentionParams) -> bool:
 
 
 @triton.jit
-def rotate_rows_kernel(X, Y, indptr_ptr, other_indptr_ptr, num_rows, batch, search_steps,
-                       rope_inv_scale, rope_log2_theta, stride_xt, stride_xh, stride_xd, stride_yt, stride_yh,
+def rotate_rows_kernel(X, Y, indptr_ptr, num_rows, batch, search_steps, rope_inv_scale, rope_log2_theta,
+                       stride_xt, stride_xh, stride_xd, stride_yt, stride_yh,
                        HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_H: tl.constexpr, QUERY: tl.constexpr, ROPE: tl.constexpr):
+                       BLOCK_H: tl.constexpr, ROPE: tl.constexpr):
     """Rotate-half RoPE of rows [num_rows, HEADS, HEAD_DIM] of X into Y, BLOCK_R rows x BLOCK_H
     heads a program. Row r of request b (the last b < batch with indptr[b] <= r) sits at position
-    r - indptr[b]; query rows (``QUERY``, indptr = qo_indptr, other = kv_indptr) after that
-    request's kv_len - qo_len keys."""
+    r - indptr[b]."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < num_rows
     lo = tl.zeros([BLOCK_R], tl.int32)
@@ -59,10 +59,6 @@ def rotate_rows_kernel(X, Y, indptr_ptr, other_indptr_ptr, num_rows, batch, sear
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
     pos = rows - tl.load(indptr_ptr + lo)
-    if QUERY:
-        kv_len = tl.load(other_indptr_ptr + lo + 1) - tl.load(other_indptr_ptr + lo)
-        qo_len = tl.load(indptr_ptr + lo + 1) - tl.load(indptr_ptr + lo)
-        pos += kv_len - qo_len
     HALF: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, HALF)
     inv_freq = tl.exp2(-(offs.to(tl.float32) * (2.0 / HEAD_DIM)) * rope_log2_theta)
@@ -83,45 +79,41 @@ def rotate_rows_kernel(X, Y, indptr_ptr, other_indptr_ptr, num_rows, batch, sear
 
 
 class PrerotatedPrefill:
-    """A ragged RoPE prefill as Q and K rotation, then ``inner``: the plan of the same problem
-    without RoPE (`prerotation_applies`)."""
+    """A ragged RoPE prefill as K rotation, then ``inner``: the plan of the same problem without
+    RoPE whose kernel rotates Q (`prerotation_applies`)."""
 
     def __init__(self, inner, problem: Problem, params: AttentionParams, rope_kind: int):
         self.inner, self.params, self.rope_kind = inner, params, rope_kind
-        self.qo_indptr, self.kv_indptr = params.qo_indptr, params.kv_indptr  # uploaded now, not in run()
+        self.kv_indptr = params.kv_indptr  # uploaded now, not in run()
         self.batch = len(params.qo_lens_host)
-        self.q_rows = sum(params.qo_lens_host)
         self.kv_rows, _ = params.kv_lens_stats()
-        self.heads = {True: problem.num_qo_heads, False: problem.num_kv_heads}
-        self._rotate = {query: bind(rotate_rows_kernel, HEAD_DIM=problem.head_dim_qk, BLOCK_R=_ROWS_PER_PROGRAM,
-                                    BLOCK_H=_HEADS_PER_PROGRAM, QUERY=query, ROPE=rope_kind, HEADS=heads)
-                        for query, heads in self.heads.items()}
+        self.heads = problem.num_kv_heads
+        self._rotate = bind(rotate_rows_kernel, HEADS=self.heads, HEAD_DIM=problem.head_dim_qk,
+                            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_H=_HEADS_PER_PROGRAM, ROPE=rope_kind)
 
     def refresh_tile_lists(self) -> None:
         """A new custom mask: the inner plan's tile lists."""
         self.inner.refresh_tile_lists()
 
-    def _rotated(self, x: torch.Tensor, rows: int, query: bool) -> torch.Tensor:
+    def rotated_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """K rotated at each row's position in its request, in new memory of k's shape and dtype."""
         prm = self.params
-        indptr, other = (self.qo_indptr, self.kv_indptr) if query else (self.kv_indptr, self.qo_indptr)
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        if rows == 0:
+        y = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        if self.kv_rows == 0:
             return y
-        grid = (triton.cdiv(rows, _ROWS_PER_PROGRAM), triton.cdiv(self.heads[query], _HEADS_PER_PROGRAM))
-        self._rotate[query](grid, x, y, indptr, other, rows, self.batch,
-                            self.batch.bit_length(), 1.0 / prm.rope_scale, math.log2(prm.rope_theta),
-                            x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1))
+        grid = (triton.cdiv(self.kv_rows, _ROWS_PER_PROGRAM), triton.cdiv(self.heads, _HEADS_PER_PROGRAM))
+        self._rotate(grid, k, y, self.kv_indptr, self.kv_rows, self.batch, self.batch.bit_length(),
+                     1.0 / prm.rope_scale, math.log2(prm.rope_theta), k.stride(0), k.stride(1), k.stride(2),
+                     y.stride(0), y.stride(1))
         return y
 
     def run(self, inputs: AttentionInputs) -> None:
         kv = inputs.kv
         if not isinstance(kv, RaggedKV):
             raise TypeError("fa2 prefill_ragged plan run with paged KV")
-        q = self._rotated(inputs.q, self.q_rows, query=True)
-        k = self._rotated(kv.k, self.kv_rows, query=False)
-        self.inner.run(replace(inputs, q=q, kv=RaggedKV(k, kv.v)))
+        self.inner.run(replace(inputs, kv=RaggedKV(self.rotated_keys(kv.k), kv.v)))
 
 
 def without_rope(problem: Problem) -> Problem:
-    """The problem the kernel runs once Q and K are rotated."""
+    """The problem planned once K is rotated (its config, TMA); the kernel still rotates Q."""
     return problem.with_(pos_encoding_mode="NONE")
