@@ -71,7 +71,7 @@ def main() -> None:
                     help="block_m,block_n,num_warps,num_stages")
     ap.add_argument("--masks", nargs="+", choices=sorted(MASKS), default=["none", "causal", "custom"])
     ap.add_argument("--no-ptxas", action="store_true", help="skip the register count")
-    ap.add_argument("--rope", action="store_true", help="ROPE_LLAMA on (a second K load per tile)")
+    ap.add_argument("--rope", action="store_true", help="ROPE_LLAMA on (K rotated in the kernel, from its halves)")
     ap.add_argument("--cc", type=int, default=90, help="target compute capability, e.g. 86 (the shared "
                     "memory a launch there needs; TMA variants only from 90 on)")
     args = ap.parse_args()

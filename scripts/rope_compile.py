@@ -1,7 +1,7 @@
 """Offline sm90 compile of the fa2 RoPE kernels (no GPU needed): registers, spills and each loop's
 instruction mix (MUFU, FFMA, ...) of the decode kernel (bf16, 32/8 heads, d128, page 16, the
 default config's work-array variant, ROPE 1), the ragged prefill kernel's pointer path (128x64
-w8 s3, causal, ROPE 1: what paged RoPE prefill runs) and the Q/K rotation kernel
+w8 s3, causal, ROPE 1: what paged RoPE prefill runs) and the K rotation kernel
 (`fa2/prefill_rope.py`), for the source tree given (default: this checkout). Session 57 compared
 trees with it before the first GPU run of its MUFU sin/cos (perf-notes).
 

@@ -40,7 +40,7 @@ def problem_128(**changes):
 def test_custom_mask_default_tiles_are_128_wide_on_sm90_only():
     """A custom mask takes 128x128 pointer-load tiles on sm90 (measured 10 % over 128x64 with
     TMA); other GPUs keep 128-row x 64-key tiles (the bitmaps beside 128-wide stages need sm90's
-    shared memory), and RoPE keeps 64 keys everywhere (its second K load)."""
+    shared memory), and RoPE keeps 64 keys everywhere (chosen for its former second K load)."""
     problem = problem_128(mask_mode="custom")
     cfg = default_config(problem, H200)
     assert (cfg.block_m, cfg.block_n, cfg.tma) == (128, 128, False)
@@ -139,7 +139,7 @@ def test_small_shared_memory_gpus_get_smaller_tiles(cc, head_dim, changes, expec
                                                       (256, "64,32,4,2", True, "causal")])
 def test_small_shared_memory_tiles_fit_in_99_kb(head_dim, tiles, rope, mask):
     """The configs above compiled offline for sm86 (no GPU needed) use at most 99 KB of shared
-    memory, the largest variant of each (a custom mask's bitmaps, RoPE's second K load)."""
+    memory, the largest variant of each (a custom mask's bitmaps, RoPE's rotation of K)."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "prefill_tma_compile.py"), "--cc", "86",
            "--head-dim", str(head_dim), "--tiles", tiles, "--masks", mask, "--no-ptxas"] + (["--rope"] if rope else [])
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)

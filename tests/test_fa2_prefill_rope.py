@@ -10,11 +10,14 @@ from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2 import prefill_rope
 from flashdispatch.backends.fa2.prefill import PrefillPlan, plan_prefill
 from flashdispatch.backends.fa2.prefill_rope import PrerotatedPrefill
+from flashdispatch.backends.fa2.prefill_config import default_config
 from flashdispatch.backends.fa2.prefill_tma import tma_unused_reason
+from flashdispatch.dispatch.problem import Device
 from oracle import assert_close, make_paged_case, make_ragged_case
 
 F16, BF16 = torch.float16, torch.bfloat16
 ROPE = dict(mask_mode="causal", pos_encoding_mode="ROPE_LLAMA")
+H200 = Device("cuda", 0, (9, 0), "H200", 132)
 interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of Triton)")
 
 
@@ -30,7 +33,7 @@ def run_checked(case, rotated_first: bool, tol=None):
 @pytest.mark.parametrize("first", [True, False], ids=["rotated_first", "in_kernel"])
 @pytest.mark.parametrize("opts", [
     dict(rope_scale=2.0, rope_theta=5e3),
-    dict(rope_scale=0.5, head_dim_qk=128),  # angles may pass 2^31: the guarded sincos
+    dict(rope_scale=0.5, head_dim_qk=128),  # rope_scale < 1: the guarded (WIDE) sincos
     dict(window_left=20, logits_soft_cap=4.0, sinks=True, k_scale=0.8, v_scale=2.0, num_qo_heads=6),
     dict(mask_mode="none", q_dtype=torch.float32),
 ], ids=["scaled", "wide", "features", "fp32_no_mask"])
@@ -42,15 +45,30 @@ def test_rotated_first_and_in_kernel_match_the_oracle(monkeypatch, first, opts):
 
 
 @interpreted
-def test_strided_q_and_custom_mask_rotated_first(monkeypatch):
-    """A q view with a head_dim stride of 2 is read through its strides; a custom mask reaches the
-    inner plan (and its refresh after a new mask)."""
+@pytest.mark.parametrize("first", [True, False], ids=["rotated_first", "in_kernel"])
+def test_empty_requests_and_more_queries_than_keys(monkeypatch, first):
+    """Empty requests first and last (the row search over kv_indptr), a request with more query
+    rows than keys (its first rows see no key: 0 and -inf)."""
+    monkeypatch.setattr(prefill_rope, "MIN_QUERY_ROWS", 1 if first else 10 ** 9)
+    case = make_ragged_case(qo_lens=[0, 70, 3, 0], kv_lens=[0, 40, 50, 0], head_dim_qk=64, num_qo_heads=4,
+                            num_kv_heads=2, q_dtype=F16, seed=11, **ROPE)
+    run_checked(case, first)
+    assert torch.isinf(case.inputs.lse[:30]).all() and (case.inputs.out[:30] == 0).all()
+
+
+@interpreted
+def test_strided_k_and_custom_mask_rotated_first(monkeypatch):
+    """A k view with its heads outermost and a head_dim stride of 2 is read through its strides; a
+    custom mask reaches the inner plan (and its refresh after a new mask)."""
     monkeypatch.setattr(prefill_rope, "MIN_QUERY_ROWS", 1)
-    case = make_ragged_case(qo_lens=[21, 40], kv_lens=[30, 40], head_dim_qk=64, num_qo_heads=2, num_kv_heads=1,
+    case = make_ragged_case(qo_lens=[21, 40], kv_lens=[30, 40], head_dim_qk=64, num_qo_heads=4, num_kv_heads=2,
                             q_dtype=F16, mask_mode="custom", pos_encoding_mode="ROPE_LLAMA", seed=3)
-    big = torch.randn(case.inputs.q.shape[0], 2, 128).to(F16)
-    big[..., ::2] = case.inputs.q
-    case.inputs.q = big[..., ::2]
+    k = case.inputs.kv.k
+    big = torch.full((k.shape[1], k.shape[0], 2 * k.shape[2]), float("nan"), dtype=F16)
+    view = big.permute(1, 0, 2)[..., ::2]
+    view.copy_(k)
+    case.inputs.kv.k = view
+    assert view.stride() == (128, 70 * 128, 2)
     plan = run_checked(case, True)
     plan.refresh_tile_lists()
     plan.run(case.inputs)
@@ -67,8 +85,13 @@ def test_which_plans_rotate_first():
     case = make_ragged_case(head_dim_qk=64, **long_q)
     plan = run_checked(case, True)
     assert isinstance(plan.inner, PrefillPlan) and plan.inner.rope_kind == 0
-    assert plan.inner.q_rope == plan.rope_kind == 1
-    assert tma_unused_reason(plan.inner.problem, case.device, 3, True) is None
+    assert plan.inner.q_rope == plan.rope_kind == 1 and plan.n_merge == plan.inner.n_merge
+    # d128 on an H200: the kernel's config is the RoPE-free one, with TMA loads; RoPE in the kernel has none
+    d128 = make_ragged_case(head_dim_qk=128, **long_q)
+    inner = plan_prefill(d128.problem, d128.device, d128.params).inner
+    cfg = default_config(inner.problem, H200, long_q["qo_lens"])
+    assert cfg.tma and tma_unused_reason(inner.problem, H200, cfg.num_stages, False) is None
+    assert "ROPE" in tma_unused_reason(d128.problem, H200, cfg.num_stages, False)
     short_q = dict(long_q, qo_lens=[rows - 1, 3])
     run_checked(make_ragged_case(head_dim_qk=64, **short_q), False)
     run_checked(make_ragged_case(head_dim_qk=192, head_dim_vo=128, **long_q), False)

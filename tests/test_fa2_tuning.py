@@ -99,3 +99,46 @@ def test_plan_errors_surface_at_plan_not_at_the_first_run():
     c.params.packed_mask = None
     with pytest.raises(ValueError, match="packed_mask"):
         plan_prefill(c.problem, c.device, c.params, autotune=True)
+
+
+def test_rotated_first_rope_prefill_keeps_its_own_winner(monkeypatch):
+    """A ragged RoPE prefill whose K is rotated first plans the problem without RoPE but runs a
+    kernel that rotates Q: its bucket is not the plain problem's."""
+    from flashdispatch.backends.fa2 import prefill_rope
+    monkeypatch.setattr(prefill_rope, "MIN_QUERY_ROWS", 1)
+    monkeypatch.setattr(tuning, "device_ms", fake_timer([3.0, 1.0, 2.0]))
+    c = case()
+    plain = plan_prefill(c.problem, c.device, c.params, autotune=True)
+    plain.run(c.inputs)
+    rope = make_ragged_case(qo_lens=[20, 33], kv_lens=[30, 70], mask_mode="causal", head_dim_qk=64,
+                            q_dtype=torch.float16, pos_encoding_mode="ROPE_LLAMA")
+    monkeypatch.setattr(tuning, "device_ms", fake_timer([1.0, 3.0, 2.0]))
+    tuned = plan_prefill(rope.problem, rope.device, rope.params, autotune=True)
+    assert isinstance(tuned.inner, tuning.AutotunedPlan)  # not the plain problem's kept winner
+    rope.inputs.out.fill_(float("nan"))
+    tuned.run(rope.inputs)
+    assert tuned.inner.plan.config == CONFIGS[0] and tuned.inner.plan.q_rope == 1
+    assert_close(rope.inputs.out, rope.inputs.lse, *rope.oracle(), DEFAULT_TOLERANCE[torch.float16])
+
+
+@pytest.mark.parametrize("tuned_first", [False, True], ids=["before_tuning", "after_tuning"])
+def test_a_new_custom_mask_refreshes_the_autotuned_plan(monkeypatch, tuned_first):
+    """FA2Backend.replan_mask refreshes the tile lists of an autotuned plan before and after its
+    tuning run, so a new mask of a kept plan gives the new mask's attention."""
+    from flashdispatch.backends.fa2 import FA2Backend
+    from flashdispatch.quantization import packbits
+    monkeypatch.setattr(tuning, "device_ms", fake_timer([3.0, 1.0, 2.0]))
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    c = make_ragged_case(qo_lens=[40], kv_lens=[40], mask_mode="custom", custom_masks=[causal], head_dim_qk=64,
+                         q_dtype=torch.float16)
+    plan = plan_prefill(c.problem, c.device, c.params, autotune=True)
+    if tuned_first:
+        plan.run(c.inputs)
+    flipped = causal.flip(0)
+    c.params.packed_mask.copy_(packbits(flipped.reshape(-1), "little"))
+    assert FA2Backend().replan_mask(plan, c.problem, c.device, c.params) is plan
+    c.inputs.out.fill_(float("nan"))
+    plan.run(c.inputs)
+    want = make_ragged_case(qo_lens=[40], kv_lens=[40], mask_mode="custom", custom_masks=[flipped], head_dim_qk=64,
+                            q_dtype=torch.float16)
+    assert_close(c.inputs.out, c.inputs.lse, *want.oracle(), DEFAULT_TOLERANCE[torch.float16])

@@ -462,5 +462,6 @@ def _plan_kernel(problem: Problem, device: Device, params: AttentionParams, conf
     tune = tuning.enabled() and device.is_cuda if autotune is None else autotune
     if tune and not problem.use_cuda_graph:
         return tuning.plan_with_autotune(problem, device, params, base,
-                                         lambda cfg: PrefillPlan(problem, device, params, cfg.validate(), q_rope))
+                                         lambda cfg: PrefillPlan(problem, device, params, cfg.validate(), q_rope),
+                                         kernel_variant=("q_rope", q_rope) if q_rope else ())
     return PrefillPlan(problem, device, params, base.validate(), q_rope)

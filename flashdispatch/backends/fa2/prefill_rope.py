@@ -1,17 +1,18 @@
 """RoPE before a ragged prefill: K rotated once into scratch, then attention that rotates Q only.
 
 Rotating inside the prefill kernel (prefill_kernels._load_k_halves) repeats the work of a K tile in
-every program that reads it: once per query tile and per query head, so a 4096-token causal prefill
-with 32 query heads rotates each key ~1000 times, and that kernel loads K through pointers, not
-TMA. `rotate_rows_kernel` rotates each key row once, its sines and cosines shared by the heads of a
-program, into a buffer of k's dtype; the rounding to that dtype is the one the kernel applies to
-its rotated tiles, so both paths compute the same attention. The prefill kernel then runs the
-problem as without RoPE (its config, TMA loads on sm90) but rotates each Q tile as it loads it
-(``K_ROTATED``: once a program, ~1/1000 of the K work above). The cost is the scratch (k's size,
-from torch's caching allocator at each run) and one extra read and write of K, which pays once a
-request has a tile of queries (`MIN_QUERY_ROWS`); shorter queries, paged KV (its rows sit in the
-shared cache), fp8 or split head dims (192/128), and CUDA-graph plans (their kernels are fixed at
-capture, while the choice depends on the lengths) keep the rotation in the kernel.
+every program that reads it: once per query tile and per query head, so a 4096-token causal
+prefill with 32 query heads (32 query tiles) rotates a key ~500 times on average, and that kernel
+loads K through pointers, not TMA. `rotate_rows_kernel` rotates each key row once, its sines and
+cosines shared by the heads of a program, into a buffer of k's dtype; the rounding to that dtype
+is the one the kernel applies to its rotated tiles, so both paths compute the same attention. The
+prefill kernel then runs the problem as without RoPE (its config, TMA loads on sm90) but rotates
+each Q tile as it loads it (``K_ROTATED``: once a program, a small part of the K work above). The
+cost is the scratch (k's size, from torch's caching allocator at each run, outside the float
+workspace) and one extra read and write of K, which pays once a request has a tile of queries
+(`MIN_QUERY_ROWS`); shorter queries, paged KV (its rows sit in the shared cache), fp8 or split
+head dims (192/128), and CUDA-graph plans (their kernels are fixed at capture, while the choice
+depends on the lengths) keep the rotation in the kernel.
 """
 from __future__ import annotations
 
@@ -90,6 +91,10 @@ class PrerotatedPrefill:
         self.heads = problem.num_kv_heads
         self._rotate = bind(rotate_rows_kernel, HEADS=self.heads, HEAD_DIM=problem.head_dim_qk,
                             BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_H=_HEADS_PER_PROGRAM, ROPE=rope_kind)
+
+    def __getattr__(self, name: str):
+        """What the kernel's plan knows (config, tma, n_merge, ...) is the inner plan's."""
+        return getattr(self.inner, name)
 
     def refresh_tile_lists(self) -> None:
         """A new custom mask: the inner plan's tile lists."""

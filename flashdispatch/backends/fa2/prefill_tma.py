@@ -8,7 +8,8 @@ score mask for keys >= kv_len stays).
 
 When it applies. At plan time (`tma_unused_reason`): ragged KV, CUDA sm90+ (or the Triton
 interpreter, which emulates descriptors: CPU tests), 16-bit q with KV of q's dtype, equal qk/vo
-head dims (not the 192/128 pair), no RoPE in the kernel (it rotates K tiles from pointer loads), and
+head dims (not the 192/128 pair), no RoPE of K in the kernel (it rotates K tiles from pointer
+loads; a plan whose K is rotated first, prefill_rope.py, rotates only Q and keeps TMA), and
 num_stages != 2: the ptxas that Triton 3.6 bundles (12.8) crashes (SIGSEGV) compiling the TMA loop
 pipelined in two stages (seen offline for d64/d128/d256 at 64x64 to 128x128 tiles; 1, 3 and 4
 stages compile, scripts/prefill_tma_compile.py). Anything else plans the pointer path: the knob
@@ -52,7 +53,7 @@ def tma_unused_reason(problem: Problem, device: Device, num_stages: int, interpr
     if problem.head_dim_qk != problem.head_dim_vo:
         return f"head dims {problem.head_dim_qk}/{problem.head_dim_vo}: TMA needs equal qk and vo head dims"
     if problem.pos_encoding_mode == "ROPE_LLAMA":
-        return "ROPE_LLAMA in the kernel: it rotates K tiles from pointer loads"
+        return "ROPE_LLAMA of K in the kernel: it rotates K tiles from pointer loads"
     if num_stages == 2:
         return "num_stages=2: Triton 3.6's ptxas 12.8 crashes compiling 2-stage TMA loops (use 1, 3 or 4)"
     return None

@@ -11,9 +11,11 @@ operations of polynomial per element instead, which left RoPE decode at 0.73x an
 
 Reduction: k = nearest integer to x / 2pi, r = x - k*2pi by Cody-Waite with 2pi = C1 + C2 + C3 (C1
 and C2 have 8 significant bits: k*C1, k*C2 and x - k*C1 are exact for |k| < 2^16, i.e. |x| <
-411774; above, the rounding of k*C1 adds at most 2^-24 |x|, the fp32 angle's own rounding). |r| <= pi + 1e-6 there;
-the estimate of k drifts past ~2^22 and leaves |r| up to ~250 at |x| = 2^31, where the fast
-instructions still give a point of the unit circle (the angle carries radians of rounding there).
+411774; above, the rounding of k*C1 adds at most 2^-24 |x|, the fp32 angle's own rounding). k rounds x / 2pi in
+fp32, so |r| <= pi + 0.005 there and ~3.24 up to 2^21 (the GPU test measures the fast sine and
+cosine on what that leaves); the estimate of k drifts past ~2^22 and leaves |r| up to ~250 at
+|x| = 2^31, where the fast instructions still give a point of the unit circle (the angle carries
+radians of rounding there).
 
 Accuracy against float64 (tests/test_fa2_trig.py): the hardware's sine and cosine are within
 2^-21.41 and 2^-21.19 on [-pi, pi] (CUDA's bounds for __sinf/__cosf), so |error| <= 1e-6 +

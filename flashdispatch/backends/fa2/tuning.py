@@ -102,6 +102,12 @@ class AutotunedPlan:
                 self.plan = self._tune(inputs)
         self.plan.run(inputs)
 
+    def refresh_tile_lists(self) -> None:
+        """A new custom mask: the tile lists of the plans made so far (candidates planned later, at
+        the first run, read the mask then)."""
+        for plan in {id(p): p for p in (self.first_plan, self.plan) if p is not None}.values():
+            plan.refresh_tile_lists()
+
     def _tune(self, inputs: AttentionInputs):
         best, best_ms = None, float("inf")
         for cfg in self.configs:
@@ -122,9 +128,11 @@ class AutotunedPlan:
         return best
 
 
-def plan_with_autotune(problem: Problem, device: Device, params: AttentionParams, base, make_plan: Callable):
-    """A plan for ``base`` or the bucket's winner, or an `AutotunedPlan` for a new bucket."""
-    key = bucket_key(problem, device, params)
+def plan_with_autotune(problem: Problem, device: Device, params: AttentionParams, base, make_plan: Callable,
+                       kernel_variant: tuple = ()):
+    """A plan for ``base`` or the bucket's winner, or an `AutotunedPlan` for a new bucket;
+    ``kernel_variant`` tells apart buckets of one problem that run different kernels."""
+    key = bucket_key(problem, device, params) + kernel_variant
     winner = _WINNERS.get(key)
     if winner is not None:
         return make_plan(winner)
