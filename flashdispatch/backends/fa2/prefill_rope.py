@@ -94,6 +94,8 @@ class PrerotatedPrefill:
 
     def __getattr__(self, name: str):
         """What the kernel's plan knows (config, tma, n_merge, ...) is the inner plan's."""
+        if name == "inner":  # not set yet (an object made without __init__, e.g. by copy)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def refresh_tile_lists(self) -> None:
