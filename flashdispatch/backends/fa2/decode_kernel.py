@@ -119,19 +119,9 @@ from ..common import TRITON_INTERPRETED
 from .decode_requests import line_requests, table_line_pages, table_line_requests, total_split_tokens
 from .merge import _merge_row_block
 from .paging import page_of, slot_in_page
-from .trig import sincos, tanh
+from .trig import rope_halves, rope_sincos, tanh
 
 WORK_COLS = 8
-
-
-@triton.jit
-def _rope(x1, x2, pos, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
-    """Rotate-half RoPE of (x1, x2) = the two halves, [rows, HALF], at positions pos [rows]
-    (``ROPE`` 2: angles past 2^31 radians possible, `trig.rope_kernel_variant`)."""
-    inv_freq = tl.exp2(-(offs_half.to(tl.float32) * (2.0 / HEAD_DIM)) * rope_log2_theta)
-    angle = (pos.to(tl.float32) * rope_rcp_scale)[:, None] * inv_freq[None, :]
-    s, c = sincos(angle, ROPE == 2)
-    return x1 * c - x2 * s, x2 * c + x1 * s
 
 
 @triton.jit
@@ -322,8 +312,8 @@ def _decode_item(
         offs_half = tl.arange(0, HALF)
         q1 = tl.load(q_ptr + q_off[:, None] + offs_half[None, :], mask=row_ok[:, None], other=0.0)
         q2 = tl.load(q_ptr + q_off[:, None] + HALF + offs_half[None, :], mask=row_ok[:, None], other=0.0)
-        q1r, q2r = _rope(q1.to(tl.float32), q2.to(tl.float32), pos, offs_half,
-                         rope_rcp_scale, rope_log2_theta, HEAD_DIM, ROPE)
+        sin_q, cos_q = rope_sincos(pos, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM, ROPE)
+        q1r, q2r = rope_halves(q1.to(tl.float32), q2.to(tl.float32), sin_q, cos_q)
         if FP16_DOTS:
             q_up, q_down = _row_pow2(tl.maximum(tl.abs(q1r), tl.abs(q2r)))
             q1r = q1r * q_up[:, None]
@@ -384,7 +374,8 @@ def _decode_item(
         if ROPE:
             k1 = tl.load(k_head + k_off[:, None] + offs_half[None, :]).to(tl.float32)
             k2 = tl.load(k_head + k_off[:, None] + HALF + offs_half[None, :]).to(tl.float32)
-            k1r, k2r = _rope(k1, k2, t, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM, ROPE)
+            sin_k, cos_k = rope_sincos(t, offs_half, rope_rcp_scale, rope_log2_theta, HEAD_DIM, ROPE)
+            k1r, k2r = rope_halves(k1, k2, sin_k, cos_k)
             if FP16_DOTS:  # |rotated fp8| <= sqrt(2) x 57344 would overflow fp16
                 k1r = k1r * 0.5
                 k2r = k2r * 0.5

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .paging import page_of, slot_in_page
 from .prefill_tma import kv_descriptor
-from .trig import sincos, tanh
+from .trig import rope_halves, rope_sincos, tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 WORK_COLS = 10  # int32 per work item, see the module docstring
@@ -79,11 +79,9 @@ def _rope(x, x_partner, pos, offs_d, HALF: tl.constexpr, HEAD_QK: tl.constexpr,
           rope_inv_scale, rope_log2_theta, ROPE: tl.constexpr):
     """Rotate-half RoPE of rows ``x`` (float32, columns ``offs_d``) at positions ``pos``;
     ``x_partner`` holds column (c + HALF) % HEAD_QK of each column c."""
-    t = tl.where(offs_d < HALF, offs_d, offs_d - HALF).to(tl.float32)
-    inv_freq = tl.exp2(-(2.0 * t / HEAD_QK) * rope_log2_theta)
-    angle = (pos.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
+    t = tl.where(offs_d < HALF, offs_d, offs_d - HALF)
     sign = tl.where(offs_d < HALF, -1.0, 1.0)
-    sin_a, cos_a = sincos(angle, ROPE == 2)
+    sin_a, cos_a = rope_sincos(pos, t, rope_inv_scale, rope_log2_theta, HEAD_QK, ROPE)
     return x * cos_a + (sign[None, :] * x_partner) * sin_a
 
 
@@ -122,10 +120,9 @@ def _load_k_halves(k_base, row_off, kv_len, offs_n, stride_kd, rope_inv_scale, r
     else:
         k1 = tl.load(ptrs).to(tl.float32)
         k2 = tl.load(ptrs + HALF * stride_kd).to(tl.float32)
-    inv_freq = tl.exp2(-(2.0 * offs_h.to(tl.float32) / (2 * HALF)) * rope_log2_theta)
-    angle = (offs_n.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
-    sin_a, cos_a = sincos(angle, ROPE == 2)
-    return (k1 * cos_a - k2 * sin_a).to(DTYPE), (k2 * cos_a + k1 * sin_a).to(DTYPE)
+    sin_a, cos_a = rope_sincos(offs_n, offs_h, rope_inv_scale, rope_log2_theta, 2 * HALF, ROPE)
+    k1, k2 = rope_halves(k1, k2, sin_a, cos_a)
+    return k1.to(DTYPE), k2.to(DTYPE)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton.language as tl
 from ...dispatch.problem import Problem
 from ..base import AttentionInputs, AttentionParams, RaggedKV
 from .launch import bind
-from .trig import sincos
+from .trig import rope_halves, rope_sincos
 
 MIN_QUERY_ROWS = 64  # the longest request's query rows from which K is rotated before the kernel
 _POW2_HEAD_DIMS = (64, 128, 256)
@@ -62,9 +62,7 @@ def rotate_rows_kernel(X, Y, indptr_ptr, num_rows, batch, search_steps, rope_inv
     pos = rows - tl.load(indptr_ptr + lo)
     HALF: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, HALF)
-    inv_freq = tl.exp2(-(offs.to(tl.float32) * (2.0 / HEAD_DIM)) * rope_log2_theta)
-    angle = (pos.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
-    s, c = sincos(angle, ROPE == 2)
+    s, c = rope_sincos(pos, offs, rope_inv_scale, rope_log2_theta, HEAD_DIM, ROPE)
     head = tl.program_id(1) * BLOCK_H
     x = X + rows.to(tl.int64)[:, None] * stride_xt + head.to(tl.int64) * stride_xh + offs[None, :] * stride_xd
     y = Y + rows.to(tl.int64)[:, None] * stride_yt + head.to(tl.int64) * stride_yh + offs[None, :]
@@ -72,8 +70,9 @@ def rotate_rows_kernel(X, Y, indptr_ptr, num_rows, batch, search_steps, rope_inv
         keep = (ok & (head < HEADS))[:, None]
         x1 = tl.load(x, mask=keep).to(tl.float32)
         x2 = tl.load(x + HALF * stride_xd, mask=keep).to(tl.float32)
-        tl.store(y, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=keep)
-        tl.store(y + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=keep)
+        y1, y2 = rope_halves(x1, x2, s, c)
+        tl.store(y, y1.to(Y.dtype.element_ty), mask=keep)
+        tl.store(y + HALF, y2.to(Y.dtype.element_ty), mask=keep)
         x += stride_xh
         y += stride_yh
         head += 1

@@ -71,6 +71,22 @@ def sincos(x, WIDE: tl.constexpr):
 
 
 @triton.jit
+def rope_sincos(pos, t, rope_inv_scale, rope_log2_theta, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+    """(sin, cos) [rows, cols] of RoPE's angles (pos / rope_scale) * rope_theta^(-2t / HEAD_DIM) for
+    positions ``pos`` [rows] and frequency indices ``t`` [cols]; ``ROPE`` as `rope_kernel_variant`
+    gives it (2: sincos's WIDE guard)."""
+    inv_freq = tl.exp2(-(2.0 * t.to(tl.float32) / HEAD_DIM) * rope_log2_theta)
+    angle = (pos.to(tl.float32) * rope_inv_scale)[:, None] * inv_freq[None, :]
+    return sincos(angle, ROPE == 2)
+
+
+@triton.jit
+def rope_halves(x1, x2, sin_a, cos_a):
+    """Rotate-half RoPE of a row's two halves (float32, [rows, HEAD_DIM / 2] each)."""
+    return x1 * cos_a - x2 * sin_a, x2 * cos_a + x1 * sin_a
+
+
+@triton.jit
 def tanh(x):
     """tanh of an fp32 tensor: 1 - 2 / (e^2x + 1) through exp2 (saturates to +-1, no inf / inf),
     its Taylor series x - x^3/3 + 2x^5/15 where |x| < 1/16, where the exp2 form keeps only an
