@@ -1,29 +1,24 @@
 """sin and cos of fp32 RoPE angles, and the soft cap's tanh (shared by the fa2 kernels).
 
-``sincos`` reduces the angle by 2 pi in plain arithmetic, then takes the hardware's fast sine and
-cosine (``sin.approx``/``cos.approx``, one MUFU instruction each, as FlashInfer's ``__sincosf``) of
-the reduced angle; under TRITON_INTERPRET=1, where no PTX runs, numpy's sin/cos of the same
-reduced angle. ``tl.sin``/``tl.cos`` would lower to libdevice's precise sinf/cosf, whose
-large-argument path (Payne-Hanek) is inlined at every use: in the unrolled RoPE tiles that made a
-first compile take tens of seconds. Until session 57 the fa2 kernels took ~22 mul/add/floor/bit
-operations of polynomial per element instead, which left RoPE decode at 0.73x and RoPE prefill at
-0.67x FlashInfer (perf-notes, session 56).
+``sincos`` takes the hardware's fast sine and cosine of the fp32 angle as it is (``sin.approx`` /
+``cos.approx``: an FMUL by 1/2pi rounded toward zero, then one MUFU instruction each), as
+FlashInfer's ``__sincosf`` does; under TRITON_INTERPRET=1, where no PTX runs, numpy's float32
+sin/cos. ``tl.sin``/``tl.cos`` would lower to libdevice's precise sinf/cosf, whose large-argument
+path (Payne-Hanek) is inlined at every use: in the unrolled RoPE tiles that made a first compile
+take tens of seconds. Until session 57 the kernels took ~22 polynomial operations per element
+(RoPE decode 0.73x, prefill 0.67x FlashInfer: perf-notes, session 56); session 57 reduced the
+angle by 2pi exactly (Cody-Waite, 5 operations a pair) before the MUFU; session 58 dropped that:
+the RoPE decode loop went from 570 to 489 instructions (offline sm90 SASS; perf-notes, session 58).
 
-Reduction: k = nearest integer to x / 2pi, r = x - k*2pi by Cody-Waite with 2pi = C1 + C2 + C3 (C1
-and C2 have 8 significant bits: k*C1, k*C2 and x - k*C1 are exact for |k| < 2^16, i.e. |x| <
-411774; above, the rounding of k*C1 adds at most 2^-24 |x|, the fp32 angle's own rounding). k rounds x / 2pi in
-fp32, so |r| <= pi + 0.005 there and ~3.24 up to 2^21 (the GPU test measures the fast sine and
-cosine on what that leaves); the estimate of k drifts past ~2^22 and leaves |r| up to ~250 at
-|x| = 2^31, where the fast instructions still give a point of the unit circle (the angle carries
-radians of rounding there).
-
-Accuracy against float64 (tests/test_fa2_trig.py): the hardware's sine and cosine are within
-2^-21.41 and 2^-21.19 on [-pi, pi] (CUDA's bounds for __sinf/__cosf), so |error| <= 1e-6 +
-2^-23 |x| on the GPU (a GPU test measures it); <= 2e-7 + 2^-23 |x| under the interpreter. Past
-2^31 radians (rope_scale or rope_theta near 0), and for inf or NaN angles, ``WIDE`` takes the
-reduced angle as 0 (a point of the unit circle, never NaN: FlashInfer's fp32 angles carry no phase
-there either). The guard costs a compare and a select per element, so only plans whose angles can
-leave the range compile it (`rope_kernel_variant`).
+Accuracy against float64 (tests/test_fa2_trig.py): the MUFU's error on the reduced angle is within
+2^-21.41 (sine) and 2^-21.19 (cosine), and the product x / 2pi, truncated to fp32, moves the angle by
+at most ~1.25 x 2^-23 |x|: |error| <= 1e-6 + 2^-22 |x| on the GPU (a GPU test measures it), as
+FlashInfer's. The fp32 angle itself is only 2^-24 |x| accurate; at position 32768 and frequency 1
+the bound is 8e-3 radians, about one bf16 step of a rotated key. Under the interpreter: <= 2e-7.
+Past 2^31 radians (rope_scale or rope_theta near 0), and for inf or NaN angles, ``WIDE`` takes the
+angle as 0 (a point of the unit circle, never NaN: fp32 angles keep no phase there). The guard
+costs a compare and a select per element, so only plans whose angles can leave the range compile it
+(`rope_kernel_variant`).
 """
 from __future__ import annotations
 
@@ -35,11 +30,7 @@ from triton.language.extra import libdevice
 
 from ..common import TRITON_INTERPRETED
 
-INV_2PI = tl.constexpr(0.15915493667125702)
-TWO_PI_C1 = tl.constexpr(6.28125)  # 201 / 32
-TWO_PI_C2 = tl.constexpr(0.0019378662109375)  # 254 / 2^17
-TWO_PI_C3 = tl.constexpr(-2.559031372584286e-06)  # fp32(2pi - C1 - C2)
-WIDE_BOUND = tl.constexpr(512.0)  # past it the reduced angle is no phase: |x| > 2^31, inf or NaN
+WIDE_BOUND = tl.constexpr(2.0 ** 31)  # past it (or inf, NaN) the fp32 angle keeps no phase
 HARDWARE_TRIG = tl.constexpr(not TRITON_INTERPRETED)
 
 
@@ -57,17 +48,13 @@ def rope_kernel_variant(pos_encoding_mode: str, rope_scale: float, rope_theta: f
 @triton.jit
 def sincos(x, WIDE: tl.constexpr):
     """(sin x, cos x) of an fp32 tensor (accuracy: see the module docstring); ``WIDE``: |x| may
-    exceed 2^31 or be inf / NaN (a point of the unit circle there, never NaN)."""
-    k = tl.floor(x * INV_2PI + 0.5)
-    r = x - k * TWO_PI_C1
-    r = r - k * TWO_PI_C2
-    r = r - k * TWO_PI_C3
+    exceed 2^31 or be inf / NaN (taken as 0 there: never NaN)."""
     if WIDE:
-        r = tl.where(tl.abs(r) <= WIDE_BOUND, r, 0.0)
+        x = tl.where(tl.abs(x) <= WIDE_BOUND, x, 0.0)
     if HARDWARE_TRIG:
-        return libdevice.fast_sinf(r), libdevice.fast_cosf(r)
+        return libdevice.fast_sinf(x), libdevice.fast_cosf(x)
     else:
-        return tl.sin(r), tl.cos(r)
+        return tl.sin(x), tl.cos(x)
 
 
 @triton.jit
