@@ -17,6 +17,8 @@ checked too): a "!" after a figure means ||out - ref|| / ||ref|| > --tol or an l
         --grid '[{"wave_pack_line": false}, {"wave_pack_line": true}]'
     # one request 64 x longer among the mix (:long): the fused merge against the merge kernel
     python scripts/sweep_decode.py --shapes 256x2048:long --grid '[{}, {"fused_merge_max_chunks": 0}]'
+    # RoPE (ROPE_LLAMA, rope_scale 1, theta 1e4): tile and pipeline depth
+    python scripts/sweep_decode.py --rope --shapes 64x4096 --grid '{"block_n": [16, 32], "num_stages": [2, 3]}'
     # a list of configs instead of a product; HND layout, page 1
     python scripts/sweep_decode.py --layout HND --page-size 1 --grid '[{"block_n": 128}, {"block_n": 64}]'
     # smoke test of the script itself on CPU (Triton interpreter, tiny shapes)
@@ -58,6 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--layout", default="NHD", choices=["NHD", "HND"])
+    ap.add_argument("--rope", action="store_true", help="pos_encoding_mode ROPE_LLAMA (rope_scale 1, theta 1e4)")
     ap.add_argument("--k-scale", type=float, default=None, help="float k_scale (fp8 dequant scale)")
     ap.add_argument("--v-scale", type=float, default=None, help="float v_scale")
     ap.add_argument("--reps", type=int, default=40, help="timed runs per (config, shape); the median is kept")
@@ -147,7 +150,7 @@ class Shape:
             kv_last_page_len=torch.as_tensor(lens - ps * (pages - 1), **i32),
             workspace=torch.zeros(128 << 20, dtype=torch.uint8, device=device))
         self.problem = Problem("decode", q_dtype, kv_dtype, q_dtype, hq, hk, d, d, page_size=ps,
-                               kv_layout=args.layout)
+                               kv_layout=args.layout, pos_encoding_mode="ROPE_LLAMA" if args.rope else "NONE")
         q = torch.randn(batch, hq, d, dtype=q_dtype, device=device)
         self.inputs = AttentionInputs(q=q, kv=PagedKV(cache[:, 0], cache[:, 1], args.layout), out=torch.empty_like(q),
                                       lse=torch.empty(batch, hq, device=device), k_scale=args.k_scale,
@@ -160,6 +163,15 @@ class Shape:
         if self.problem.kv_layout == "HND":
             x = x.transpose(2, 3)
         return x.reshape(len(pages), -1, self.hk, self.d)[:, :kv_len].float()
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, hq, d] at position kv_len - 1 and k [n, kv_len, hk, d] at 0 .. kv_len - 1, rotated as
+        the reference backend rotates them (rope_scale and rope_theta of the params)."""
+        from flashdispatch.backends.reference.positions import apply_rope, rope_inv_freq
+        inv_freq = rope_inv_freq(self.d, self.params.rope_theta, q.device)
+        scale = self.params.rope_scale
+        q = apply_rope(q[:, None], torch.full((1,), kv_len - 1, device=q.device), inv_freq, scale)[:, 0]
+        return q, apply_rope(k, torch.arange(kv_len, device=k.device), inv_freq, scale)
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense float32 (out, lse base 2), computed once: requests of one length together,
@@ -178,7 +190,10 @@ class Shape:
                     rows = torch.as_tensor(reqs[b0:b0 + step], device=inp.q.device)
                     pages = torch.stack([prm.kv_indices[indptr[r]:indptr[r + 1]] for r in rows.tolist()]).long()
                     k, v = self._gather(inp.kv.k, pages, int(kv_len)), self._gather(inp.kv.v, pages, int(kv_len))
-                    q = inp.q[rows].float().view(-1, self.hk, self.hq // self.hk, self.d)
+                    q = inp.q[rows].float()
+                    if self.problem.pos_encoding_mode == "ROPE_LLAMA":
+                        q, k = self._rotate(q, k, int(kv_len))
+                    q = q.view(-1, self.hk, self.hq // self.hk, self.d)
                     s = torch.einsum("nhgd,nlhd->nhgl", q, k) * (prm.sm_scale * ks)
                     out[rows] = (torch.einsum("nhgl,nlhd->nhgd", s.softmax(-1), v) * vs).reshape(-1, self.hq, self.d)
                     lse[rows] = (torch.logsumexp(s, -1) / math.log(2)).reshape(-1, self.hq)
@@ -282,7 +297,7 @@ def main(argv=None) -> int:
     shapes = parse_shapes(args.shapes)
     flush = L2Flusher(device, mode=args.l2_flush) if device.type == "cuda" else None
     print(f"{dev.name or device.type}: q {args.q_dtype}, KV {args.kv}, heads {args.heads}, d {args.head_dim}, "
-          f"page {args.page_size}, {args.layout}; {len(configs)} configs x {len(shapes)} shapes, "
+          f"page {args.page_size}, {args.layout}{', RoPE' if args.rope else ''}; {len(configs)} configs x {len(shapes)} shapes, "
           f"median of {args.reps}", flush=True)
 
     results, first_call = [], {}
