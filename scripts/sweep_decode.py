@@ -297,8 +297,8 @@ def main(argv=None) -> int:
     shapes = parse_shapes(args.shapes)
     flush = L2Flusher(device, mode=args.l2_flush) if device.type == "cuda" else None
     print(f"{dev.name or device.type}: q {args.q_dtype}, KV {args.kv}, heads {args.heads}, d {args.head_dim}, "
-          f"page {args.page_size}, {args.layout}{', RoPE' if args.rope else ''}; {len(configs)} configs x {len(shapes)} shapes, "
-          f"median of {args.reps}", flush=True)
+          f"page {args.page_size}, {args.layout}{', RoPE' if args.rope else ''}; "
+          f"{len(configs)} configs x {len(shapes)} shapes, median of {args.reps}", flush=True)
 
     results, first_call = [], {}
     for batch, kv_len, mix in shapes:
