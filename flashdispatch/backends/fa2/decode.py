@@ -85,7 +85,7 @@ from .decode_workspace import carve_partials, counters_offset, int_workspace_int
 from .launch import BoundKernel, SpecKeys, bind, launch_kept
 from .merge import MERGE_INFO_COLS, DecodeMerge
 from .paging import decode_strides
-from .trig import rope_kernel_variant
+from .trig import rope_kernel_variant, rope_scalars
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -173,7 +173,7 @@ class DecodePlan(DecodePacking):
         # griddepcontrol is sm90+ PTX; the interpreter has no launch to overlap
         self.pdl_capable = cfg.pdl and not TRITON_INTERPRETED and device.cc is not None and device.cc >= (9, 0)
         self.sm_scale = params.sm_scale
-        self.rope = (1.0 / params.rope_scale, math.log2(params.rope_theta))
+        self.rope = rope_scalars(params.rope_scale, params.rope_theta)
         self.rope_kind = rope_kernel_variant(p.pos_encoding_mode, params.rope_scale, params.rope_theta, p.head_dim_qk)
         self.kv_indices = params.block_tables if self.table else params.kv_indices
         run_device = self.kv_indices.device

@@ -38,7 +38,7 @@ from .prefill_mask_tiles import heaviest_first_kernel, mask_tile_classes_kernel,
 from .prefill_config import CONFIG_ENV, PrefillConfig, config_from_env, default_config
 from .prefill_rope import PrerotatedPrefill, prerotation_applies, without_rope
 from .prefill_tma import launch_with_scratch, tma_layout_ok, tma_unused_reason
-from .trig import rope_kernel_variant
+from .trig import rope_kernel_variant, rope_scalars
 
 _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
@@ -427,7 +427,7 @@ class PrefillPlan:
             inputs.sinks if inputs.sinks is not None else prm.qo_indptr,
             self.alibi if self.alibi is not None else prm.qo_indptr, q_ptr, k_ptr, v_ptr,
             qk_scale, v_f, p.logits_soft_cap * log2e,
-            1.0 / prm.rope_scale, math.log2(prm.rope_theta), kernel_window(p.window_left),
+            *rope_scalars(prm.rope_scale, prm.rope_theta), kernel_window(p.window_left),
             kv.num_pages if self.paged else 1,
             q.stride(0), q.stride(1), q.stride(2), *sk, *sv, out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0)

@@ -16,7 +16,6 @@ depends on the lengths) keep the rotation in the kernel.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -26,7 +25,7 @@ import triton.language as tl
 from ...dispatch.problem import Problem
 from ..base import AttentionInputs, AttentionParams, RaggedKV
 from .launch import bind
-from .trig import rope_halves, rope_sincos
+from .trig import rope_halves, rope_scalars, rope_sincos
 
 MIN_QUERY_ROWS = 64  # the longest request's query rows from which K is rotated before the kernel
 _POW2_HEAD_DIMS = (64, 128, 256)
@@ -109,7 +108,7 @@ class PrerotatedPrefill:
             return y
         grid = (triton.cdiv(self.kv_rows, _ROWS_PER_PROGRAM), triton.cdiv(self.heads, _HEADS_PER_PROGRAM))
         self._rotate(grid, k, y, self.kv_indptr, self.kv_rows, self.batch, self.batch.bit_length(),
-                     1.0 / prm.rope_scale, math.log2(prm.rope_theta), k.stride(0), k.stride(1), k.stride(2),
+                     *rope_scalars(prm.rope_scale, prm.rope_theta), k.stride(0), k.stride(1), k.stride(2),
                      y.stride(0), y.stride(1))
         return y
 

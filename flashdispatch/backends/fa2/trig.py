@@ -45,6 +45,11 @@ def rope_kernel_variant(pos_encoding_mode: str, rope_scale: float, rope_theta: f
     return 1 if log2_freq <= math.log2(rope_scale) else 2
 
 
+def rope_scalars(rope_scale: float, rope_theta: float) -> tuple[float, float]:
+    """The kernels' RoPE arguments (rope_inv_scale, rope_log2_theta) for `rope_sincos`."""
+    return 1.0 / rope_scale, math.log2(rope_theta)
+
+
 @triton.jit
 def sincos(x, WIDE: tl.constexpr):
     """(sin x, cos x) of an fp32 tensor (accuracy: see the module docstring); ``WIDE``: |x| may
