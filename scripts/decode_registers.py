@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--config", default="{}", help="JSON DecodeConfig overrides, as FLASHDISPATCH_FA2_DECODE_CONFIG")
     ap.add_argument("--lse", action="store_true", help="the run variant that writes lse")
     ap.add_argument("--fused", action="store_true", help="the variants with the fused merge (split plans)")
+    ap.add_argument("--rope", action="store_true", help="ROPE_LLAMA (its tile and cap: DecodeConfig.rope_block_n)")
     ap.add_argument("--cc", type=int, default=90, choices=sorted(SM_LIMITS), help="compute capability x 10")
     ap.add_argument("--sass", action="store_true",
                     help="after each variant, the instructions of its token loop (the longest loop of its SASS)")
@@ -87,24 +89,26 @@ def main() -> None:
     hq, hk = (int(h) for h in args.heads.split(","))
     q_dtype = torch.bfloat16
     p = Problem("decode", q_dtype, KV[args.kv], q_dtype, hq, hk, args.head_dim, args.head_dim,
-                page_size=args.page_size, q_len_per_req=args.q_len)
+                page_size=args.page_size, q_len_per_req=args.q_len, pos_encoding_mode="ROPE_LLAMA" if args.rope else "NONE")
     # the defaults of a GPU with this shared memory per block (per SM less the 1 KB a block reserves)
     cfg = decode_config.resolve_config(p, json.loads(args.config), SM_LIMITS[args.cc][0] - 1024)
     block_m, row_blocks = fvar.row_block(args.q_len * (hq // hk), cfg)
+    cfg = fvar.rope_config(cfg) if fvar.rope_variant(p, block_m) else cfg
+    cap = cfg.rope_max_registers if args.rope else cfg.max_registers
     print(f"triton {triton.__version__}, sm{args.cc}; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")
     # the work array and the direct table, capped and not; the direct split and, where the config
     # takes it, the kernel's own packing (LINE, DecodeConfig.wave_pack_line) with the policy's split
     # config (DecodePlan: split_block_n, uncapped), as the split and packed plans that use them run
-    caps = (True, False) if cfg.max_registers else (False,)
+    caps = (True, False) if cap else (False,)
     variants = [(direct, False, capped, False) for direct in (False, True) for capped in caps]
     variants += [(True, True, False, False)] + ([(True, False, False, True)] if cfg.wave_pack_line else [])
     for direct, split, capped, line in variants:
         if (split or line) and cfg.split_block_n:
             variant_cfg = decode_config.with_split_block(cfg)
         else:
-            variant_cfg = cfg if capped else decode_config.apply_overrides(cfg, {"max_registers": 0})
+            variant_cfg = cfg if capped else dataclasses.replace(cfg, max_registers=0, rope_max_registers=0)
         variant_cfg = decode_config.line_variant(variant_cfg) if line else variant_cfg
         consts = fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False,
                                        line=line)
@@ -124,7 +128,7 @@ def main() -> None:
         per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), shared // max(k.metadata.shared + 1024, 1),
                      sm_threads // threads, blocks)
         name = ("direct line" if line else "direct split" if split else "direct table" if direct else "work array") + \
-            (f", cap {cfg.max_registers}" if capped else "") + (", fused" if args.fused else "")
+            (f", cap {cap}" if capped else "") + (", fused" if args.fused else "")
         print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
         if args.sass:
             count, mix = sass_loop_mix(k.asm["cubin"])

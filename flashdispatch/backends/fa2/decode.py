@@ -70,15 +70,14 @@ from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams
 from ..common import (TRITON_INTERPRETED, alibi_slopes, kernel_scales, kernel_window, shared_per_block,
                       triton_fp8_kv_reasons)
-from .decode_config import (DecodeConfig, for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile,
-                            without_waves)
+from .decode_config import DecodeConfig, for_cuda_graph, line_variant, resolve_config, with_split_block, with_tile
 from .decode_gluon import GluonDecodePlan, gluon_layout
 from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_packing import DecodePacking
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
                            few_programs_target, mean_tokens, packs_these_waves, never_split, policy_tokens,
                            split_target)
-from .decode_variant import kernel_constants, plain_variant, row_block
+from .decode_variant import kernel_constants, plain_variant, rope_config, rope_variant, row_block, without_waves
 from .decode_waves import wave_choice, wave_split_ceiling, wave_split_config
 from .decode_work import work_array
 from .decode_workspace import carve_partials, counters_offset, int_workspace_ints, partial_bytes, workspace_bytes
@@ -115,6 +114,8 @@ class DecodePlan(DecodePacking):
         self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
         if not plain_variant(p, self.block_m):
             cfg = without_waves(cfg)  # other variants use other registers: their programs per SM are not known
+        if rope_variant(p, self.block_m):
+            cfg = rope_config(cfg)
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         self.table = params.block_tables is not None  # a block-table call: `_place_table`
         self.total_split = False

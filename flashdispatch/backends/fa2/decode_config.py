@@ -281,6 +281,9 @@ class DecodeConfig:
     %); off for 16-bit (d64 256x4096 4.19 -> 4.13).
     gluon_fp8_stages: stages of decode_gluon.py's fp8 kernel where a plan takes it (-1: most that fit; 0: never).
     gluon_fp8_split_tokens: its split (`decode_gluon._split_layout`): shortest chunk in tokens; 0: none (not measured).
+    rope_block_n, rope_max_registers: block_n (0: the config's, split block too) and register cap (0: none) of RoPE
+    plans (`decode_variant.rope_variant`; offline sm90 bf16 32/8 d128, registers (programs per SM): 64 x 2 144 (3),
+    32 x 2 104 (4), capped 80 (6, no spill; 72 spills)).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch: every decode program
     signals at its start (griddepcontrol.launch_dependents), so the merge grid is launched while the decode grid
     runs, and each merge program waits (griddepcontrol.wait) until the decode grid has finished and its stores are
@@ -334,13 +337,16 @@ class DecodeConfig:
     table_split_slots: float = 1.5
     gluon_fp8_stages: int = -1
     gluon_fp8_split_tokens: int = 0
+    rope_block_n: int = 0
+    rope_max_registers: int = 0
 
     def __post_init__(self):
-        for name, v, low in (("block_n", self.block_n, 16), ("max_block_m", self.max_block_m, 8),
-                             ("split_block_n", 16 if self.split_block_n is None else self.split_block_n, 16)):
+        for name, v, low, unset in (("block_n", self.block_n, 16, ""), ("max_block_m", self.max_block_m, 8, ""),
+                                    ("split_block_n", 16 if self.split_block_n is None else self.split_block_n, 16,
+                                     " or null"), ("rope_block_n", self.rope_block_n or 16, 16, " or 0")):
             if not _int(v) or v < low or v & (v - 1):
-                raise ValueError(f"fa2 decode config {name} must be a power of two >= {low}"
-                                 f"{' or null' if name == 'split_block_n' else ''}, got {getattr(self, name)!r}")
+                raise ValueError(f"fa2 decode config {name} must be a power of two >= {low}{unset}, "
+                                 f"got {getattr(self, name)!r}")
         if not _int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"fa2 decode config num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         for name in ("num_stages", "ctas_per_sm", "min_chunk_tokens", "max_splits"):
@@ -388,9 +394,9 @@ class DecodeConfig:
             raise ValueError(f"fa2 decode config fused_merge_values must be a power of two >= 256, got {v!r}")
         if not _int(self.gluon_fp8_stages) or self.gluon_fp8_stages not in (-1, 0, 2, 3, 4, 5, 6, 7, 8):
             raise ValueError(f"fa2 decode config gluon_fp8_stages must be -1, 0 or 2-8, got {self.gluon_fp8_stages!r}")
-        if not _int(self.max_registers) or not (self.max_registers == 0 or 24 <= self.max_registers <= 255):
-            raise ValueError(f"fa2 decode config max_registers must be 0 (ptxas chooses) or an int in "
-                             f"[24, 255], got {self.max_registers!r}")
+        for name, v in (("max_registers", self.max_registers), ("rope_max_registers", self.rope_max_registers)):
+            if not _int(v) or not (v == 0 or 24 <= v <= 255):
+                raise ValueError(f"fa2 decode config {name} must be 0 (ptxas chooses) or in [24, 255], got {v!r}")
 
 
 def _int(v) -> bool:
@@ -524,11 +530,12 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         # the wave tiles (any group: the sm90 compile of groups 2-16 gives the same programs per
         # SM): 32 x 2 under the register cap, 64 x 2 and 64 x 3 uncapped; rates from the H200
         # sweep at whole waves (4.53 / 4.48-4.55 / 4.47-4.50 TB/s, session 16)
+        # RoPE: 32 x 2 capped at 80 registers, 6 programs per SM (DecodeConfig.rope_block_n; perf-notes, session 59)
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
                             wave_split_slots=4 if group == 4 else 0, line_page_prefetch=True, few_line_mixed=16,
-                            **pack)
+                            rope_block_n=32, rope_max_registers=80, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16, **mixed, **line)
 
@@ -590,10 +597,3 @@ def with_tile(cfg: DecodeConfig, block_n: int, num_stages: int) -> DecodeConfig:
     if (block_n, num_stages) == (cfg.block_n, cfg.num_stages):
         return cfg
     return dataclasses.replace(cfg, block_n=block_n, num_stages=num_stages, max_registers=0)
-
-
-@functools.lru_cache(maxsize=64)
-def without_waves(cfg: DecodeConfig) -> DecodeConfig:
-    """``cfg`` without its programs-per-SM figures (wave_tiles, wave_slots): for kernel
-    variants other than the one they were measured on."""
-    return dataclasses.replace(cfg, wave_tiles=(), wave_slots=0)

@@ -3,6 +3,7 @@ merge's tile, the register cap, and the kernel's constexprs and launch options (
 decode_kernel.py is the kernel)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -39,11 +40,35 @@ def plain_variant(p: Problem, block_m: int) -> bool:
     return p.q_len_per_req == 1 and block_m <= 16 and p.pos_encoding_mode == "NONE" and p.logits_soft_cap <= 0
 
 
+def rope_variant(p: Problem, block_m: int) -> bool:
+    """Whether the kernel is the plain variant with RoPE (`DecodeConfig.rope_block_n`)."""
+    return p.q_len_per_req == 1 and block_m <= 16 and p.pos_encoding_mode == "ROPE_LLAMA" and p.logits_soft_cap <= 0
+
+
+@functools.lru_cache(maxsize=64)
+def without_waves(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` without its programs-per-SM figures (wave_tiles, wave_slots): for kernel
+    variants other than the one they were measured on."""
+    return dataclasses.replace(cfg, wave_tiles=(), wave_slots=0)
+
+
+@functools.lru_cache(maxsize=64)
+def rope_config(cfg: DecodeConfig) -> DecodeConfig:
+    """The config a `rope_variant` plan runs: ``cfg.rope_block_n`` for its block and split block,
+    where set."""
+    return dataclasses.replace(cfg, block_n=cfg.rope_block_n, split_block_n=None) if cfg.rope_block_n else cfg
+
+
 def register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool) -> int:
-    """``cfg.max_registers`` for the variant it was measured on (`plain_variant`, no fused
-    merge), else 0: the offline sm90 compiles of the others spill under a cap of 64 (RoPE 76-112
-    bytes, the fused merge of group 8/16 up to 256) or, at 64 rows, do not compile."""
-    return cfg.max_registers if plain_variant(p, block_m) and not fused_merge else 0
+    """The register cap handed to ptxas: ``cfg.max_registers`` for the variant it was measured on
+    (`plain_variant`), ``cfg.rope_max_registers`` for `rope_variant`, without fused merge; else 0:
+    the offline sm90 compiles of the others spill under a cap of 64 (RoPE 76-112 bytes, the fused
+    merge of group 8/16 up to 256) or, at 64 rows, do not compile."""
+    if fused_merge:
+        return 0
+    if plain_variant(p, block_m):
+        return cfg.max_registers
+    return cfg.rope_max_registers if rope_variant(p, block_m) else 0
 
 
 @functools.lru_cache(maxsize=256)
