@@ -530,12 +530,12 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         # the wave tiles (any group: the sm90 compile of groups 2-16 gives the same programs per
         # SM): 32 x 2 under the register cap, 64 x 2 and 64 x 3 uncapped; rates from the H200
         # sweep at whole waves (4.53 / 4.48-4.55 / 4.47-4.50 TB/s, session 16)
-        # RoPE: 32 x 2 capped at 80 registers, 6 programs per SM (DecodeConfig.rope_block_n; perf-notes, session 59)
+        # RoPE: 32 x 2, 4 programs per SM as the split aims for (DecodeConfig.rope_block_n; perf-notes, session 59)
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
                             wave_split_slots=4 if group == 4 else 0, line_page_prefetch=True, few_line_mixed=16,
-                            rope_block_n=32, rope_max_registers=80, **pack)
+                            rope_block_n=32, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16, **mixed, **line)
 
