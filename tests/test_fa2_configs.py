@@ -243,7 +243,7 @@ def test_rope_plans_run_the_rope_tile():
     rope = dict(pos_encoding_mode="ROPE_LLAMA")
     capped = {"rope_max_registers": 80}
     for lens in ([4096] * 64, [1024] * 256, [32768]):
-        assert tile(lens, **rope) == (32, 0) and tile(lens, capped, **rope) == (32, 80), lens
+        assert tile(lens, **rope) == (32, 80) and tile(lens, {"rope_max_registers": 0}, **rope) == (32, 0), lens
     assert tile([4096] * 64, {"rope_block_n": 0}, **rope) == (64, 0)
     assert tile([4096] * 64, {"rope_block_n": 16, **capped}, **rope) == (16, 80)
     assert tile([4096] * 64, capped) == (64, 0) and tile([1024] * 256, capped) == (32, 64)
@@ -263,12 +263,11 @@ def _problem(kv_dtype, head_dim):
 
 
 def test_rope_register_cap_compiles_without_spills():
-    """Offline sm90 compile (scripts/decode_registers.py --rope, no GPU) of the RoPE decode default
-    with a cap of 80: the work array fits 6 programs per SM (4 uncapped) with no spill; the direct
-    table spills at most 24 bytes."""
+    """Offline sm90 compile (scripts/decode_registers.py --rope, no GPU) of the RoPE decode default,
+    capped at 80: the work array fits 6 programs per SM (4 uncapped) with no spill; the direct table
+    spills at most 24 bytes."""
     script = os.path.join(ROOT, "scripts", "decode_registers.py")
-    res = subprocess.run([sys.executable, script, "--rope", "--config", '{"rope_max_registers": 80}'],
-                         capture_output=True, text=True, timeout=600, check=False)
+    res = subprocess.run([sys.executable, script, "--rope"], capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = {line[:24].strip(): [int(v) for v in line[24:].split()] for line in res.stdout.splitlines()[2:]}
     regs, spill, _, per_sm = rows["work array, cap 80"]

@@ -530,12 +530,12 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         # the wave tiles (any group: the sm90 compile of groups 2-16 gives the same programs per
         # SM): 32 x 2 under the register cap, 64 x 2 and 64 x 3 uncapped; rates from the H200
         # sweep at whole waves (4.53 / 4.48-4.55 / 4.47-4.50 TB/s, session 16)
-        # RoPE: 32 x 2, 4 programs per SM as the split aims for (DecodeConfig.rope_block_n; perf-notes, session 59)
+        # RoPE: 32 x 2 at 80 registers, 6 per SM (DecodeConfig.rope_block_n; the H100 sweep: perf-notes, session 59)
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
                             wave_split_slots=4 if group == 4 else 0, line_page_prefetch=True, few_line_mixed=16,
-                            rope_block_n=32, **pack)
+                            rope_block_n=32, rope_max_registers=80, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16, **mixed, **line)
 
@@ -547,6 +547,7 @@ def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
                          f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
     if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
         source = {"split_block_n": None, "max_registers": 0, **source}
+    source = {"rope_max_registers": 0, **source} if "rope_block_n" in source else source  # its cap: likewise
     if {"block_n", "num_stages", "num_warps", "max_registers", "split_block_n", "fused_merge_values"} & set(source):
         source = {"wave_tiles": (), "wave_slots": 0, "wave_split_slots": 0, **source}  # other kernels' programs per SM
     return dataclasses.replace(cfg, **source)
