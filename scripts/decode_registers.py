@@ -89,12 +89,13 @@ def main() -> None:
     hq, hk = (int(h) for h in args.heads.split(","))
     q_dtype = torch.bfloat16
     p = Problem("decode", q_dtype, KV[args.kv], q_dtype, hq, hk, args.head_dim, args.head_dim,
-                page_size=args.page_size, q_len_per_req=args.q_len, pos_encoding_mode="ROPE_LLAMA" if args.rope else "NONE")
+                page_size=args.page_size, q_len_per_req=args.q_len,
+                pos_encoding_mode="ROPE_LLAMA" if args.rope else "NONE")
     # the defaults of a GPU with this shared memory per block (per SM less the 1 KB a block reserves)
     cfg = decode_config.resolve_config(p, json.loads(args.config), SM_LIMITS[args.cc][0] - 1024)
     block_m, row_blocks = fvar.row_block(args.q_len * (hq // hk), cfg)
     cfg = fvar.rope_config(cfg) if fvar.rope_variant(p, block_m) else cfg
-    cap = cfg.rope_max_registers if args.rope else cfg.max_registers
+    cap = fvar.register_cap(p, cfg, block_m, False)
     print(f"triton {triton.__version__}, sm{args.cc}; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")

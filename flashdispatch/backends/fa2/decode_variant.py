@@ -34,15 +34,20 @@ def row_block(rows: int, cfg: DecodeConfig) -> tuple[int, int]:
     return block_m, -(-rows // block_m)
 
 
+def _one_row_block(p: Problem, block_m: int) -> bool:
+    """One query row per request in one 16-row block, no soft cap."""
+    return p.q_len_per_req == 1 and block_m <= 16 and p.logits_soft_cap <= 0
+
+
 def plain_variant(p: Problem, block_m: int) -> bool:
     """Whether the kernel is the variant the configs' register cap and programs-per-SM figures
     were measured on: one query row per request in one 16-row block, no RoPE/ALiBi/soft cap."""
-    return p.q_len_per_req == 1 and block_m <= 16 and p.pos_encoding_mode == "NONE" and p.logits_soft_cap <= 0
+    return p.pos_encoding_mode == "NONE" and _one_row_block(p, block_m)
 
 
 def rope_variant(p: Problem, block_m: int) -> bool:
     """Whether the kernel is the plain variant with RoPE (`DecodeConfig.rope_block_n`)."""
-    return p.q_len_per_req == 1 and block_m <= 16 and p.pos_encoding_mode == "ROPE_LLAMA" and p.logits_soft_cap <= 0
+    return p.pos_encoding_mode == "ROPE_LLAMA" and _one_row_block(p, block_m)
 
 
 @functools.lru_cache(maxsize=64)
