@@ -31,7 +31,8 @@ import decode_registers as regs  # noqa: E402  (sets up an offline Triton: no in
 import torch  # noqa: E402
 
 from flashdispatch.backends.fa2 import decode_variant as fvar  # noqa: E402
-from flashdispatch.backends.fa2.decode_config import line_variant, resolve_config, with_split_block, with_tile  # noqa: E402
+from flashdispatch.backends.fa2.decode_config import resolve_config  # noqa: E402
+from flashdispatch.backends.fa2.decode_variant import line_variant, with_split_block, with_tile  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
 
 FEATURES = {

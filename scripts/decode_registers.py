@@ -4,11 +4,12 @@ shared memory and programs per SM of the variants a plan would launch (no GPU ne
 Compiles ``decode_kernel`` for GPUTarget("cuda", 90, 32) (or --cc) with the constexprs
 ``decode_variant.kernel_constants`` gives the problem's default config plus run()'s (float scales;
 lse with --lse), pointers and strides divisible by 16 as a launch of contiguous tensors
-specializes them, once per (work array | direct table) x (register cap as configured | none),
-then the direct split and (wave_pack_line) the kernel's own packing (direct line) on the split
-config, and runs ptxas -v on the PTX. This is how session 6 explained a slower direct table: 79
-registers against the work array's 64, 6 programs per SM instead of 8 (128x2048 read 3.38 TB/s
-against 4.24); and session 25 the line kernel's first version (168 registers, 3 per SM).
+specializes them: the work array and the direct table on the config's block, the direct split and
+(wave_pack_line) the kernel's own packing (direct line) on the split block, each at its register
+cap (`decode_variant.register_cap`) where it has one and uncapped; then ptxas -v on the PTX.
+This is how session 6 explained a slower direct table: 79 registers against the work array's 64,
+6 programs per SM instead of 8 (128x2048 read 3.38 TB/s against 4.24); and session 25 the line
+kernel's first version (168 registers, 3 per SM).
 
     .venv/bin/python scripts/decode_registers.py                          # bf16, 32/8 heads, d128
     .venv/bin/python scripts/decode_registers.py --heads 64,4 --kv e4m3 --q-len 4
@@ -95,45 +96,43 @@ def main() -> None:
     cfg = decode_config.resolve_config(p, json.loads(args.config), SM_LIMITS[args.cc][0] - 1024)
     block_m, row_blocks = fvar.row_block(args.q_len * (hq // hk), cfg)
     cfg = fvar.rope_config(cfg) if fvar.rope_variant(p, block_m) else cfg
-    cap = fvar.register_cap(p, cfg, block_m, False)
+    split_cfg = fvar.with_split_block(cfg) if cfg.split_block_n else cfg
     print(f"triton {triton.__version__}, sm{args.cc}; {args.kv} KV, {hq}/{hk} heads, d{args.head_dim}, page "
           f"{args.page_size}, q_len {args.q_len}; config {cfg}")
     print(f"{'variant':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}")
-    # the work array and the direct table, capped and not; the direct split and, where the config
-    # takes it, the kernel's own packing (LINE, DecodeConfig.wave_pack_line) with the policy's split
-    # config (DecodePlan: split_block_n, uncapped), as the split and packed plans that use them run
-    caps = (True, False) if cap else (False,)
-    variants = [(direct, False, capped, False) for direct in (False, True) for capped in caps]
-    variants += [(True, True, False, False)] + ([(True, False, False, True)] if cfg.wave_pack_line else [])
-    for direct, split, capped, line in variants:
-        if (split or line) and cfg.split_block_n:
-            variant_cfg = decode_config.with_split_block(cfg)
-        else:
-            variant_cfg = cfg if capped else dataclasses.replace(cfg, max_registers=0, rope_max_registers=0)
-        variant_cfg = decode_config.line_variant(variant_cfg) if line else variant_cfg
-        consts = fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False,
-                                       line=line)
-        consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
-        # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
-        consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False,
-                      SHARED_KV_ROWS=cfg.shared_kv_rows)  # a 5-D cache's
-        if capped and "maxnreg" not in consts:  # register_cap: not this variant
-            continue
-        k = compile_variant(consts, q_dtype, KV[args.kv], args.cc)
-        regs, spill = ptxas_usage(k.asm["ptx"], PTXAS_GPU[args.cc])
-        if regs is None:
-            raise RuntimeError(f"ptxas gave no register count for {direct=}, {split=}, {capped=}")
-        spill = spill or 0
-        threads = 32 * consts["num_warps"]
-        shared, sm_threads, blocks = SM_LIMITS[args.cc]
-        per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), shared // max(k.metadata.shared + 1024, 1),
-                     sm_threads // threads, blocks)
-        name = ("direct line" if line else "direct split" if split else "direct table" if direct else "work array") + \
-            (f", cap {cap}" if capped else "") + (", fused" if args.fused else "")
-        print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
-        if args.sass:
-            count, mix = sass_loop_mix(k.asm["cubin"])
-            print(f"  loop: {count} instructions: " + ", ".join(f"{op} {n}" for op, n in mix), flush=True)
+    # the work array and the direct table on the config's block, the direct split and, where the
+    # config takes it, the kernel's own packing (LINE, DecodeConfig.wave_pack_line) on the split
+    # block (DecodePlan: split_block_n), as the plans that use them run; each at its register cap
+    # (`register_cap`) where it has one, and uncapped
+    variants = [(False, False, False), (True, False, False), (True, True, False)]
+    variants += [(True, False, True)] if cfg.wave_pack_line else []
+    for direct, split, line in variants:
+        base = fvar.line_variant(split_cfg) if line else split_cfg if split else cfg
+        cap = fvar.register_cap(p, base, block_m, args.fused)
+        for capped in (True, False) if cap else (False,):
+            variant_cfg = base if capped else dataclasses.replace(base, max_registers=0)
+            consts = fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False,
+                                           line=line)
+            consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
+            # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
+            consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False,
+                          SHARED_KV_ROWS=cfg.shared_kv_rows)  # a 5-D cache's
+            k = compile_variant(consts, q_dtype, KV[args.kv], args.cc)
+            regs, spill = ptxas_usage(k.asm["ptx"], PTXAS_GPU[args.cc])
+            if regs is None:
+                raise RuntimeError(f"ptxas gave no register count for {direct=}, {split=}, {capped=}")
+            spill = spill or 0
+            threads = 32 * consts["num_warps"]
+            shared, sm_threads, blocks = SM_LIMITS[args.cc]
+            per_sm = min(SM_REGISTERS // (-(-regs // 8) * 8 * threads), shared // max(k.metadata.shared + 1024, 1),
+                         sm_threads // threads, blocks)
+            kind = "direct line" if line else "direct split" if split else "direct table" if direct else "work array"
+            name = kind + (f", cap {cap}" if capped else "") + (", fused" if args.fused else "")
+            print(f"{name:24} {regs:5} {spill:7} {k.metadata.shared:8} {per_sm:11}", flush=True)
+            if args.sass:
+                count, mix = sass_loop_mix(k.asm["cubin"])
+                print(f"  loop: {count} instructions: " + ", ".join(f"{op} {n}" for op, n in mix), flush=True)
+
 
 if __name__ == "__main__":
     main()

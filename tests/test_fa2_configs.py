@@ -230,9 +230,8 @@ def test_sass_loop_mix_finds_the_token_loop():
 
 def test_rope_plans_run_the_rope_tile():
     """16-bit d128 GQA RoPE decode plans (described H200, no launch) run DecodeConfig.rope_block_n
-    for the unsplit and the split kernel, capped at rope_max_registers where set; without a rope tile
-    they run the config's tiles (the split block, 64, where few programs split); plain plans are
-    unchanged."""
+    uncapped where no request is split (under one wave too) and rope_split_block_n, capped at
+    rope_max_registers, where the policy splits; plain plans are unchanged."""
     from test_fa2_decode_waves import _h200_plan
     from flashdispatch.backends.fa2.decode_variant import register_cap
 
@@ -241,16 +240,18 @@ def test_rope_plans_run_the_rope_tile():
         return plan.config.block_n, register_cap(plan.problem, plan.config, plan.block_m, plan.fused_merge)
 
     rope = dict(pos_encoding_mode="ROPE_LLAMA")
-    capped = {"rope_max_registers": 80}
-    for lens in ([4096] * 64, [1024] * 256, [32768]):
-        assert tile(lens, **rope) == (32, 80) and tile(lens, {"rope_max_registers": 0}, **rope) == (32, 0), lens
-    assert tile([4096] * 64, {"rope_block_n": 0}, **rope) == (64, 0)
-    assert tile([4096] * 64, {"rope_block_n": 16, **capped}, **rope) == (16, 80)
+    for lens in ([4096] * 64, [1024] * 256, [300] * 4):  # under one wave (unsplit), past it, too short to split
+        assert tile(lens, **rope) == (64, 0), lens
+    assert tile([32768], **rope) == (32, 88) and tile([32768], {"rope_max_registers": 0}, **rope) == (32, 0)
+    assert tile([4096] * 64, {"rope_block_n": 0}, **rope) == (32, 0)
+    assert tile([32768], {"rope_split_block_n": 16, "rope_max_registers": 80}, **rope) == (16, 80)
+    assert tile([32768], {"rope_split_block_n": 0}, **rope) == (64, 0)  # the config's split block, its cap reset
+    capped = {"max_registers": 64}
     assert tile([4096] * 64, capped) == (64, 0) and tile([1024] * 256, capped) == (32, 64)
     # a fused merge, a soft cap and speculative rows are other variants: uncapped
-    assert tile([8192] * 16, capped, **rope) == (32, 0)
-    assert tile([4096] * 64, capped, logits_soft_cap=30.0, **rope)[1] == 0
-    assert tile([4096] * 64, capped, q_len_per_req=2, mask_mode="causal", **rope)[1] == 0
+    assert tile([8192] * 16, **rope) == (32, 0)
+    assert tile([32768], logits_soft_cap=30.0, **rope)[1] == 0
+    assert tile([32768], q_len_per_req=2, mask_mode="causal", **rope)[1] == 0
     # other head dims and fp8 KV keep their own tiles under RoPE
     assert resolve_config(_problem(torch.bfloat16, 256), None).rope_block_n == 0
     assert resolve_config(_problem(torch.float8_e4m3fn, 128), None).rope_block_n == 0
@@ -263,15 +264,16 @@ def _problem(kv_dtype, head_dim):
 
 
 def test_rope_register_cap_compiles_without_spills():
-    """Offline sm90 compile (scripts/decode_registers.py --rope, no GPU) of the RoPE decode default,
-    capped at 80: the work array fits 6 programs per SM (4 uncapped) with no spill; the direct table
-    spills at most 24 bytes."""
+    """Offline sm90 compile (scripts/decode_registers.py --rope, no GPU) of the RoPE decode default:
+    the split block capped at 88 fits 5 programs per SM (3 uncapped), spilling at most 16 bytes in
+    the direct split and none on the line; the unsplit 64-key block runs uncapped (3 per SM)."""
     script = os.path.join(ROOT, "scripts", "decode_registers.py")
     res = subprocess.run([sys.executable, script, "--rope"], capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = {line[:24].strip(): [int(v) for v in line[24:].split()] for line in res.stdout.splitlines()[2:]}
-    regs, spill, _, per_sm = rows["work array, cap 80"]
-    assert regs <= 80 and spill == 0 and per_sm == 6, res.stdout
-    regs, spill, _, per_sm = rows["direct table, cap 80"]
-    assert regs <= 80 and spill <= 24 and per_sm == 6, res.stdout
-    assert rows["work array"][3] == 4, res.stdout
+    regs, spill, _, per_sm = rows["direct split, cap 88"]
+    assert regs <= 88 and spill <= 16 and per_sm == 5, res.stdout
+    regs, spill, _, per_sm = rows["direct line, cap 88"]
+    assert regs <= 88 and spill == 0 and per_sm == 5, res.stdout
+    assert rows["direct split"][3] == 3 and rows["work array"][3] == 3, res.stdout
+    assert "work array, cap 88" not in rows and "direct table, cap 88" not in rows, res.stdout

@@ -406,7 +406,8 @@ def test_measured_defaults():
     d256 (not MHA, 16-bit d256 or fp8 d64), and the 64-register cap on the d128 GQA config only,
     dropped where a split plan takes split_block_n or a config overrides block_n; the fused
     merge's tile; V rows at K's offsets for fp8 KV only."""
-    from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config, with_split_block
+    from flashdispatch.backends.fa2.decode_config import apply_overrides, default_config
+    from flashdispatch.backends.fa2.decode_variant import with_split_block
     from flashdispatch.dispatch.problem import Problem
 
     def cfg(kv=F16, heads=(32, 8), d=128, page=16):
@@ -440,9 +441,10 @@ def test_measured_defaults():
     (dict(num_qo_heads=64, num_kv_heads=2), False),  # group 32: a 32-row block
 ], ids=["plain", "qlen2", "rope", "alibi", "softcap", "fused", "rows32"])
 def test_register_cap_only_on_the_measured_variant(variant, capped):
-    """max_registers reaches ptxas only for one query row in a 16-row block without RoPE, ALiBi,
-    soft cap or fused merge (the others spill under 64 registers or do not compile)."""
-    from flashdispatch.backends.fa2.decode_variant import register_cap
+    """max_registers reaches ptxas only for one query row in a 16-row block without ALiBi, soft cap
+    or fused merge (the others spill under 64 registers or do not compile); a RoPE plan's config
+    (`rope_config`) drops it for its own caps."""
+    from flashdispatch.backends.fa2.decode_variant import register_cap, rope_config, with_split_block
     from flashdispatch.backends.fa2.decode_config import DecodeConfig
     from flashdispatch.dispatch.problem import Problem
     variant = dict(variant)
@@ -450,7 +452,11 @@ def test_register_cap_only_on_the_measured_variant(variant, capped):
     heads = (variant.pop("num_qo_heads", 32), variant.pop("num_kv_heads", 8))
     p = Problem("decode", F16, F16, F16, heads[0], heads[1], 128, 128, page_size=16, **variant)
     block_m = max(16, 1 << (p.q_len_per_req * heads[0] // heads[1] - 1).bit_length())
-    assert register_cap(p, DecodeConfig(max_registers=64), block_m, fused) == (64 if capped else 0)
+    cfg = DecodeConfig(max_registers=64, split_block_n=32, rope_max_registers=80)
+    rope = p.pos_encoding_mode == "ROPE_LLAMA"
+    assert register_cap(p, rope_config(cfg) if rope else cfg, block_m, fused) == (64 if capped else 0)
+    if rope:  # its split block's cap
+        assert register_cap(p, with_split_block(rope_config(cfg)), block_m, fused) == 80
 
 
 def test_direct_table_only_where_nothing_is_split():

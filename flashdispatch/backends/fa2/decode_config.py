@@ -1,6 +1,6 @@
 """fa2 decode's knobs: `DecodeConfig`, its defaults by problem and the overrides
-(FLASHDISPATCH_FA2_DECODE_CONFIG, a plan's ``config``), and the variants a plan switches to (the
-split block, the wave tiles)."""
+(FLASHDISPATCH_FA2_DECODE_CONFIG, a plan's ``config``); the variants a plan switches to (the split
+block, the wave tiles) are derived in decode_variant.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,10 +26,10 @@ class DecodeConfig:
     chooses. It sets how many programs fit on an SM, which bounds the KV reads in flight (sm90
     d128, 4 warps, block_n 32: ptxas gave group 4's direct-table variant and group 16's 79-80
     registers, 6 programs per SM, where 64 fits 8; see docs/perf-notes.md). Only the variant it
-    was measured on takes it (`decode_variant.register_cap`: one query row per request, one 16-row block, no
-    RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to ``split_block_n``
-    or the wave tiles or override block_n, run uncapped (under 64 they spill, or do not compile
-    at 64 rows).
+    was measured on takes it (`decode_variant.register_cap`: one query row per request, one 16-row
+    block, no RoPE/ALiBi/soft cap, no fused merge); the others, and plans that switch to
+    ``split_block_n`` (capped at split_max_registers) or the wave tiles or override block_n, run
+    uncapped (under 64 they spill, or do not compile at 64 rows).
     max_block_m: most query rows per program (more rows use several row blocks);
     ctas_per_sm: programs per SM the split policy aims for; min_chunk_tokens: shortest chunk
     worth a split; max_splits: most chunks of one request (CUDA-graph grids use it);
@@ -46,6 +46,7 @@ class DecodeConfig:
     k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
     split_block_n: block_n for plans that split requests by the default policy (few requests with
     long contexts, or the wave split: fewer, longer steps pay off there); None: block_n.
+    split_max_registers: the split block's register cap (0: none); RoPE plans set it from rope_max_registers.
     fp8_dot_dtype (fp8 KV only): "q" runs both dots in q's dtype (fp8 -> bf16 is a slow
     conversion on sm90), "fp16" runs them in fp16 with q row-scaled by powers of two (see
     decode_kernel.py for the ranges).
@@ -281,9 +282,10 @@ class DecodeConfig:
     %); off for 16-bit (d64 256x4096 4.19 -> 4.13).
     gluon_fp8_stages: stages of decode_gluon.py's fp8 kernel where a plan takes it (-1: most that fit; 0: never).
     gluon_fp8_split_tokens: its split (`decode_gluon._split_layout`): shortest chunk in tokens; 0: none (not measured).
-    rope_block_n, rope_max_registers: block_n (0: the config's, split block too) and register cap (0: none) of RoPE
-    plans (`decode_variant.rope_variant`; offline sm90 bf16 32/8 d128, registers (programs per SM): 64 x 2 144 (3),
-    32 x 2 104 (4), capped 80 (6, no spill; 72 spills)).
+    rope_block_n, rope_split_block_n, rope_max_registers: RoPE plans' block (0: the config's), uncapped, and
+    split block (0: the config's), capped at rope_max_registers (0: none) (`decode_variant.rope_config`). H100
+    bf16 32/8 d128 (session 60, TB/s): unsplit plans 64 x 2 2.88-3.01 against 32 x 2 at 80 2.45-2.86; split
+    ones 32 x 2 at 88 (5 per SM) 2.00-2.01 at 1x32768 against 1.74 at 64 x 2 (3 per SM) and 1.96 at 80.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch: every decode program
     signals at its start (griddepcontrol.launch_dependents), so the merge grid is launched while the decode grid
     runs, and each merge program waits (griddepcontrol.wait) until the decode grid has finished and its stores are
@@ -301,6 +303,7 @@ class DecodeConfig:
     max_splits: int = 64
     k_rows: bool = False
     split_block_n: int | None = None
+    split_max_registers: int = 0
     fp8_dot_dtype: str = "q"
     heads_fastest: bool = True
     page_prefetch: bool = False
@@ -338,12 +341,14 @@ class DecodeConfig:
     gluon_fp8_stages: int = -1
     gluon_fp8_split_tokens: int = 0
     rope_block_n: int = 0
+    rope_split_block_n: int = 0
     rope_max_registers: int = 0
 
     def __post_init__(self):
         for name, v, low, unset in (("block_n", self.block_n, 16, ""), ("max_block_m", self.max_block_m, 8, ""),
                                     ("split_block_n", 16 if self.split_block_n is None else self.split_block_n, 16,
-                                     " or null"), ("rope_block_n", self.rope_block_n or 16, 16, " or 0")):
+                                     " or null"), ("rope_block_n", self.rope_block_n or 16, 16, " or 0"),
+                                    ("rope_split_block_n", self.rope_split_block_n or 16, 16, " or 0")):
             if not _int(v) or v < low or v & (v - 1):
                 raise ValueError(f"fa2 decode config {name} must be a power of two >= {low}{unset}, "
                                  f"got {getattr(self, name)!r}")
@@ -394,7 +399,8 @@ class DecodeConfig:
             raise ValueError(f"fa2 decode config fused_merge_values must be a power of two >= 256, got {v!r}")
         if not _int(self.gluon_fp8_stages) or self.gluon_fp8_stages not in (-1, 0, 2, 3, 4, 5, 6, 7, 8):
             raise ValueError(f"fa2 decode config gluon_fp8_stages must be -1, 0 or 2-8, got {self.gluon_fp8_stages!r}")
-        for name, v in (("max_registers", self.max_registers), ("rope_max_registers", self.rope_max_registers)):
+        for name in ("max_registers", "split_max_registers", "rope_max_registers"):
+            v = getattr(self, name)
             if not _int(v) or not (v == 0 or 24 <= v <= 255):
                 raise ValueError(f"fa2 decode config {name} must be 0 (ptxas chooses) or in [24, 255], got {v!r}")
 
@@ -530,12 +536,13 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         # the wave tiles (any group: the sm90 compile of groups 2-16 gives the same programs per
         # SM): 32 x 2 under the register cap, 64 x 2 and 64 x 3 uncapped; rates from the H200
         # sweep at whole waves (4.53 / 4.48-4.55 / 4.47-4.50 TB/s, session 16)
-        # RoPE: 32 x 2 at 80 registers, 6 per SM (DecodeConfig.rope_block_n; the H100 sweep: perf-notes, session 59)
+        # RoPE: 64 x 2 unsplit, a 32 x 2 split block at 88 registers (DecodeConfig.rope_block_n; H100 sweeps:
+        # perf-notes, sessions 59-60)
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
                             wave_split_slots=4 if group == 4 else 0, line_page_prefetch=True, few_line_mixed=16,
-                            rope_block_n=32, rope_max_registers=80, **pack)
+                            rope_block_n=64, rope_split_block_n=32, rope_max_registers=88, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16, **mixed, **line)
 
@@ -547,7 +554,7 @@ def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
                          f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
     if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
         source = {"split_block_n": None, "max_registers": 0, **source}
-    source = {"rope_max_registers": 0, **source} if "rope_block_n" in source else source  # its cap: likewise
+    source = {"rope_max_registers": 0, **source} if "rope_split_block_n" in source else source  # its cap: likewise
     if {"block_n", "num_stages", "num_warps", "max_registers", "split_block_n", "fused_merge_values"} & set(source):
         source = {"wave_tiles": (), "wave_slots": 0, "wave_split_slots": 0, **source}  # other kernels' programs per SM
     return dataclasses.replace(cfg, **source)
@@ -567,34 +574,3 @@ def resolve_config(problem: Problem, overrides: dict | None = None, shared: int 
     cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size,
                        problem.num_qo_heads // problem.num_kv_heads, shared, os.environ.get(CONFIG_ENV))
     return apply_overrides(cfg, overrides) if overrides else cfg
-
-
-@functools.lru_cache(maxsize=64)
-def for_cuda_graph(cfg: DecodeConfig) -> DecodeConfig:
-    """The config of a CUDA-graph plan off the line: without the eager plans' few-programs split
-    (`DecodeConfig.split_ctas_per_sm` and the split block it runs), else ``cfg`` itself."""
-    if not cfg.split_ctas_per_sm:
-        return cfg
-    return dataclasses.replace(cfg, split_ctas_per_sm=0, split_block_n=None)
-
-
-@functools.lru_cache(maxsize=64)
-def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
-    """``cfg`` with block_n = split_block_n, uncapped (cached: plan() is host-time bound)."""
-    return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=0)
-
-
-@functools.lru_cache(maxsize=64)
-def line_variant(cfg: DecodeConfig) -> DecodeConfig:
-    """The config a line plan runs (`DecodeConfig.wave_pack_line`), from its packed plans' one:
-    page_prefetch on where line_page_prefetch says."""
-    return dataclasses.replace(cfg, page_prefetch=True) if cfg.line_page_prefetch and not cfg.page_prefetch else cfg
-
-
-@functools.lru_cache(maxsize=64)
-def with_tile(cfg: DecodeConfig, block_n: int, num_stages: int) -> DecodeConfig:
-    """``cfg`` with this block_n x num_stages, uncapped (cached like the split block); ``cfg``
-    itself, register cap included, where that is its own tile."""
-    if (block_n, num_stages) == (cfg.block_n, cfg.num_stages):
-        return cfg
-    return dataclasses.replace(cfg, block_n=block_n, num_stages=num_stages, max_registers=0)

@@ -59,21 +59,54 @@ def without_waves(cfg: DecodeConfig) -> DecodeConfig:
 
 @functools.lru_cache(maxsize=64)
 def rope_config(cfg: DecodeConfig) -> DecodeConfig:
-    """The config a `rope_variant` plan runs: ``cfg.rope_block_n`` for its block and split block,
-    where set."""
-    return dataclasses.replace(cfg, block_n=cfg.rope_block_n, split_block_n=None) if cfg.rope_block_n else cfg
+    """The config a `rope_variant` plan runs: ``cfg.rope_block_n`` uncapped, and
+    ``cfg.rope_split_block_n`` capped at ``cfg.rope_max_registers`` for its split block (each 0:
+    the config's own block)."""
+    return dataclasses.replace(cfg, block_n=cfg.rope_block_n or cfg.block_n, max_registers=0,
+                               split_block_n=cfg.rope_split_block_n or cfg.split_block_n,
+                               split_max_registers=cfg.rope_max_registers)
+
+
+@functools.lru_cache(maxsize=64)
+def for_cuda_graph(cfg: DecodeConfig) -> DecodeConfig:
+    """The config of a CUDA-graph plan off the line: without the eager plans' few-programs split
+    (`DecodeConfig.split_ctas_per_sm` and the split block it runs), else ``cfg`` itself."""
+    if not cfg.split_ctas_per_sm:
+        return cfg
+    return dataclasses.replace(cfg, split_ctas_per_sm=0, split_block_n=None)
+
+
+@functools.lru_cache(maxsize=64)
+def with_split_block(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` with block_n = split_block_n, capped at split_max_registers (cached: plan() is
+    host-time bound)."""
+    return dataclasses.replace(cfg, block_n=cfg.split_block_n, max_registers=cfg.split_max_registers)
+
+
+@functools.lru_cache(maxsize=64)
+def line_variant(cfg: DecodeConfig) -> DecodeConfig:
+    """The config a line plan runs (`DecodeConfig.wave_pack_line`), from its packed plans' one:
+    page_prefetch on where line_page_prefetch says."""
+    return dataclasses.replace(cfg, page_prefetch=True) if cfg.line_page_prefetch and not cfg.page_prefetch else cfg
+
+
+@functools.lru_cache(maxsize=64)
+def with_tile(cfg: DecodeConfig, block_n: int, num_stages: int) -> DecodeConfig:
+    """``cfg`` with this block_n x num_stages, uncapped (cached like the split block); ``cfg``
+    itself, register cap included, where that is its own tile."""
+    if (block_n, num_stages) == (cfg.block_n, cfg.num_stages):
+        return cfg
+    return dataclasses.replace(cfg, block_n=block_n, num_stages=num_stages, max_registers=0)
 
 
 def register_cap(p: Problem, cfg: DecodeConfig, block_m: int, fused_merge: bool) -> int:
-    """The register cap handed to ptxas: ``cfg.max_registers`` for the variant it was measured on
-    (`plain_variant`), ``cfg.rope_max_registers`` for `rope_variant`, without fused merge; else 0:
-    the offline sm90 compiles of the others spill under a cap of 64 (RoPE 76-112 bytes, the fused
-    merge of group 8/16 up to 256) or, at 64 rows, do not compile."""
+    """The register cap handed to ptxas: ``cfg.max_registers`` for the variants it was measured on
+    (`plain_variant`; `rope_variant`, whose `rope_config` sets it), without fused merge; else 0:
+    the offline sm90 compiles of the others spill under a cap of 64 (the fused merge of group 8/16
+    up to 256 bytes) or, at 64 rows, do not compile."""
     if fused_merge:
         return 0
-    if plain_variant(p, block_m):
-        return cfg.max_registers
-    return cfg.rope_max_registers if rope_variant(p, block_m) else 0
+    return cfg.max_registers if plain_variant(p, block_m) or rope_variant(p, block_m) else 0
 
 
 @functools.lru_cache(maxsize=256)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import math
 
-from .decode_config import DecodeConfig, with_split_block, with_tile
+from .decode_config import DecodeConfig
+from .decode_variant import with_split_block, with_tile
 
 # A last wave partly filled with programs costs this much of a full wave, plus the rest in
 # proportion to its fill (fitted to the H200 fp8 sweeps of session 15, docs/perf-notes.md).
