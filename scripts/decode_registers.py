@@ -111,9 +111,8 @@ def main() -> None:
         cap = fvar.register_cap(p, base, block_m, args.fused)
         for capped in (True, False) if cap else (False,):
             variant_cfg = base if capped else dataclasses.replace(base, max_registers=0)
-            consts = fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split, False,
-                                           line=line)
-            consts = {k: v for k, v in consts.items() if k != "maxnreg" or capped}
+            consts = dict(fvar.kernel_constants(p, variant_cfg, block_m, row_blocks, args.fused, direct, split,
+                                                False, line=line))  # a copy: the cached dict is only read
             # run()'s own constexprs (DecodePlan._bind): float scales, lse as asked
             consts.update(WRITE_LSE=args.lse, Q_SCALE_T=False, K_SCALE_T=False, V_SCALE_T=False,
                           SHARED_KV_ROWS=cfg.shared_kv_rows)  # a 5-D cache's

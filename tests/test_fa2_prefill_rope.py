@@ -108,7 +108,7 @@ def test_which_plans_rotate_first():
 @pytest.mark.parametrize("lens", [dict(qo_lens=[2048], kv_lens=[2048]),
                                   dict(qo_lens=[1, 333, 0, 600, 64], kv_lens=[5, 333, 2, 900, 4000])],
                          ids=["single", "ragged"])
-def test_gpu_rotated_first_matches_in_kernel_and_the_oracle(monkeypatch, dim, lens):
+def test_gpu_rotated_first_matches_in_kernel_and_the_reference(monkeypatch, dim, lens):
     """bf16 on the GPU: both paths against the reference backend (the Python oracle would take
     hours at 2048 rows), and against each other (the same rotated values in bf16: only the
     kernels' accumulation orders differ)."""

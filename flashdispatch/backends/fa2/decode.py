@@ -163,8 +163,9 @@ class DecodePlan(DecodePacking):
         # a wave-split plan runs the split block, or (fp8: none) the tile of the best full-wave
         # rate, and the wave tile where its partition splits nothing after all (short requests,
         # or the workspace fallback; `_build`); few programs keep the split block whatever the
-        # lengths (as the ANCHORS rows under one wave were measured), as do packed plans, but for
-        # RoPE (its own block read 5 % more than the split block at 64x4096 on the H100, session 60)
+        # lengths (as the ANCHORS rows under one wave were measured), as do packed plans; a RoPE
+        # plan of few programs runs its own block where nothing splits (5 % more read than the
+        # split block at 64x4096 on the H100, session 60)
         self._unsplit_config = None
         if self.wave_split:
             self._unsplit_config = tiled
