@@ -230,8 +230,9 @@ def test_sass_loop_mix_finds_the_token_loop():
 
 def test_rope_plans_run_the_rope_tile():
     """16-bit d128 GQA RoPE decode plans (described H200, no launch) run DecodeConfig.rope_block_n
-    uncapped where no request is split (under one wave too) and rope_split_block_n, capped at
-    rope_max_registers, where the policy splits; plain plans are unchanged."""
+    uncapped past one wave of programs, and rope_split_block_n, capped at rope_max_registers, under
+    it (split or not: 64 x 4096 is 512 programs, more than one wave of the 64 block's 3 per SM);
+    plain plans are unchanged."""
     from test_fa2_decode_waves import _h200_plan
     from flashdispatch.backends.fa2.decode_variant import register_cap
 
@@ -240,10 +241,12 @@ def test_rope_plans_run_the_rope_tile():
         return plan.config.block_n, register_cap(plan.problem, plan.config, plan.block_m, plan.fused_merge)
 
     rope = dict(pos_encoding_mode="ROPE_LLAMA")
-    for lens in ([4096] * 64, [1024] * 256, [300] * 4):  # under one wave (unsplit), past it, too short to split
+    for lens in ([1024] * 256, [2048] * 128, [4096] * 256):  # past one wave
         assert tile(lens, **rope) == (64, 0), lens
-    assert tile([32768], **rope) == (32, 88) and tile([32768], {"rope_max_registers": 0}, **rope) == (32, 0)
-    assert tile([4096] * 64, {"rope_block_n": 0}, **rope) == (32, 0)
+    for lens in ([4096] * 64, [300] * 4, [32768]):  # under it: unsplit, too short to split, split
+        assert tile(lens, **rope) == (32, 88), lens
+    assert tile([32768], {"rope_max_registers": 0}, **rope) == (32, 0)
+    assert tile([1024] * 256, {"rope_block_n": 0}, **rope) == (32, 0)
     assert tile([32768], {"rope_split_block_n": 16, "rope_max_registers": 80}, **rope) == (16, 80)
     assert tile([32768], {"rope_split_block_n": 0}, **rope) == (64, 0)  # the config's split block, its cap reset
     capped = {"max_registers": 64}

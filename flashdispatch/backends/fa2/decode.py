@@ -115,8 +115,7 @@ class DecodePlan(DecodePacking):
         self.block_m, self.row_blocks = row_block(self.q_len * self.group, cfg)
         if not plain_variant(p, self.block_m):
             cfg = without_waves(cfg)  # other variants use other registers: their programs per SM are not known
-        rope = rope_variant(p, self.block_m)
-        if rope:
+        if rope_variant(p, self.block_m):
             cfg = rope_config(cfg)
         policy_splits = not params.disable_split_kv and params.fixed_split_size is None
         self.table = params.block_tables is not None  # a block-table call: `_place_table`
@@ -163,15 +162,13 @@ class DecodePlan(DecodePacking):
         # a wave-split plan runs the split block, or (fp8: none) the tile of the best full-wave
         # rate, and the wave tile where its partition splits nothing after all (short requests,
         # or the workspace fallback; `_build`); few programs keep the split block whatever the
-        # lengths (as the ANCHORS rows under one wave were measured), as do packed plans; a RoPE
-        # plan of few programs runs its own block where nothing splits (5 % more read than the
-        # split block at 64x4096 on the H100, session 60)
+        # lengths (as the ANCHORS rows under one wave were measured), as do packed plans, RoPE ones
+        # too (its unsplit block fits fewer programs per SM: one wave of the split block is more)
         self._unsplit_config = None
         if self.wave_split:
             self._unsplit_config = tiled
             cfg = wave_split_config(cfg)
         elif (few or wave_packed is not None) and cfg.split_block_n and policy_splits:
-            self._unsplit_config = tiled if rope and wave_packed is None else None
             cfg = with_split_block(cfg)
         else:
             cfg = tiled

@@ -283,9 +283,11 @@ class DecodeConfig:
     gluon_fp8_stages: stages of decode_gluon.py's fp8 kernel where a plan takes it (-1: most that fit; 0: never).
     gluon_fp8_split_tokens: its split (`decode_gluon._split_layout`): shortest chunk in tokens; 0: none (not measured).
     rope_block_n, rope_split_block_n, rope_max_registers: RoPE plans' block (0: the config's), uncapped, and
-    split block (0: the config's), capped at rope_max_registers (0: none) (`decode_variant.rope_config`). H100
-    bf16 32/8 d128 (session 60, TB/s): unsplit plans 64 x 2 2.88-3.01 against 32 x 2 at 80 2.45-2.86; split
-    ones 32 x 2 at 88 (5 per SM) 2.00-2.01 at 1x32768 against 1.74 at 64 x 2 (3 per SM) and 1.96 at 80.
+    split block (0: the config's), capped at rope_max_registers (0: none) (`decode_variant.rope_config`); plans
+    of fewer programs than ctas_per_sm x SMs run the split block, as plain ones do. H100 bf16 32/8 d128
+    (sessions 60-61, TB/s): past one wave, 64 x 2 (3 per SM) 2.74-2.76 against 32 x 2 at 80 2.45-2.75; split
+    plans 32 x 2 at 88 (5 per SM) 2.00-2.01 at 1x32768 against 1.74 at 64 x 2 and 1.96 at 80; 64x4096 (512
+    programs, nothing split) 32 x 2 at 88 ~2.75 against 2.32 at 64 x 2 (1.3 waves of 3 per SM).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch: every decode program
     signals at its start (griddepcontrol.launch_dependents), so the merge grid is launched while the decode grid
     runs, and each merge program waits (griddepcontrol.wait) until the decode grid has finished and its stores are
@@ -536,8 +538,8 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         # the wave tiles (any group: the sm90 compile of groups 2-16 gives the same programs per
         # SM): 32 x 2 under the register cap, 64 x 2 and 64 x 3 uncapped; rates from the H200
         # sweep at whole waves (4.53 / 4.48-4.55 / 4.47-4.50 TB/s, session 16)
-        # RoPE: 64 x 2 unsplit, a 32 x 2 split block at 88 registers (DecodeConfig.rope_block_n; H100 sweeps:
-        # perf-notes, sessions 59-60)
+        # RoPE: 64 x 2 past one wave, a 32 x 2 split block at 88 registers (DecodeConfig.rope_block_n; H100:
+        # perf-notes, sessions 59-61)
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
