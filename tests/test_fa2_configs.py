@@ -229,10 +229,9 @@ def test_sass_loop_mix_finds_the_token_loop():
 
 
 def test_rope_plans_run_the_rope_tile():
-    """16-bit d128 GQA RoPE decode plans (described H200, no launch) run DecodeConfig.rope_block_n
-    uncapped past one wave of programs, and rope_split_block_n, capped at rope_max_registers, under
-    it (split or not: 64 x 4096 is 512 programs, more than one wave of the 64 block's 3 per SM);
-    plain plans are unchanged."""
+    """16-bit d128 GQA RoPE decode plans (described H200, no launch) run DecodeConfig.rope_block_n,
+    capped at rope_max_registers, past one wave of programs, and rope_split_block_n, capped at
+    rope_split_max_registers, under it, split or not; plain plans are unchanged."""
     from test_fa2_decode_waves import _h200_plan
     from flashdispatch.backends.fa2.decode_variant import register_cap
 
@@ -242,13 +241,15 @@ def test_rope_plans_run_the_rope_tile():
 
     rope = dict(pos_encoding_mode="ROPE_LLAMA")
     for lens in ([1024] * 256, [2048] * 128, [4096] * 256):  # past one wave
-        assert tile(lens, **rope) == (64, 0), lens
+        assert tile(lens, **rope) == (64, 128), lens
     for lens in ([4096] * 64, [300] * 4, [32768]):  # under it: unsplit, too short to split, split
         assert tile(lens, **rope) == (32, 88), lens
-    assert tile([32768], {"rope_max_registers": 0}, **rope) == (32, 0)
-    assert tile([1024] * 256, {"rope_block_n": 0}, **rope) == (32, 0)
-    assert tile([32768], {"rope_split_block_n": 16, "rope_max_registers": 80}, **rope) == (16, 80)
-    assert tile([32768], {"rope_split_block_n": 0}, **rope) == (64, 0)  # the config's split block, its cap reset
+    assert tile([32768], {"rope_split_max_registers": 0}, **rope) == (32, 0)
+    assert tile([1024] * 256, {"rope_max_registers": 0}, **rope) == (64, 0)
+    assert tile([1024] * 256, {"rope_block_n": 0}, **rope) == (32, 0)  # the config's block, its cap reset
+    assert tile([1024] * 256, {"rope_block_n": 32, "rope_max_registers": 96}, **rope) == (32, 96)
+    assert tile([32768], {"rope_split_block_n": 16, "rope_split_max_registers": 80}, **rope) == (16, 80)
+    assert tile([32768], {"rope_split_block_n": 0}, **rope) == (64, 0)  # likewise the split block
     capped = {"max_registers": 64}
     assert tile([4096] * 64, capped) == (64, 0) and tile([1024] * 256, capped) == (32, 64)
     # a fused merge, a soft cap and speculative rows are other variants: uncapped
@@ -269,7 +270,7 @@ def _problem(kv_dtype, head_dim):
 def test_rope_register_cap_compiles_without_spills():
     """Offline sm90 compile (scripts/decode_registers.py --rope, no GPU) of the RoPE decode default:
     the split block capped at 88 fits 5 programs per SM (3 uncapped), spilling at most 16 bytes in
-    the direct split; the unsplit 64-key block runs uncapped (3 per SM)."""
+    the direct split; the 64-key block capped at 128 fits 4 (3 uncapped), spilling at most 48."""
     script = os.path.join(ROOT, "scripts", "decode_registers.py")
     res = subprocess.run([sys.executable, script, "--rope"], capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -277,4 +278,7 @@ def test_rope_register_cap_compiles_without_spills():
     regs, spill, _, per_sm = rows["direct split, cap 88"]
     assert regs <= 88 and spill <= 16 and per_sm == 5, res.stdout
     assert rows["direct split"][3] == 3 and rows["work array"][3] == 3, res.stdout
+    for variant in ("work array, cap 128", "direct table, cap 128"):
+        regs, spill, _, per_sm = rows[variant]
+        assert regs <= 128 and spill <= 48 and per_sm == 4, res.stdout
     assert "work array, cap 88" not in rows and "direct table, cap 88" not in rows, res.stdout

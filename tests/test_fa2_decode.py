@@ -443,7 +443,7 @@ def test_measured_defaults():
 def test_register_cap_only_on_the_measured_variant(variant, capped):
     """max_registers reaches ptxas only for one query row in a 16-row block without ALiBi, soft cap
     or fused merge (the others spill under 64 registers or do not compile); a RoPE plan's config
-    (`rope_config`) drops it for its own caps."""
+    (`rope_config`) takes its own caps."""
     from flashdispatch.backends.fa2.decode_variant import register_cap, rope_config, with_split_block
     from flashdispatch.backends.fa2.decode_config import DecodeConfig
     from flashdispatch.dispatch.problem import Problem
@@ -452,11 +452,12 @@ def test_register_cap_only_on_the_measured_variant(variant, capped):
     heads = (variant.pop("num_qo_heads", 32), variant.pop("num_kv_heads", 8))
     p = Problem("decode", F16, F16, F16, heads[0], heads[1], 128, 128, page_size=16, **variant)
     block_m = max(16, 1 << (p.q_len_per_req * heads[0] // heads[1] - 1).bit_length())
-    cfg = DecodeConfig(max_registers=64, split_block_n=32, rope_max_registers=80)
-    rope = p.pos_encoding_mode == "ROPE_LLAMA"
-    assert register_cap(p, rope_config(cfg) if rope else cfg, block_m, fused) == (64 if capped else 0)
-    if rope:  # its split block's cap
+    cfg = DecodeConfig(max_registers=64, split_block_n=32, rope_max_registers=96, rope_split_max_registers=80)
+    if p.pos_encoding_mode == "ROPE_LLAMA":  # its own caps: the block's and the split block's
+        assert register_cap(p, rope_config(cfg), block_m, fused) == 96
         assert register_cap(p, with_split_block(rope_config(cfg)), block_m, fused) == 80
+    else:
+        assert register_cap(p, cfg, block_m, fused) == (64 if capped else 0)
 
 
 def test_direct_table_only_where_nothing_is_split():

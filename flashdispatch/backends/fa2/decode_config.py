@@ -46,7 +46,7 @@ class DecodeConfig:
     k_rows: load K as token rows and transpose in registers instead of loading K^T tiles;
     split_block_n: block_n for plans that split requests by the default policy (few requests with
     long contexts, or the wave split: fewer, longer steps pay off there); None: block_n.
-    split_max_registers: the split block's register cap (0: none); RoPE plans set it from rope_max_registers.
+    split_max_registers: the split block's register cap (0: none); RoPE plans set it from rope_split_max_registers.
     fp8_dot_dtype (fp8 KV only): "q" runs both dots in q's dtype (fp8 -> bf16 is a slow
     conversion on sm90), "fp16" runs them in fp16 with q row-scaled by powers of two (see
     decode_kernel.py for the ranges).
@@ -282,12 +282,15 @@ class DecodeConfig:
     %); off for 16-bit (d64 256x4096 4.19 -> 4.13).
     gluon_fp8_stages: stages of decode_gluon.py's fp8 kernel where a plan takes it (-1: most that fit; 0: never).
     gluon_fp8_split_tokens: its split (`decode_gluon._split_layout`): shortest chunk in tokens; 0: none (not measured).
-    rope_block_n, rope_split_block_n, rope_max_registers: RoPE plans' block (0: the config's), uncapped, and
-    split block (0: the config's), capped at rope_max_registers (0: none) (`decode_variant.rope_config`); plans
-    of fewer programs than ctas_per_sm x SMs run the split block, as plain ones do. H100 bf16 32/8 d128
-    (sessions 60-61, TB/s): past one wave, 64 x 2 (3 per SM) 2.74-2.76 against 32 x 2 at 80 2.45-2.75; split
-    plans 32 x 2 at 88 (5 per SM) 2.00-2.01 at 1x32768 against 1.74 at 64 x 2 and 1.96 at 80; 64x4096 (512
-    programs, nothing split) 32 x 2 at 88 ~2.75 against 2.32 at 64 x 2 (1.3 waves of 3 per SM).
+    rope_block_n, rope_max_registers, rope_split_block_n, rope_split_max_registers: RoPE plans' block and
+    its register cap, and their split block and its cap (a block 0: the config's; a cap 0: none;
+    `decode_variant.rope_config`); plans of fewer programs than ctas_per_sm x SMs run the split block, as
+    plain ones do. The block's cap keeps its programs per SM whether the kernel writes lse or not (sm90
+    64 x 2: 145 registers, 3 per SM, without lse; 128, 4, with it). H100 bf16 32/8 d128 (perf-notes,
+    sessions 60-61, TB/s): past one wave, 64 x 2 at 4 per SM 2.98-2.99 against 32 x 2 uncapped 2.63-2.70,
+    64 x 2 at 3 per SM 2.82-2.83; split plans 32 x 2 at 88 (5 per SM) 2.00-2.05 at 1x32768 against 1.74 at
+    64 x 2 and 1.96 at 80; 64x4096 (512 programs, nothing split) 32 x 2 at 88 2.84-2.87 against 2.32 at
+    64 x 2, 3 per SM (1.3 waves).
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch: every decode program
     signals at its start (griddepcontrol.launch_dependents), so the merge grid is launched while the decode grid
     runs, and each merge program waits (griddepcontrol.wait) until the decode grid has finished and its stores are
@@ -345,6 +348,7 @@ class DecodeConfig:
     rope_block_n: int = 0
     rope_split_block_n: int = 0
     rope_max_registers: int = 0
+    rope_split_max_registers: int = 0
 
     def __post_init__(self):
         for name, v, low, unset in (("block_n", self.block_n, 16, ""), ("max_block_m", self.max_block_m, 8, ""),
@@ -401,7 +405,7 @@ class DecodeConfig:
             raise ValueError(f"fa2 decode config fused_merge_values must be a power of two >= 256, got {v!r}")
         if not _int(self.gluon_fp8_stages) or self.gluon_fp8_stages not in (-1, 0, 2, 3, 4, 5, 6, 7, 8):
             raise ValueError(f"fa2 decode config gluon_fp8_stages must be -1, 0 or 2-8, got {self.gluon_fp8_stages!r}")
-        for name in ("max_registers", "split_max_registers", "rope_max_registers"):
+        for name in ("max_registers", "split_max_registers", "rope_max_registers", "rope_split_max_registers"):
             v = getattr(self, name)
             if not _int(v) or not (v == 0 or 24 <= v <= 255):
                 raise ValueError(f"fa2 decode config {name} must be 0 (ptxas chooses) or in [24, 255], got {v!r}")
@@ -538,13 +542,14 @@ def default_config(problem: Problem, shared: int = 0) -> DecodeConfig:
         # the wave tiles (any group: the sm90 compile of groups 2-16 gives the same programs per
         # SM): 32 x 2 under the register cap, 64 x 2 and 64 x 3 uncapped; rates from the H200
         # sweep at whole waves (4.53 / 4.48-4.55 / 4.47-4.50 TB/s, session 16)
-        # RoPE: 64 x 2 past one wave, a 32 x 2 split block at 88 registers (DecodeConfig.rope_block_n; H100:
+        # RoPE: 64 x 2 at 128 registers past one wave, a 32 x 2 split block at 88 (DecodeConfig.rope_block_n; H100:
         # perf-notes, sessions 59-61)
         return DecodeConfig(block_n=32, split_block_n=64, max_registers=64, direct_table=True,
                             fused_merge_values=8192 if group == 4 else 4096,
                             wave_tiles=((32, 2, 8, 1.0), (64, 2, 5, 1.0), (64, 3, 4, 0.99)), wave_split_ctas=48,
                             wave_split_slots=4 if group == 4 else 0, line_page_prefetch=True, few_line_mixed=16,
-                            rope_block_n=64, rope_split_block_n=32, rope_max_registers=88, **pack)
+                            rope_block_n=64, rope_max_registers=128, rope_split_block_n=32,
+                            rope_split_max_registers=88, **pack)
     return DecodeConfig(block_n=32, wave_slots=4 if gqa and problem.page_size > 1 else 0, wave_split_ctas=24,
                         split_chunk_tokens=16, **mixed, **line)
 
@@ -556,7 +561,10 @@ def apply_overrides(cfg: DecodeConfig, source: dict) -> DecodeConfig:
                          f"known: {[f.name for f in dataclasses.fields(DecodeConfig)]}")
     if "block_n" in source:  # the split block and the register cap were chosen for the default block_n
         source = {"split_block_n": None, "max_registers": 0, **source}
-    source = {"rope_max_registers": 0, **source} if "rope_split_block_n" in source else source  # its cap: likewise
+    if "rope_block_n" in source:  # likewise the RoPE blocks' caps
+        source = {"rope_max_registers": 0, **source}
+    if "rope_split_block_n" in source:
+        source = {"rope_split_max_registers": 0, **source}
     if {"block_n", "num_stages", "num_warps", "max_registers", "split_block_n", "fused_merge_values"} & set(source):
         source = {"wave_tiles": (), "wave_slots": 0, "wave_split_slots": 0, **source}  # other kernels' programs per SM
     return dataclasses.replace(cfg, **source)

@@ -59,12 +59,12 @@ def without_waves(cfg: DecodeConfig) -> DecodeConfig:
 
 @functools.lru_cache(maxsize=64)
 def rope_config(cfg: DecodeConfig) -> DecodeConfig:
-    """The config a `rope_variant` plan runs: ``cfg.rope_block_n`` uncapped, and
-    ``cfg.rope_split_block_n`` capped at ``cfg.rope_max_registers`` for its split block (each 0:
-    the config's own block)."""
-    return dataclasses.replace(cfg, block_n=cfg.rope_block_n or cfg.block_n, max_registers=0,
+    """The config a `rope_variant` plan runs: ``cfg.rope_block_n`` capped at
+    ``cfg.rope_max_registers``, and ``cfg.rope_split_block_n`` capped at
+    ``cfg.rope_split_max_registers`` for its split block (a block 0: the config's own; a cap 0: none)."""
+    return dataclasses.replace(cfg, block_n=cfg.rope_block_n or cfg.block_n, max_registers=cfg.rope_max_registers,
                                split_block_n=cfg.rope_split_block_n or cfg.split_block_n,
-                               split_max_registers=cfg.rope_max_registers)
+                               split_max_registers=cfg.rope_split_max_registers)
 
 
 @functools.lru_cache(maxsize=64)
