@@ -1,20 +1,23 @@
 """scripts/sweep_decode.py on the CPU (Triton interpreter): mixed-length rows (one with a long
 request) in another order, two configs over two rounds, every result checked against its dense
-reference (the script exits non-zero where one is off)."""
+reference (the script exits non-zero where one is off), out alone and with lse."""
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sweep_decode.py"
 
 
-def test_sweep_checks_mixed_lengths_in_rounds():
+@pytest.mark.parametrize("lse", [[], ["--lse"]], ids=["out", "lse"])
+def test_sweep_checks_mixed_lengths_in_rounds(lse):
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--shapes", "2x32,5x40:var,3x16:long", "--heads", "4,2",
          "--head-dim", "64", "--q-dtype", "fp16", "--kv", "fp16", "--reps", "1", "--rounds", "2",
-         "--order", "interleaved", "--grid", '[{"block_n": 16}]'],
+         "--order", "interleaved", "--grid", '[{"block_n": 16}]', *lse],
         capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     table = res.stdout[res.stdout.index("TB/s of KV read"):]

@@ -287,10 +287,10 @@ class DecodeConfig:
     `decode_variant.rope_config`); plans of fewer programs than ctas_per_sm x SMs run the split block, as
     plain ones do. The block's cap keeps its programs per SM whether the kernel writes lse or not (sm90
     64 x 2: 145 registers, 3 per SM, without lse; 128, 4, with it). H100 bf16 32/8 d128 (perf-notes,
-    sessions 60-61, TB/s): past one wave, 64 x 2 at 4 per SM 2.98-2.99 against 32 x 2 uncapped 2.63-2.70,
-    64 x 2 at 3 per SM 2.82-2.83; split plans 32 x 2 at 88 (5 per SM) 2.00-2.05 at 1x32768 against 1.74 at
-    64 x 2 and 1.96 at 80; 64x4096 (512 programs, nothing split) 32 x 2 at 88 2.84-2.87 against 2.32 at
-    64 x 2, 3 per SM (1.3 waves).
+    sessions 60-61, TB/s at 256x1024 / 128x2048): past one wave, without lse 64 x 2 at 128 2.88 / 2.89,
+    uncapped 2.83 / 2.84, 32 x 2 uncapped 2.88 / 2.89; with lse 64 x 2 2.98 / 2.99, 32 x 2 2.70 / 2.67.
+    Split plans: 32 x 2 at 88 (5 per SM) 2.00-2.07 at 1x32768 against 1.74 at 64 x 2 and 1.96 at 80.
+    64x4096 (512 programs, nothing split): 32 x 2 at 88 2.84-2.87 against 2.32 at 64 x 2 uncapped.
     pdl: on sm90+, a plan with a merge kernel launches it with programmatic dependent launch: every decode program
     signals at its start (griddepcontrol.launch_dependents), so the merge grid is launched while the decode grid
     runs, and each merge program waits (griddepcontrol.wait) until the decode grid has finished and its stores are
