@@ -7,7 +7,7 @@
 # (DEADLINE_S, default 570 s, so one call of at most 600 s returns with its logs). A step that
 # starts with too little time left is skipped and says so. Results go to $OUT, flat, at most
 # 8 files: env.txt tests.log bench_{decode,prefill}.{log,json,png}. The summary is printed last.
-# Per-step caps: TESTS_S (default 420; the GPU tests in chunks of at most CHUNK_TESTS (40) of one
+# Per-step caps: TESTS_S (default 420; the GPU tests in chunks of at most CHUNK_TESTS (12) of one
 # file, JOBS (12) pytest processes at a time, each capped 20 s below the step; TEST_FILES: what to
 # collect, default tests), DECODE_S (300), PREFILL_S (330).
 set -uo pipefail
@@ -55,13 +55,13 @@ run_step() {
 }
 
 # gpu_test_chunks DIR: the GPU tests' ids from one collection (TEST_FILES: the files or folders to
-# collect, default tests), cut into chunks of at most CHUNK_TESTS (default 40) consecutive ids of
-# one file, as DIR/<file>.<n>.ids (a file of 287 GPU tests in one process outlasts the step's cap).
+# collect, default tests), cut into chunks of at most CHUNK_TESTS (default 12) consecutive ids of
+# one file, as DIR/<file>.<n>.ids (32 line-plan tests of ~20 s each outlast the step's cap in one process).
 gpu_test_chunks() {
   local dir=$1
   # shellcheck disable=SC2086
   "$PY" -m pytest --collect-only -m gpu -p no:cacheprovider ${TEST_FILES:-tests} 2>/dev/null | grep '::' >"$dir/ids.txt"
-  awk -F'::' -v per="${CHUNK_TESTS:-40}" -v dir="$dir" '
+  awk -F'::' -v per="${CHUNK_TESTS:-12}" -v dir="$dir" '
     { if ($1 != file) { file = $1; k = 1; n = 0 } else if (n == per) { k++; n = 0 }
       n++; base = file; sub(/^.*\//, "", base); sub(/\.py$/, "", base)
       print > (dir "/" base "." k ".ids") }' "$dir/ids.txt"
