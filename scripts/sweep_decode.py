@@ -158,8 +158,7 @@ class Shape:
         q = torch.randn(batch, hq, d, dtype=q_dtype, device=device)
         self.inputs = AttentionInputs(q=q, kv=PagedKV(cache[:, 0], cache[:, 1], args.layout), out=torch.empty_like(q),
                                       lse=torch.empty(batch, hq, device=device) if args.lse else None,
-                                      k_scale=args.k_scale,
-                                      v_scale=args.v_scale)
+                                      k_scale=args.k_scale, v_scale=args.v_scale)
         self._ref = None
 
     def _gather(self, cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
