@@ -94,7 +94,8 @@ def plan_block_table(problem: Problem, torch_device: torch.device, block_tables:
     if planned is not None:
         old = planned.params
         if (old.block_tables.data_ptr() == block_tables.data_ptr() and old.block_tables.shape == block_tables.shape
-                and old.block_tables.stride() == block_tables.stride() and old.kv_lens.data_ptr() == seq_lens.data_ptr()):
+                and old.block_tables.stride() == block_tables.stride()
+                and old.kv_lens.data_ptr() == seq_lens.data_ptr()):
             return planned  # the same tensors (a serving engine's persistent buffers): nothing to refresh
         params = _table_params(block_tables, seq_lens, bound, problem.q_len_per_req, sm_scale, workspace)
         plan = planned.backend.replan(planned.plan, problem, planned.device, params)

@@ -160,7 +160,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
                 checks.check_tensor(buf, name, ndim=1, dtypes=(torch.int32,), device=self._device,
                                     contiguous=True)  # (a captured graph reads it in place, as flat memory)
             if bufs[0].numel() < 1 or bufs[2].numel() != bufs[0].numel() - 1:
-                raise ValueError(f"paged_kv_indptr_buffer ({bufs[0].numel()} entries) and paged_kv_last_page_len_buffer "
+                raise ValueError(f"paged_kv_indptr_buffer ({bufs[0].numel()} entries) and "
+                                 "paged_kv_last_page_len_buffer "
                                  f"({bufs[2].numel()}) fix the batch size: batch_size + 1 and batch_size entries")
             checks.check_disjoint((*bufs, float_workspace_buffer), (*names, "float_workspace_buffer"))
             self._graph_buffers = bufs

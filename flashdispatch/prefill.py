@@ -477,7 +477,8 @@ def _prefill_through_dispatch(q, k_cache, v_cache, scale, workspace_buffer, max_
     qo_indptr_h = torch.zeros(q_lens.numel() + 1, dtype=torch.int64)
     qo_indptr_h[1:] = torch.cumsum(q_lens, 0)
     if q_lens.numel() and int(q_lens.max()) > max_token_per_sequence:
-        raise ValueError(f"actual_seq_lens_q holds {int(q_lens.max())} > max_token_per_sequence={max_token_per_sequence}")
+        raise ValueError(f"actual_seq_lens_q holds {int(q_lens.max())} > "
+                         f"max_token_per_sequence={max_token_per_sequence}")
     if kv_lens.numel() and int(kv_lens.max()) > max_sequence_kv:
         raise ValueError(f"actual_seq_lens_kv holds {int(kv_lens.max())} > max_sequence_kv={max_sequence_kv}")
     if block_tables is not None:

@@ -9,11 +9,12 @@ with and without the fused merge; fp8 KV: the work array only, as its configs us
 tile and, for the variants that take them (`decode_variant.plain_variant`), each other wave tile, and
 where the defaults pack (`DecodeConfig.pack_items`) their packed work array and, where they
 take it (`DecodeConfig.wave_pack_line`, no window), the kernel's own packing (fused merge; the
-merge kernel's plain only), and a block-table plan's own split (the
-table read, fused merge; 16-bit KV with the split length from the total), for GPUTarget("cuda", 90, 32); it prints one line per combination and exits non-zero at the first
-one that fails. d128 by default; other head dims as arguments. ``--frontend`` stops each compile
-at its TTIR (Triton's type checks, ~10x faster: the CPU suite's run of all three head dims; the
-GPU suite compiles them to cubin, ``--jobs`` on the GPU machine's cores).
+merge kernel's plain only), and a block-table plan's own split (the table read, fused merge;
+16-bit KV with the split length from the total), for GPUTarget("cuda", 90, 32); it prints one
+line per combination and exits non-zero at the first one that fails. d128 by default; other
+head dims as arguments. ``--frontend`` stops each compile at its TTIR (Triton's type checks,
+~10x faster: the CPU suite's run of all three head dims; the GPU suite compiles them to cubin,
+``--jobs`` on the GPU machine's cores).
 
     .venv/bin/python scripts/decode_compile_matrix.py [--frontend] [--jobs N] [HEAD_DIM ...]
 """

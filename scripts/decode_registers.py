@@ -40,8 +40,8 @@ from flashdispatch.backends.fa2 import decode_variant as fvar  # noqa: E402
 from flashdispatch.backends.fa2 import decode_config  # noqa: E402
 from flashdispatch.backends.fa2.decode_kernel import decode_kernel  # noqa: E402
 from flashdispatch.dispatch.problem import Problem  # noqa: E402
-from offline_compile import (compile_like_launch, frontend_like_launch,  # noqa: E402  (scripts/, the script's own folder)
-                             ptxas_usage, sass_loop_mix)
+from offline_compile import (compile_like_launch, frontend_like_launch,  # noqa: E402
+                             ptxas_usage, sass_loop_mix)  # (scripts/, the script's own folder)
 
 KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",

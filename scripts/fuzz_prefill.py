@@ -128,7 +128,8 @@ def gen_spec(seed: int, device: str, scale: str, dtypes: list) -> dict:
                                         if s["pos"] == "ROPE_LLAMA" else (None, None))
     s["scales"] = {name: [round(rng.uniform(0.5, 2.0), 3) * (-1 if name == "k_scale" and rng.random() < 0.1 else 1),
                           rng.random() < 0.4]  # [value, as a 1-element device tensor]
-                   for name, p in (("q_scale", 0.05), ("k_scale", 0.7 if fp8 else 0.1), ("v_scale", 0.7 if fp8 else 0.1))
+                   for name, p in (("q_scale", 0.05), ("k_scale", 0.7 if fp8 else 0.1),
+                                   ("v_scale", 0.7 if fp8 else 0.1))
                    if rng.random() < p}
     s["split"] = "none" if kind == "single" else rng.choices(["none", "fixed", "disable"], [55, 25, 20])[0]
     if s["split"] == "fixed":
@@ -249,7 +250,8 @@ class Session:
         if s["kind"] == "single":
             fd.dispatch.select.clear_cache()  # kept single-request plans were made under another config
             return
-        cls = fd.BatchPrefillWithPagedKVCacheWrapper if s["kind"] == "paged" else fd.BatchPrefillWithRaggedKVCacheWrapper
+        cls = (fd.BatchPrefillWithPagedKVCacheWrapper if s["kind"] == "paged"
+               else fd.BatchPrefillWithRaggedKVCacheWrapper)
         b, bufs = len(s["rounds"][0]["qo"]), {}  # CUDA-graph buffers: int32 (uint8 for the packed mask)
         sizes = (dict(qo_indptr=b + 1, paged_kv_indptr=b + 1, paged_kv_indices=s["num_pages"], paged_kv_last_page_len=b)
                  if s["kind"] == "paged" else dict(qo_indptr=b + 1, kv_indptr=b + 1))
@@ -400,11 +402,13 @@ def compare(out, lse, ref_out, ref_lse, tol: float, qo: list) -> tuple[list, flo
     if lse is not None:
         lf = lse.float()
         lerr = torch.where(empty, 0.0, torch.nan_to_num((lf - rl).abs(), nan=float("inf")))
-        for cond, msg in ((torch.isnan(lf), "NaN in fa2 lse"), (torch.isneginf(lf) != empty, "lse -inf pattern differs"),
+        for cond, msg in ((torch.isnan(lf), "NaN in fa2 lse"),
+                          (torch.isneginf(lf) != empty, "lse -inf pattern differs"),
                           (lerr > tol, "lse mismatch")):  # bits, whatever lse's size
             if cond.any():
                 i = tuple(cond.nonzero()[0].tolist())
-                probs.append(f"{msg}: {int(cond.sum())}, first at {at(cond)}: fa2 {float(lf[i]):.5g} ref {float(rl[i]):.5g}")
+                probs.append(f"{msg}: {int(cond.sum())}, first at {at(cond)}: "
+                             f"fa2 {float(lf[i]):.5g} ref {float(rl[i]):.5g}")
                 break
     return probs, max_err
 

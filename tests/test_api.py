@@ -437,7 +437,8 @@ def test_graph_mode_wrappers_sharing_a_workspace_keep_their_own_plans(backend):
     kv = torch.randn(40, 2, page, hkv, d).half()
     wrappers, cases = [], []
     for lens in ([9, 30], [17, 2]):
-        bufs = [torch.zeros(3, dtype=torch.int32), torch.zeros(40, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)]
+        bufs = [torch.zeros(3, dtype=torch.int32), torch.zeros(40, dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32)]
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(shared, "NHD", use_cuda_graph=True, backend=backend,
                                                           paged_kv_indptr_buffer=bufs[0],
                                                           paged_kv_indices_buffer=bufs[1],
@@ -466,8 +467,9 @@ def test_graph_mode_plan_on_views_of_its_own_buffers(monkeypatch):
     kv = torch.randn(40, 2, page, hkv, d).half()
     bufs = [torch.zeros(3, dtype=torch.int32), torch.zeros(40, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)]
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 22, dtype=torch.uint8), "NHD",
-                                                      use_cuda_graph=True, backend="fa2", paged_kv_indptr_buffer=bufs[0],
-                                                      paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2])
+                                                      use_cuda_graph=True, backend="fa2",
+                                                      paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
+                                                      paged_kv_last_page_len_buffer=bufs[2])
     pages = [(n + page - 1) // page for n in lens]
     bufs[0].copy_(torch.tensor([0, pages[0], sum(pages)]))
     bufs[1][:sum(pages)] = torch.randperm(40)[:sum(pages)].int()

@@ -66,7 +66,8 @@ def test_decode_plan_rejects(kw, err, match):
 
 
 def test_decode_plan_accepts_empty_requests():
-    w = decode_wrapper(indptr=torch.tensor([0, 0, 5], dtype=torch.int32), last_page_len=torch.tensor([0, 8], dtype=torch.int32))
+    w = decode_wrapper(indptr=torch.tensor([0, 0, 5], dtype=torch.int32),
+                       last_page_len=torch.tensor([0, 8], dtype=torch.int32))
     o, lse = w.run(Q, cache(), return_lse=True)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
 
@@ -362,7 +363,8 @@ def test_append_checks_shapes_and_keeps_bad_indices_inside_the_cache():
 def test_graph_mode_mask_needs_its_fixed_buffers():
     qo = torch.tensor([0, 3, 7], dtype=torch.int32)
     kv = torch.tensor([0, 5, 9], dtype=torch.int32)
-    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, use_cuda_graph=True, qo_indptr_buf=torch.zeros(3, dtype=torch.int32),
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, use_cuda_graph=True,
+                                                qo_indptr_buf=torch.zeros(3, dtype=torch.int32),
                                                 kv_indptr_buf=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="custom_mask_buf and mask_indptr_buf"):
         w.plan(qo, kv, 4, 2, 32, custom_mask=torch.ones(3 * 5 + 4 * 4, dtype=torch.bool))

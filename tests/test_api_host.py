@@ -444,7 +444,8 @@ def test_import_and_reference_decode_without_triton():
             "w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend='reference')\n"
             "i32 = lambda x: torch.tensor(x, dtype=torch.int32)\n"
             "w.plan(i32([0, 2]), i32([1, 0]), i32([3]), 4, 2, 16, 4)\n"
-            "out = w.run(torch.randn(1, 4, 16, dtype=torch.float16), torch.randn(2, 2, 4, 2, 16, dtype=torch.float16))\n"
+            "out = w.run(torch.randn(1, 4, 16, dtype=torch.float16), "
+            "torch.randn(2, 2, 4, 2, 16, dtype=torch.float16))\n"
             "assert out.shape == (1, 4, 16) and not out.isnan().any()\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

@@ -82,7 +82,8 @@ def test_unsupported_features_are_reasons():
         "q_len_per_req": dict(q_len_per_req=4),
     }
     for code, kw in cases.items():
-        assert code in codes(caps_reasons(problem("prefill_paged" if code == "feature.custom_mask" else "decode", **kw))), code
+        assert code in codes(caps_reasons(problem("prefill_paged" if code == "feature.custom_mask" else "decode",
+                                                  **kw))), code
     assert "op" in codes(caps_reasons(problem("mla")))
 
 

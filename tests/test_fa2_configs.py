@@ -130,7 +130,8 @@ def test_small_shared_memory_gpus_get_smaller_tiles(cc, head_dim, changes, expec
     assert default_config(problem, Device("cuda", 0, cc, "gpu", 60, shared_per_block=SM86_SHARED)) == expected
     assert default_config(problem, Device("cuda", 0, (8, 0), "A100", 108, shared_per_block=166912)) == \
         default_config(problem, A100)
-    assert default_config(problem, Device("cuda", 0, (8, 0), "sm80 with less", 108, shared_per_block=SM86_SHARED)) == expected
+    assert default_config(problem, Device("cuda", 0, (8, 0), "sm80 with less", 108,
+                                          shared_per_block=SM86_SHARED)) == expected
 
 
 @pytest.mark.parametrize("head_dim,tiles,rope,mask", [(128, "128,64,8,3", False, "custom"),

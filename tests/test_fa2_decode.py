@@ -22,7 +22,8 @@ from flashdispatch.dispatch.problem import Device, Problem
 
 from oracle import assert_close, make_paged_case
 
-pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED,
+                                reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
 
 if TRITON_INTERPRETED:
     from flashdispatch.backends.fa2.decode import DECODE_CAPS, plan_decode
@@ -197,9 +198,9 @@ class _GraphBuffers:
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "work-array"])
 def test_cuda_graph_replan_in_place(direct):
     """Graph mode off the line (graph_few_line off): fixed grid; the kernel reads the wrapper's fixed
-    buffers and splits itself (direct table) or reads plan arrays from the int workspace. A plan made first and run after a
-    second plan (same batch size, other lengths and page table, same buffers) equals the second:
-    what a graph captured on the first plan replays."""
+    buffers and splits itself (direct table) or reads plan arrays from the int workspace. A plan made
+    first and run after a second plan (same batch size, other lengths and page table, same buffers)
+    equals the second: what a graph captured on the first plan replays."""
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     iws = torch.zeros(1 << 20, dtype=torch.uint8)
     bufs, config = _GraphBuffers(), {"direct_table": direct, "min_chunk_tokens": 32, "graph_few_line": False}
@@ -435,15 +436,15 @@ def test_measured_defaults():
             assert not cfg(heads=heads, d=d).shared_kv_rows
 
 
-@pytest.mark.parametrize("variant, capped", [
-    ({}, True), (dict(q_len_per_req=2), False), (dict(pos_encoding_mode="ROPE_LLAMA"), False),
-    (dict(pos_encoding_mode="ALIBI"), False), (dict(logits_soft_cap=30.0), False), (dict(fused=True), False),
-    (dict(num_qo_heads=64, num_kv_heads=2), False),  # group 32: a 32-row block
+@pytest.mark.parametrize("variant, expected", [
+    ({}, 64), (dict(q_len_per_req=2), 0), (dict(pos_encoding_mode="ROPE_LLAMA"), (96, 80)),
+    (dict(pos_encoding_mode="ALIBI"), 0), (dict(logits_soft_cap=30.0), 0), (dict(fused=True), 0),
+    (dict(num_qo_heads=64, num_kv_heads=2), 0),  # group 32: a 32-row block
 ], ids=["plain", "qlen2", "rope", "alibi", "softcap", "fused", "rows32"])
-def test_register_cap_only_on_the_measured_variant(variant, capped):
+def test_register_cap_only_on_the_measured_variant(variant, expected):
     """max_registers reaches ptxas only for one query row in a 16-row block without ALiBi, soft cap
     or fused merge (the others spill under 64 registers or do not compile); a RoPE plan's config
-    (`rope_config`) takes its own caps."""
+    (`rope_config`) takes its own caps, the block's and the split block's (``expected`` a pair)."""
     from flashdispatch.backends.fa2.decode_variant import register_cap, rope_config, with_split_block
     from flashdispatch.backends.fa2.decode_config import DecodeConfig
     from flashdispatch.dispatch.problem import Problem
@@ -453,11 +454,11 @@ def test_register_cap_only_on_the_measured_variant(variant, capped):
     p = Problem("decode", F16, F16, F16, heads[0], heads[1], 128, 128, page_size=16, **variant)
     block_m = max(16, 1 << (p.q_len_per_req * heads[0] // heads[1] - 1).bit_length())
     cfg = DecodeConfig(max_registers=64, split_block_n=32, rope_max_registers=96, rope_split_max_registers=80)
-    if p.pos_encoding_mode == "ROPE_LLAMA":  # its own caps: the block's and the split block's
-        assert register_cap(p, rope_config(cfg), block_m, fused) == 96
-        assert register_cap(p, with_split_block(rope_config(cfg)), block_m, fused) == 80
+    if p.pos_encoding_mode == "ROPE_LLAMA":
+        got = tuple(register_cap(p, c, block_m, fused) for c in (rope_config(cfg), with_split_block(rope_config(cfg))))
     else:
-        assert register_cap(p, cfg, block_m, fused) == (64 if capped else 0)
+        got = register_cap(p, cfg, block_m, fused)
+    assert got == expected
 
 
 def test_direct_table_only_where_nothing_is_split():

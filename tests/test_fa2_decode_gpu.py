@@ -61,7 +61,8 @@ def test_grid(lengths, page_size, layout, dtypes, head_dim):
     dict(num_qo_heads=32, num_kv_heads=4, o_dtype=torch.float32),
     dict(kv_dtype=torch.float8_e5m2, q_dtype=torch.float16, k_scale=0.7, v_scale=1.3),
 ], ids=lambda f: ",".join(sorted(f)))
-@pytest.mark.parametrize("split", [{}, {"fixed_split_size": 8}, {"disable_split_kv": True}], ids=["auto", "fixed8", "nosplit"])
+@pytest.mark.parametrize("split", [{}, {"fixed_split_size": 8}, {"disable_split_kv": True}],
+                         ids=["auto", "fixed8", "nosplit"])
 @pytest.mark.parametrize("swap", [False, True], ids=["default", "swap-flipped"])
 def test_features(feature, split, swap):
     """Every feature x split, with the dtype's default dots and with DecodeConfig.swap_ab flipped
@@ -271,7 +272,8 @@ def test_one_plan_run_with_other_strides_and_misaligned_tensors():
         assert_close(got, lse, ref.double().cpu(), ref_lse.cpu(), TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp8kv"])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.bfloat16, torch.float8_e4m3fn)],
+                         ids=["bf16", "fp8kv"])
 @pytest.mark.parametrize("feature", [{}, dict(window_left=100), dict(q_len_per_req=4, mask_mode="causal"),
                                      dict(kv_layout="HND", page_size=1)], ids=lambda f: ",".join(sorted(f)) or "plain")
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "work_array"])

@@ -12,7 +12,8 @@ from flashdispatch.dispatch.problem import Device
 
 from test_fa2_decode import F16, _case, _check
 
-pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED,
+                                reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
 
 
 @pytest.mark.parametrize("heads, tile", [(8, (32, 3)), (16, (16, 2))])  # 4 requests x 2 / 4 KV heads
@@ -99,8 +100,8 @@ def _h200_plan(lens, kv_dtype=F16, config=None, graph=False, head_dim=128, kv_he
         kv_last_page_len=i32([n - 16 * (p - 1) if n else 0 for n, p in zip(lens, pages)]),
         workspace=torch.empty(128 << 20, dtype=torch.uint8),
         int_workspace=torch.zeros(1 << 20, dtype=torch.uint8) if graph else None)
-    problem = Problem("decode", F16, kv_dtype, F16, 32, kv_heads, head_dim, head_dim, page_size=16, use_cuda_graph=graph,
-                      **problem)
+    problem = Problem("decode", F16, kv_dtype, F16, 32, kv_heads, head_dim, head_dim, page_size=16,
+                      use_cuda_graph=graph, **problem)
     return plan_decode(problem, _H200, params, config), params
 
 

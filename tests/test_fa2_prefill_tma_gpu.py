@@ -35,7 +35,8 @@ def check(case, config=None, expect_tma=True):
     plan = plan_prefill(case.problem, case.device, case.params, config or tma_config(case))
     plan.run(case.inputs)
     torch.cuda.synchronize()
-    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case),
+                 DEFAULT_TOLERANCE[case.problem.kv_dtype])
     assert plan.tma and [variant.tma for variant in plan._launchers] == [expect_tma], plan.tma_reason
     return plan
 
@@ -197,5 +198,6 @@ def test_default_config_takes_tma_at_d128_on_sm90():
     plan = plan_prefill(case.problem, case.device, case.params)
     plan.run(case.inputs)
     torch.cuda.synchronize()
-    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case), DEFAULT_TOLERANCE[case.problem.kv_dtype])
+    assert_close(case.inputs.out, case.inputs.lse, *reference_plan_result(case),
+                 DEFAULT_TOLERANCE[case.problem.kv_dtype])
     assert plan.tma and [variant.tma for variant in plan._launchers] == [True], plan.tma_reason

@@ -236,7 +236,8 @@ def test_long_prefill_plans_within_memory_budget():
                             head_dim_qk=dim, mask_mode="causal")
     params = case.params
     params.qo_lens_host, params.kv_lens_host = [n], [n]
-    params.qo_indptr, params.kv_indptr = torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
+    params.qo_indptr, params.kv_indptr = (torch.tensor([0, n], dtype=torch.int32),
+                                          torch.tensor([0, n], dtype=torch.int32))
     plan = BACKEND.plan(case.problem, case.device, params)
     budget = ref_layout.ELEMENT_BUDGET["cpu"]
     (group,) = plan.groups

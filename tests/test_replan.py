@@ -12,7 +12,8 @@ from flashdispatch.dispatch.registry import backend_class
 
 from test_api import dense_attention, paged_to_dense, rel
 
-interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+interpreted = pytest.mark.skipif(not TRITON_INTERPRETED,
+                                 reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
 
 PAGE, HQ, HKV, D, PAGES = 16, 4, 2, 64, 96
 
@@ -146,8 +147,8 @@ def test_a_graph_captured_on_empty_requests_replays_a_replan_with_pages(op, rows
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             ws, use_cuda_graph=True, backend="fa2", qo_indptr_buf=torch.zeros(2, dtype=torch.int32),
             paged_kv_indptr_buf=bufs[0], paged_kv_indices_buf=bufs[1], paged_kv_last_page_len_buf=bufs[2])
-        plan = lambda table, qo: w.plan(torch.tensor([0, qo], dtype=torch.int32), *table, HQ, HKV, D, PAGE,  # noqa: E731
-                                        q_data_type=torch.float16)
+        plan = lambda table, qo: w.plan(torch.tensor([0, qo], dtype=torch.int32), *table, HQ, HKV, D,  # noqa: E731
+                                        PAGE, q_data_type=torch.float16)
     q = torch.randn(1, HQ, D).half()
     plan(_table([0], 0), rows)
     assert not w.run(q[:rows], kv).any()  # an empty request: zeros

@@ -35,7 +35,8 @@ def _host_scale(x, name: str) -> float:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.device.type != "cpu":
             raise ValueError(f"cudnn: {name} must be a Python float or a one-element CPU tensor "
-                             f"(got a tensor of shape {tuple(x.shape)} on {x.device}); a device scale would need a host sync")
+                             f"(got a tensor of shape {tuple(x.shape)} on {x.device}); a device scale would need "
+                             "a host sync")
         return float(x.item())
     return float(x)
 
@@ -206,7 +207,8 @@ class CudnnPlan:
         # the rows this plan has (none, usually); under CUDA graphs, found on the device at each
         # replay, since a re-plan replayed by the same graph may have others.
         rows = empty_rows(params.qo_lens_host, params.kv_lens_host, self.opts.causal)
-        self._empty_rows = torch.tensor(rows, dtype=torch.long, device=dev) if rows and not self.opts.cuda_graph else None
+        self._empty_rows = (torch.tensor(rows, dtype=torch.long, device=dev) if rows and not self.opts.cuda_graph
+                            else None)
         self._scale_host = torch.empty((1, 1, 1, 1), dtype=torch.float32)
 
     # --- plan time ------------------------------------------------------------------------
