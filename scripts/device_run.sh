@@ -88,7 +88,7 @@ gpu_test_report() {
     name=$(basename "$f" .ids)
     if [ ! -f "$dir/$name.log" ]; then echo "$name: not started ($(wc -l <"$f") tests)"
     elif ! grep -q '^exit ' "$dir/$name.log"; then echo "$name: stopped with the step ($(wc -l <"$f") tests)"
-    elif grep -qE '^exit (124|137)$' "$dir/$name.log"; then \
+    elif grep -qE '^exit (124|137)$' "$dir/$name.log"; then
       echo "$name: stopped at its time limit ($(wc -l <"$f") tests)"
     else echo "$name: $(grep -E ' in [0-9.]+s' "$dir/$name.log" | tail -n 1) ($(grep '^exit ' "$dir/$name.log"))"
     fi

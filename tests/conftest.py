@@ -13,12 +13,16 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+    """Skip, with the reason, the GPU tests where there is no CUDA and the tests marked ``interpreted``
+    (Triton kernels run on CPU tensors) where Triton's interpreter is off."""
+    from flashdispatch.backends.common import TRITON_INTERPRETED
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+    not_interpreted = pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if item.get_closest_marker("interpreted") is not None and not TRITON_INTERPRETED:
+            item.add_marker(not_interpreted)
 
 
 @pytest.fixture(autouse=True)

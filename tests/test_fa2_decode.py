@@ -22,8 +22,7 @@ from flashdispatch.dispatch.problem import Device, Problem
 
 from oracle import assert_close, make_paged_case
 
-pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED,
-                                reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+pytestmark = pytest.mark.interpreted
 
 if TRITON_INTERPRETED:
     from flashdispatch.backends.fa2.decode import DECODE_CAPS, plan_decode
@@ -104,7 +103,6 @@ def test_features(feature):
     _check(case)
     _check(case, fixed_split_size=2)
     _check(case, fixed_split_size=2, config={"swap_ab": True})
-
 
 
 @pytest.mark.parametrize("rope", [dict(rope_scale=1e-30), dict(rope_theta=1e-30)])

@@ -15,8 +15,6 @@ import dataclasses
 import pytest
 import torch
 
-from flashdispatch.backends.common import TRITON_INTERPRETED
-
 from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -25,7 +23,6 @@ FP16 = {"fp8_dot_dtype": "fp16"}
 CPU_TOL = {torch.float32: 3e-3, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 GPU_TOL = {E4M3: 8e-2, E5M2: 1.5e-1}  # as tests/test_fa2_decode_gpu.py
 
-cpu = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -54,7 +51,7 @@ def _check_cpu(case, config=FP16, tol=None, **params):
 
 
 # --- CPU ------------------------------------------------------------------------------------
-@cpu
+@pytest.mark.interpreted
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scales", ["none", "float", "tensor"])
@@ -67,7 +64,7 @@ def test_cpu_dtypes_and_scales(q_dtype, kv_dtype, scales):
     assert plan._consts["FP16_DOTS"]
 
 
-@cpu
+@pytest.mark.interpreted
 @pytest.mark.parametrize("feature", [
     dict(pos_encoding_mode="ROPE_LLAMA"), dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5),
     dict(pos_encoding_mode="ALIBI", kv_dtype=E5M2), dict(logits_soft_cap=5.0), dict(window_left=20), dict(sinks=True),
@@ -81,7 +78,7 @@ def test_cpu_features(feature, q_dtype):
     _check_cpu(case, fixed_split_size=3)
 
 
-@cpu
+@pytest.mark.interpreted
 def test_cpu_block_configs():
     case = _case((3, 129), q_dtype=torch.bfloat16, seed=23)
     for config in ({"block_n": 16}, {"block_n": 32, "k_rows": True}, {"block_n": 64, "num_stages": 3},
@@ -113,7 +110,7 @@ def _range_case(name, q_dtype, device="cpu"):
     return _reshape(_case((1, 40, 200), device=device, q_dtype=q_dtype, seed=24, **spec), **rewrite)
 
 
-@cpu
+@pytest.mark.interpreted
 @pytest.mark.parametrize("name", list(RANGE_CASES))
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 def test_cpu_range(name, q_dtype):
@@ -124,7 +121,7 @@ def test_cpu_range(name, q_dtype):
     _check_cpu(case, tol=CPU_TOL[case.problem.o_dtype])
 
 
-@cpu
+@pytest.mark.interpreted
 def test_cpu_knob_off_for_half_kv_and_validated():
     case = _case((50,), q_dtype=torch.float16, kv_dtype=torch.float16, seed=25)
     plan = _check_cpu(case, tol=4e-3)

@@ -11,13 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from flashdispatch.backends.common import TRITON_INTERPRETED
-
 from oracle import assert_close
 from test_fa2_decode import F16, TOL, WORKSPACE_BYTES, _case, _check, _GraphBuffers, _run
 
-pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED,
-                                reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+pytestmark = pytest.mark.interpreted
 
 FUSED = {"fused_merge_max_chunks": 1 << 16}   # fused whatever the chunk count
 UNFUSED = {"fused_merge_max_chunks": 0}

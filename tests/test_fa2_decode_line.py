@@ -19,13 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2 import decode_variant
 
 from oracle import assert_close, reference_backend_result, run_fa2_decode
 from test_fa2_decode_packed import CPU_PACK, _assert_empty_rows, _case, _gpu_mixed_plan, needs_cuda
 
-interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the kernels)")
 
 # past one wave on the interpreter's 8 SMs x 4 programs: 17 requests x 2 KV heads, 16 pieces
 LINE = {**CPU_PACK, "pack_items": 4, "wave_pack_line": True}
@@ -118,7 +116,7 @@ def test_line_plans_on_the_h200():
     assert (host.line, host.direct, host.items, host.config.page_prefetch) == (False, False, 4, False)
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("fused, features", [
     (True, {}), (False, {}), (True, dict(sinks=True)), (False, dict(q_len_per_req=2, mask_mode="causal")),
     (True, dict(page_size=1)), (False, dict(page_size=64)), (True, dict(kv_dtype=torch.float8_e4m3fn)),
@@ -144,7 +142,7 @@ def test_line_plan_matches_the_oracle(fused, features):
         _assert_empty_rows(case, (3, 11))
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("gap", [0, 16], ids=["", "gap"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
 def test_line_plan_edge_cases(fused, gap):
@@ -168,7 +166,7 @@ def test_line_plan_edge_cases(fused, gap):
     assert_close(shifted.inputs.out, shifted.inputs.lse, ref_out, ref_lse, 4e-3)
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("block", [4, 8], ids=["block4", "block8"])
 def test_line_counts_requests_over_several_blocks(monkeypatch, block):
     """The kernel counts the requests on each piece LINE_BLOCK at a time (256 by default: one block
@@ -189,7 +187,7 @@ def test_line_counts_requests_over_several_blocks(monkeypatch, block):
         decode_variant.kernel_constants.cache_clear()
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
 def test_line_plan_of_equal_requests(fused):
     """24 requests past one wave whose pages are 24 x the first's (line_align_fill 0.5: 12 even
@@ -223,7 +221,7 @@ ANY_LENGTHS = {
 }
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("rule", list(ANY_LENGTHS))
 def test_equal_lengths_on_the_line_whatever_their_spread(rule):
     """`DecodeConfig.wave_pack_below` (from `wave_pack_below_tokens`) and `wave_pack_tokens`: 17
@@ -242,7 +240,7 @@ def test_equal_lengths_on_the_line_whatever_their_spread(rule):
         assert plain.direct and not plain.line, off
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_refreshed_line_plan_and_where_the_host_packs():
     """A line plan refreshed for other lengths of the same batch runs them right; a sliding window
     or wave_pack_line false packs on the host (work rows)."""
@@ -290,7 +288,7 @@ def test_eager_mixed_batches_under_one_wave_on_the_h200():
     assert not _h200_plan(lens[:16], kv_heads=32)[0].line
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("fused, features", [(True, {}), (False, {}), (True, dict(kv_dtype=torch.float8_e4m3fn)),
                                              (False, dict(page_size=1)), (True, dict(num_qo_heads=2))],
                          ids=["fused", "merge-kernel", "e4m3", "page1", "mha"])

@@ -14,11 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashdispatch.backends.common import TRITON_INTERPRETED
-
 from test_fa2_decode_line import LINE
-
-interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the kernels)")
 
 
 def _layout(plan) -> tuple:
@@ -85,7 +81,7 @@ def _graph_case(lens, seed: int, heads: tuple[int, int]):
     return _case(lens, use_cuda_graph=True, seed=seed, num_qo_heads=heads[0], num_kv_heads=heads[1])
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("fused, heads, batch", [(True, (8, 2), 17), (False, (8, 2), 17), (True, (2, 2), 17),
                                                  (True, (8, 2), 9), (False, (2, 2), 9), (True, (8, 2), 40)],
                          ids=["fused", "merge-kernel", "mha-wave_pack_line-false", "few", "few-mha-merge-kernel",
@@ -124,7 +120,7 @@ def test_graph_line_plan_replays_later_lengths(fused, heads, batch):
             assert torch.equal(case.inputs.out, ref[0]) and torch.equal(case.inputs.lse, ref[1]), seed
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_graph_wrapper_past_one_wave_replays_the_line():
     """The public API: a use_cuda_graph=True decode wrapper on fa2's defaults (8/2 heads d64, fp16,
     page 16; 17 requests x 2 KV heads past the interpreter's one wave of 8 SMs x 4) plans the line

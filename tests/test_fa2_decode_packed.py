@@ -11,14 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2.decode import plan_decode
 from flashdispatch.backends.fa2.decode_split import _packed_line, interleaved, packed_segments, work_fill
 
 from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of the kernels)")
 
 
 def test_packed_segments_give_every_program_an_equal_piece():
@@ -130,7 +128,7 @@ def _case(kv_lens, device="cpu", **kw):
 CPU_PACK = {"pack_items": 2, "pack_fill": 0.95, "min_chunk_tokens": 16, "block_n": 16}
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("features", [{}, dict(window_left=150, sinks=True), dict(q_len_per_req=2, mask_mode="causal"),
                                       dict(page_size=1), dict(kv_dtype=torch.float8_e4m3fn)],
                          ids=["plain", "window,sinks", "qlen2", "page1", "e4m3"])
@@ -147,7 +145,7 @@ def test_packed_plan_matches_the_oracle(features, fused, lens):
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, tol)
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
 def test_packed_plan_with_empty_requests_and_three_to_a_program(fused):
     """Empty requests ride in programs of their own (zero output, -inf lse); pieces over three
@@ -160,7 +158,7 @@ def test_packed_plan_with_empty_requests_and_three_to_a_program(fused):
     assert run_fa2_decode(_case([300, 0, 20, 23, 251, 0, 190], seed=63), CPU_PACK).items == 1  # 2 allowed
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-kernel"])
 def test_packed_plan_of_interleaved_requests_matches_the_oracle(fused):
     """Short requests side by side: the plan packs them laid apart (3 to a program), its work and
@@ -172,7 +170,7 @@ def test_packed_plan_of_interleaved_requests_matches_the_oracle(fused):
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, 4e-3)
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("fused, features", [(True, {}), (False, {}), (True, dict(window_left=250, sinks=True)),
                                              (True, dict(q_len_per_req=2, mask_mode="causal")),
                                              (False, dict(kv_dtype=torch.float8_e4m3fn))],
@@ -197,7 +195,7 @@ def test_wave_packed_plan_matches_the_oracle(fused, features):
         _assert_empty_rows(case, (3, 11))
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_packing_only_where_the_split_fills_its_target_poorly():
     """Requests whose chunks fill the few-programs target keep the plain split; fixed_split_size
     and CUDA graphs never pack."""
@@ -209,7 +207,7 @@ def test_packing_only_where_the_split_fills_its_target_poorly():
     assert run_fa2_decode(graph, CPU_PACK).items == 1
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_16bit_d128_defaults_pack_only_a_poorly_filled_plan():
     """The fp16 d128 defaults pack below 0.65 of the target (here 8 SMs x 4, 2 KV heads): 9 whole
     requests fill 0.56 and pack, 14 fill 0.88 and do not (GQA and MHA). A direct plan refreshed

@@ -9,12 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashdispatch.backends.common import TRITON_INTERPRETED
-
 from test_fa2_decode import _case, _check
 
-pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED,
-                                reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+pytestmark = pytest.mark.interpreted
 
 UNFUSED = {"direct_table": True, "fused_merge_max_chunks": 0}
 FEATURES = {

@@ -7,13 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.dispatch.problem import Device
 
 from test_fa2_decode import F16, _case, _check
 
-pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED,
-                                reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
+pytestmark = pytest.mark.interpreted
 
 
 @pytest.mark.parametrize("heads, tile", [(8, (32, 3)), (16, (16, 2))])  # 4 requests x 2 / 4 KV heads

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
-from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2 import prefill as fa2_prefill
 from flashdispatch.backends.fa2.prefill import (PREFILL_CAPS, balanced_chunks, fixed_chunks, plan_prefill,
                                                 policy_splits, prefill_extra_checks, tile_ranges)
@@ -25,7 +24,7 @@ from flashdispatch.dispatch.reasons import Unsupported
 from flashdispatch.quantization import packbits
 from oracle import assert_close, make_paged_case, make_ragged_case
 
-pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of Triton)")
+pytestmark = pytest.mark.interpreted
 
 F16, F32 = torch.float16, torch.float32
 
@@ -188,7 +187,6 @@ def test_features(name, kind):
     else:
         case = make_ragged_case(head_dim_qk=64, seed=4, **lens, **feats)
     check(case)
-
 
 
 @pytest.mark.parametrize("feats, folded", [

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
-from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2 import prefill_rope
 from flashdispatch.backends.fa2.prefill import PrefillPlan, plan_prefill
 from flashdispatch.backends.fa2.prefill_rope import PrerotatedPrefill
@@ -18,7 +17,6 @@ from oracle import assert_close, make_paged_case, make_ragged_case, reference_pl
 F16, BF16 = torch.float16, torch.bfloat16
 ROPE = dict(mask_mode="causal", pos_encoding_mode="ROPE_LLAMA")
 H200 = Device("cuda", 0, (9, 0), "H200", 132)
-interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of Triton)")
 
 
 def run_checked(case, rotated_first: bool, tol=None, expected=None):
@@ -32,7 +30,7 @@ def run_checked(case, rotated_first: bool, tol=None, expected=None):
     return plan
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("first", [True, False], ids=["rotated_first", "in_kernel"])
 @pytest.mark.parametrize("opts", [
     dict(rope_scale=2.0, rope_theta=5e3),
@@ -47,7 +45,7 @@ def test_rotated_first_and_in_kernel_match_the_oracle(monkeypatch, first, opts):
     run_checked(case, first)
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("first", [True, False], ids=["rotated_first", "in_kernel"])
 def test_empty_requests_and_more_queries_than_keys(monkeypatch, first):
     """Empty requests first and last (the row search over kv_indptr), a request with more query
@@ -59,7 +57,7 @@ def test_empty_requests_and_more_queries_than_keys(monkeypatch, first):
     assert torch.isinf(case.inputs.lse[:30]).all() and (case.inputs.out[:30] == 0).all()
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_strided_k_and_custom_mask_rotated_first(monkeypatch):
     """A k view with its heads outermost and a head_dim stride of 2 is read through its strides; a
     custom mask reaches the inner plan (and its refresh after a new mask)."""
@@ -78,7 +76,7 @@ def test_strided_k_and_custom_mask_rotated_first(monkeypatch):
     assert_close(case.inputs.out, case.inputs.lse, *case.oracle(), DEFAULT_TOLERANCE[F16])
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_which_plans_rotate_first():
     """From MIN_QUERY_ROWS query rows in a request, ragged, 16-bit or fp32 KV of q's dtype, head
     dims 64/128/256, not under CUDA graphs; the inner plan is the problem without RoPE (so it may

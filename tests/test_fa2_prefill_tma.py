@@ -15,7 +15,6 @@ import torch
 from triton.runtime import _allocation
 
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
-from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2 import prefill as fa2_prefill
 from flashdispatch.backends.fa2.prefill import plan_prefill
 from flashdispatch.backends.fa2.prefill_config import CONFIG_ENV, PrefillConfig, config_from_env, default_config
@@ -26,7 +25,6 @@ from oracle import assert_close, make_paged_case, make_ragged_case
 F16 = torch.float16
 TMA_CFG = PrefillConfig(32, 16, 4, 1, tma=True)  # the interpreter's tiles, TMA on
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-interpreted = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of Triton)")
 
 
 def ragged(**kw):
@@ -126,18 +124,18 @@ FEATURES = {
 }
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("name", sorted(FEATURES))
 def test_tma_features(name):
     run_checked(ragged(**FEATURES[name]))
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_tma_gqa_8_to_1_long_request():
     run_checked(ragged(qo_lens=[70], kv_lens=[101], num_qo_heads=8, num_kv_heads=1, mask_mode="causal"))
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_tma_split_kv():
     """fixed_split_size=23 tokens: chunk edges inside KV tiles; the descriptor spans the request."""
     case = ragged(mask_mode="causal", qo_lens=[3, 20, 0, 9], kv_lens=[150, 97, 5, 61])
@@ -146,7 +144,7 @@ def test_tma_split_kv():
     assert run_checked(case).n_merge > 0
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_tma_graph_mode():
     """Persistent grid (CUDA-graph mode): descriptors are made per (item, head) inside the loop."""
     case = ragged(mask_mode="causal", use_cuda_graph=True)
@@ -154,7 +152,7 @@ def test_tma_graph_mode():
     run_checked(case)
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_descriptor_path_is_what_runs(monkeypatch):
     """Forcing the TMA variant onto a K view whose token stride is not a multiple of 16 bytes trips
     the interpreter's descriptor check: the TMA variant really builds descriptors."""
@@ -169,7 +167,7 @@ def test_descriptor_path_is_what_runs(monkeypatch):
         plan.run(case.inputs)
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("view", ["base_offset", "head_stride", "inner_stride"])
 def test_unaligned_views_run_the_pointer_path(view):
     """K/V views that break the descriptor rules launch the pointer variant, with the same result."""
@@ -188,7 +186,7 @@ def test_unaligned_views_run_the_pointer_path(view):
     assert plan.tma  # planned with TMA; this launch fell back
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_tma_ignored_where_it_does_not_apply():
     paged = make_paged_case(qo_lens=[17, 40], kv_lens=[30, 53], page_size=16, head_dim_qk=64, q_dtype=F16,
                             mask_mode="causal")

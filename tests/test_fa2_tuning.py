@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from flashdispatch.backends.base import DEFAULT_TOLERANCE
-from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.backends.fa2 import tuning
 from flashdispatch.backends.fa2.prefill import PrefillPlan, plan_prefill
 from flashdispatch.backends.fa2.prefill_config import PrefillConfig
 from oracle import assert_close, make_ragged_case
 
-pytestmark = pytest.mark.skipif(not TRITON_INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU run of Triton)")
+pytestmark = pytest.mark.interpreted
 
 CONFIGS = [PrefillConfig(32, 16, 4, 1), PrefillConfig(16, 16, 4, 1), PrefillConfig(16, 32, 4, 1)]
 

@@ -7,13 +7,10 @@ import pytest
 import torch
 
 import flashdispatch as flashinfer
-from flashdispatch.backends.common import TRITON_INTERPRETED
 from flashdispatch.dispatch.registry import backend_class
 
 from test_api import dense_attention, paged_to_dense, rel
 
-interpreted = pytest.mark.skipif(not TRITON_INTERPRETED,
-                                 reason="needs TRITON_INTERPRET=1 (CPU run of the Triton kernels)")
 
 PAGE, HQ, HKV, D, PAGES = 16, 4, 2, 64, 96
 
@@ -53,7 +50,7 @@ def _check(wrapper, kv, table, sm_scale=None, return_lse=False):
             assert torch.allclose(lse[b].double(), ref_lse[0], atol=2e-3)
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("repeat", [1, 4], ids=["partitioned", "never-split"])
 def test_replan_refreshes_the_table_and_stays_exact(fresh_plans, repeat):
     """4 requests x 2 KV heads: the refresh works the partition out (under the 8-SM CPU target);
@@ -73,7 +70,7 @@ def test_replan_refreshes_the_table_and_stays_exact(fresh_plans, repeat):
     assert len(fresh_plans) == 2  # the plan, and the lse variant at its first run
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_replan_plans_afresh_when_the_scalars_batch_or_workspace_change(fresh_plans):
     torch.manual_seed(1)
     kv = torch.randn(PAGES, 2, PAGE, HKV, D).half()
@@ -90,7 +87,7 @@ def test_replan_plans_afresh_when_the_scalars_batch_or_workspace_change(fresh_pl
     assert len(fresh_plans) == 4
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("merge", ["fused", "merge_kernel"])
 def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_plans, monkeypatch, merge):
     """A short request plans the unsplit direct kernel; a long one needs the policy's split, which
@@ -125,7 +122,7 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
     assert w._planned.plan.fused_merge == (merge == "fused")
 
 
-@interpreted
+@pytest.mark.interpreted
 @pytest.mark.parametrize("op, rows", [("decode", 1), ("prefill", 1), ("prefill", 0)])
 def test_a_graph_captured_on_empty_requests_replays_a_replan_with_pages(op, rows):
     """Graph mode, every request empty at capture (prefill: with one query row, or none, so no
@@ -250,7 +247,7 @@ def test_replan_on_the_gpu_matches_the_reference(fresh_plans, batch, max_len, sp
         assert len(fresh_plans) == 2  # the first plan, and its lse variant at the first run
 
 
-@interpreted
+@pytest.mark.interpreted
 def test_a_graph_variant_that_fails_its_first_plan_does_not_fail_later_plans(monkeypatch):
     """Graph mode re-plans, at each plan(), every variant that has a metadata buffer: a variant
     refused at its first plan (here q_len_per_req=2, made to fail) must not keep one, or every

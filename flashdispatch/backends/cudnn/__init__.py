@@ -99,9 +99,8 @@ class CudnnBackend(Backend):
         loaded cuDNN version."""
         reasons = []
         if not problem.q_dtype == problem.kv_dtype == problem.o_dtype:
-            reasons.append(Reason("dtype", f"q/kv/o dtypes {dtype_name(problem.q_dtype)}/"
-                                  f"{dtype_name(problem.kv_dtype)}/"
-                                  f"{dtype_name(problem.o_dtype)} differ; cuDNN SDPA needs one of fp16/bf16 for all"))
+            reasons.append(Reason("dtype", f"q/kv/o dtypes {dtype_name(problem.q_dtype)}/{dtype_name(problem.kv_dtype)}"
+                                  f"/{dtype_name(problem.o_dtype)} differ; cuDNN SDPA needs one of fp16/bf16 for all"))
         cc = device.cc or (0, 0)
         dims = (problem.head_dim_qk, problem.head_dim_vo)
         if dims == (192, 128) and cc < (9, 0):
