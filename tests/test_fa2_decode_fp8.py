@@ -23,7 +23,6 @@ FP16 = {"fp8_dot_dtype": "fp16"}
 CPU_TOL = {torch.float32: 3e-3, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 GPU_TOL = {E4M3: 8e-2, E5M2: 1.5e-1}  # as tests/test_fa2_decode_gpu.py
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _case(kv_lens, device="cpu", **kw):
@@ -145,7 +144,6 @@ def _scales(kind, device):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("mode", ["q", "fp16"])
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("head_dim,layout,page_size,scales", [(128, "NHD", 16, "float"), (128, "HND", 1, "tensor"),
@@ -161,7 +159,6 @@ def test_gpu_bf16_q_fp8_kv(mode, kv_dtype, head_dim, layout, page_size, scales, 
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("head_dim, heads, block_n", [(64, (8, 2), 32), (128, (32, 8), 32), (128, (8, 8), 32),
                                                       (256, (16, 8), 16)])
@@ -180,7 +177,6 @@ def test_gpu_small_shared_memory_defaults(kv_dtype, head_dim, heads, block_n, sp
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("feature", [
     dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5), dict(pos_encoding_mode="ALIBI"),
     dict(logits_soft_cap=30.0), dict(window_left=100), dict(sinks=True), dict(q_len_per_req=4, mask_mode="causal"),
@@ -194,7 +190,6 @@ def test_gpu_features(feature):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("config", [dict(block_n=64, num_warps=8, num_stages=3), dict(block_n=32, k_rows=True),
                                     dict(block_n=128, num_warps=8, num_stages=2), dict(swap_ab=False),
                                     dict(block_n=32, num_stages=2), dict(num_warps=2, block_n=64)],
@@ -205,7 +200,6 @@ def test_gpu_block_configs(config):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("name", list(RANGE_CASES))
 def test_gpu_range(name):
     case = _range_case(name, torch.bfloat16, device="cuda")

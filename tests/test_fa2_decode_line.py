@@ -22,7 +22,7 @@ import torch
 from flashdispatch.backends.fa2 import decode_variant
 
 from oracle import assert_close, reference_backend_result, run_fa2_decode
-from test_fa2_decode_packed import CPU_PACK, _assert_empty_rows, _case, _gpu_mixed_plan, needs_cuda
+from test_fa2_decode_packed import CPU_PACK, _assert_empty_rows, _case, _gpu_mixed_plan
 
 
 # past one wave on the interpreter's 8 SMs x 4 programs: 17 requests x 2 KV heads, 16 pieces
@@ -321,7 +321,6 @@ def test_few_programs_line_plan_and_its_refresh(fused, features):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("head_dim, kv_heads", [(128, 8), (64, 8), (256, 8), (128, 32)],
                          ids=["128", "64", "256", "mha-128"])
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
@@ -335,7 +334,6 @@ def test_gpu_mixed_lengths_past_a_wave_pack(kv, head_dim, kv_heads, line):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("head_dim, kv_heads, batch", [(128, 8, 48), (64, 8, 48), (256, 8, 48), (128, 32, 14)],
                          ids=["128", "64", "256", "mha-128"])
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
@@ -357,7 +355,6 @@ def _gpu_case(lens, kv: str, seed: int):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
 def test_gpu_line_plan_refreshed_and_a_long_request(kv):
     """A line plan refreshed for new mixed lengths of its batch (the empty requests moved) runs
@@ -387,7 +384,6 @@ def test_gpu_line_plan_refreshed_and_a_long_request(kv):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("head_dim, kv_heads, batch, kv_len", [(128, 8, 200, 1024), (256, 8, 100, 2048),
                                                                (128, 32, 24, 4096), (64, 8, 256, 1024),
                                                                (64, 32, 64, 1024)],
@@ -406,7 +402,6 @@ def test_gpu_equal_fp8_lengths_on_the_line(head_dim, kv_heads, batch, kv_len):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_gpu_equal_bf16_d64_lengths_on_the_line():
     """bf16 d64 equal lengths past one wave whose last wave the wave model finds partly filled
     (100x2048: `DecodeConfig.wave_pack_below` from `wave_pack_below_tokens`) on the line by

@@ -165,7 +165,6 @@ def test_graph_wrapper_past_one_wave_replays_the_line():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kv, kv_heads, batch, head_dim", [
     (torch.bfloat16, 8, 256, 128), (torch.float8_e4m3fn, 8, 256, 128), (torch.bfloat16, 32, 256, 128),
     (torch.bfloat16, 8, 48, 128), (torch.float8_e4m3fn, 8, 48, 128), (torch.bfloat16, 32, 12, 128),

@@ -16,7 +16,6 @@ from flashdispatch.backends.fa2.decode_split import _packed_line, interleaved, p
 
 from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_packed_segments_give_every_program_an_equal_piece():
@@ -236,7 +235,6 @@ def test_16bit_d128_defaults_pack_only_a_poorly_filled_plan():
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("lens, heads, kv", [
     ([4096] * 48, (32, 8), "e4m3"), ([4096] * 36, (32, 8), "e4m3"), ([3000, 9000, 2000, 4000] * 12, (32, 8), "e4m3"),
     ([4096] * 12, (32, 32), "e4m3"), ([4096] * 9, (32, 32), "e4m3"), ([4096] * 36, (32, 8), "bf16"),
@@ -284,7 +282,6 @@ def _gpu_mixed_plan(batch: int, empty: list, kv: str, head_dim: int, draw: int, 
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("head_dim", [128, 64, 256])
 @pytest.mark.parametrize("kv", ["e4m3", "bf16"])
 def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
@@ -297,7 +294,6 @@ def test_gpu_mixed_lengths_pack_four_to_a_program(kv, head_dim):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_gpu_fp8_mha_d64_packs_mixed_lengths():
     """The fp8 MHA d64 default packs as GQA d64 does: 16 mixed requests (one empty) on the host
     under one wave, 64 on the kernel's line past it."""

@@ -14,8 +14,7 @@ from flashdispatch.backends.fa2.prefill import PREFILL_CAPS, plan_prefill
 from flashdispatch.dispatch.caps import check_caps
 from oracle import assert_close, make_paged_case, make_ragged_case, reference_plan_result
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 BF16, F16 = torch.bfloat16, torch.float16
 

@@ -294,7 +294,6 @@ def test_plan_rejects_mismatched_kv_and_missing_mask():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_tensors():
     for case in (make_paged_case("decode", kv_lens=[0, 33, 16], page_size=16, kv_layout="HND", device="cuda",
                                  sinks=True, k_scale=torch.tensor(1.5, device="cuda")),
