@@ -25,7 +25,6 @@ def _check_bits(x, name: str = "x") -> None:
                         "integer dtype holding 0/1")
 
 
-
 def _weights(bitorder: str, device) -> torch.Tensor:
     """uint8 [8]: the value of bit j of a byte (``bitorder`` already checked)."""
     w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)

@@ -24,7 +24,6 @@ CPU_TOL = {torch.float32: 3e-3, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 GPU_TOL = {E4M3: 8e-2, E5M2: 1.5e-1}  # as tests/test_fa2_decode_gpu.py
 
 
-
 def _case(kv_lens, device="cpu", **kw):
     kw.setdefault("num_qo_heads", 8)
     kw.setdefault("num_kv_heads", 2)

@@ -17,7 +17,6 @@ from flashdispatch.backends.fa2.decode_split import _packed_line, interleaved, p
 from oracle import assert_close, make_paged_case, reference_backend_result, run_fa2_decode
 
 
-
 def test_packed_segments_give_every_program_an_equal_piece():
     eff = np.array([4096] * 48)
     _, req, lo, hi, rows, n_rows, used, _ = packed_segments(eff, 132, 4, 256, 64)

@@ -345,7 +345,6 @@ def test_interpreter_runs_the_kernel_through_the_normal_path():
 # --- GPU: bitwise equal to the plain launch -------------------------------------------------------
 
 
-
 @pytest.fixture
 def fresh_launchers(monkeypatch):
     """No BoundKernel (and no cached CompiledKernel) from earlier tests; restored afterwards."""
