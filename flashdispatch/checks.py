@@ -2,8 +2,8 @@
 argument, the value found and what is accepted, before anything is launched."""
 from __future__ import annotations
 
+import functools
 import math
-import os
 from typing import Sequence
 
 import numpy as np
@@ -11,6 +11,7 @@ import torch
 
 from .backends.base import PagedKV
 from .dispatch.problem import DTYPE_BY_NAME, LAYOUTS, POS_ENCODINGS, SCALAR_LIMIT
+from .environ import env_get
 
 ATTENTION_DTYPES = frozenset(DTYPE_BY_NAME.values())
 
@@ -234,13 +235,13 @@ CHECK_INPUTS_ENV = "FLASHDISPATCH_CHECK_INPUTS"
 def page_indices_checked() -> bool:
     """Whether plan() checks the used page indices (on unless FLASHDISPATCH_CHECK_INPUTS=0; see
     `CHECK_INPUTS_ENV`)."""
-    return os.environ.get(CHECK_INPUTS_ENV) != "0"
+    return env_get(CHECK_INPUTS_ENV) != "0"
 
 
 def device_values_checked() -> bool:
     """Whether the plan-less cuDNN entry points read back and check their device values (only with
     FLASHDISPATCH_CHECK_INPUTS=1; see `CHECK_INPUTS_ENV`)."""
-    return os.environ.get(CHECK_INPUTS_ENV) == "1"
+    return env_get(CHECK_INPUTS_ENV) == "1"
 
 
 def host_arrays(tensors: Sequence[torch.Tensor],
@@ -267,13 +268,21 @@ def host_arrays(tensors: Sequence[torch.Tensor],
     return read_in_one_copy(tensors, on_host, indices)
 
 
+@functools.cache
+def _device_reader():
+    """`device_read.read_index_tensors`, imported at the first device read (Triton: only where
+    device values are read; a function-level import costs plan() ~4 us at each call)."""
+    from .device_read import read_index_tensors
+    return read_index_tensors
+
+
 def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
                      indices: torch.Tensor | None) -> tuple[list[np.ndarray], tuple[int, int] | None]:
     """`host_arrays` for tensors on one device: those not ``on_host`` and the (min, max) of the
     used ``indices`` (counted by indptr = ``tensors[0]``, on the host or the device) come back
     from one kernel and one wait (`device_read.read_index_tensors`). Works on any device (the
     CPU tests run it, the kernel in Triton's interpreter)."""
-    from .device_read import read_index_tensors  # Triton: only where device values are read
+    read_index_tensors = _device_reader()
     parts = [t for t, host in zip(tensors, on_host) if not host]
     used_host = int(tensors[0].numpy()[-1]) if on_host[0] else None
     if indices is not None and indices.numel() == 0:
@@ -287,8 +296,9 @@ def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
         if host:
             arrays.append(t.numpy().astype(np.int64))
         else:
-            arrays.append(flat[offset:offset + t.numel()].astype(np.int64))
-            offset += t.numel()
+            n = t.numel()
+            arrays.append(flat[offset:offset + n])  # (int64 already: the read's own copy)
+            offset += n
     return arrays, minmax
 
 

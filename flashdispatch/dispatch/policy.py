@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import yaml
 
+from ..environ import env_get
 from .caps import ALL_FEATURES
 from .problem import DTYPE_BY_NAME, EMPTY_WORKLOAD, LAYOUTS, OPS, Device, Problem, Workload
 from .registry import BACKEND_NAMES
@@ -358,7 +359,7 @@ def active_policy() -> Policy:
     (each file is read once; call reset_policy() after editing it)."""
     if _installed is not None:
         return _installed
-    path = os.environ.get(CONFIG_ENV) or None
+    path = env_get(CONFIG_ENV) or None
     policy = _from_env.get(path)
     if policy is None:
         policy = _from_env[path] = load_policy(path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from . import registry
 from .policy import Policy, active_policy
 from .problem import EMPTY_WORKLOAD, Device, Problem, Workload
+from ..environ import env_get
 from .reasons import Reason, Unsupported
 
 BACKEND_ENV = "FLASHDISPATCH_BACKEND"
@@ -204,7 +204,7 @@ def on_clear_cache(hook) -> None:
 def selection_context() -> tuple:
     """What a decision depends on besides its arguments: the innermost use_backends() block,
     FLASHDISPATCH_BACKEND and the active policy (a cache of plans keys on it)."""
-    return _use_backends.get(), os.environ.get(BACKEND_ENV), active_policy()
+    return _use_backends.get(), env_get(BACKEND_ENV), active_policy()
 
 
 def _bucket_key(w: Workload) -> tuple[int, ...]:
@@ -221,7 +221,7 @@ def decide(problem: Problem, device: Device, workload: Workload = EMPTY_WORKLOAD
     check_requested(requested)
     policy = active_policy() if policy is None else policy
     scoped = _use_backends.get()
-    env_value = os.environ.get(BACKEND_ENV)
+    env_value = env_get(BACKEND_ENV)
     key = (problem, device, _bucket_key(workload), requested, scoped, env_value, policy)
     decision = _cache.get(key)
     if decision is None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ...dispatch.problem import FP8_DTYPES, Problem
+from ...environ import env_get
 from .decode_env import CONFIG_ENV, apply_env
 
 MAX_LINE_SEGMENT_TOKENS = 4096  # DecodeConfig.line_segment_tokens: gap x requests stays far inside int32
@@ -582,5 +582,5 @@ def resolve_config(problem: Problem, overrides: dict | None = None, shared: int 
     """Defaults (for a GPU of ``shared`` bytes of shared memory per block, see `default_config`),
     then FLASHDISPATCH_FA2_DECODE_CONFIG (JSON), then ``overrides``."""
     cfg = _base_config(problem.head_dim_qk, problem.kv_dtype, problem.page_size,
-                       problem.num_qo_heads // problem.num_kv_heads, shared, os.environ.get(CONFIG_ENV))
+                       problem.num_qo_heads // problem.num_kv_heads, shared, env_get(CONFIG_ENV))
     return apply_overrides(cfg, overrides) if overrides else cfg

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,6 +25,7 @@ import torch
 import triton.language as tl
 
 from ...dispatch.caps import Caps
+from ...environ import env_get
 from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
@@ -457,7 +457,7 @@ def plan_prefill(problem: Problem, device: Device, params: AttentionParams,
 def _plan_kernel(problem: Problem, device: Device, params: AttentionParams, config: PrefillConfig | None,
                  autotune: bool | None, q_rope: int = 0) -> "PrefillPlan | tuning.AutotunedPlan":
     base = default_config(problem, device, params.qo_lens_host)
-    if config is not None or os.environ.get(CONFIG_ENV, "").strip():
+    if config is not None or (env_get(CONFIG_ENV) or "").strip():
         return PrefillPlan(problem, device, params, (config or config_from_env(base)).validate(), q_rope)
     tune = tuning.enabled() and device.is_cuda if autotune is None else autotune
     if tune and not problem.use_cuda_graph:

@@ -3,13 +3,13 @@
 FLASHDISPATCH_FA2_PREFILL_CONFIG override (`config_from_env`)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
 from ...dispatch.problem import Device, Problem
+from ...environ import env_get
 from ..common import shared_per_block
 from .prefill_tma import tma_unused_reason
 
@@ -167,7 +167,7 @@ def config_from_env(base: PrefillConfig) -> PrefillConfig:
     A subset changes ``base``, the problem's default, which on sm90 depends on the window and, for
     small ragged prefills, on the lengths (``block_n=128`` on a 64x64 default gives 64x128); the
     four numbers replace it whole (TMA off)."""
-    text = os.environ.get(CONFIG_ENV, "").strip()
+    text = (env_get(CONFIG_ENV) or "").strip()
     if not text:
         return base
     parts = [p.strip() for p in text.split(",") if p.strip()]

@@ -13,7 +13,6 @@ fixed workspace) and on the interpreter (no GPU timing).
 """
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import replace
 from typing import Callable
@@ -21,6 +20,7 @@ from typing import Callable
 import torch
 
 from ...dispatch.problem import Device, Problem
+from ...environ import env_get
 from ..base import AttentionInputs, AttentionParams
 
 AUTOTUNE_ENV = "FLASHDISPATCH_FA2_AUTOTUNE"
@@ -32,7 +32,7 @@ _WINNERS: dict = {}
 
 def enabled() -> bool:
     """Whether FLASHDISPATCH_FA2_AUTOTUNE=1 asks for the prefill autotune."""
-    return os.environ.get(AUTOTUNE_ENV) == "1"
+    return env_get(AUTOTUNE_ENV) == "1"
 
 
 def clear() -> None:
