@@ -233,7 +233,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
                 indptr, last_page_len = uploaded
         previous = self._plan_args
         self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
-                                          int(kv_lens_h.sum()), int(kv_lens_h.max(initial=0)), max_page_index, scalars,
+                                          int(np.add.reduce(kv_lens_h)), int(np.maximum.reduce(kv_lens_h, initial=0)), max_page_index, scalars,
                                           self._workspace())
         refresh = (previous is not None and previous.scalars is scalars and previous.kv_lens_h.size == batch
                    and previous.workspace is self._plan_args.workspace)

@@ -98,6 +98,36 @@ def test_cuda_tables_read_again_by_address(monkeypatch):
     assert addressed.count(True) >= 4, addressed
 
 
+@pytest.mark.gpu
+def test_kept_summary_launch_reads_what_the_tensors_hold_now():
+    """A read repeated on the same index tensors makes the launch kept for their memory, and reads
+    what they hold at that call: values rewritten in place (a new used count among them), a
+    strided view of the same memory (its own launch, never kept), a smaller tensor at the same
+    address (another key)."""
+    from flashdispatch import device_read
+    lens = [[5, 17, 0, 33], [40, 0, 8, 1], [0, 0, 0, 0], [64, 64, 64, 64]]
+    tables = [table(n, 8, garbage=(7,) * (33 - sum(-(-x // 8) for x in n))) for n in lens]
+    dev = [t.cuda() for t in tables[0]]
+    device_read._staging.launches.clear()
+    for i, (indptr, indices, last) in enumerate(tables * 2):
+        for d, t in zip(dev, (indptr, indices, last)):
+            d.copy_(t)
+        want, want_minmax = checks.host_arrays([indptr, last], indices)
+        got, got_minmax = checks.host_arrays([dev[0], dev[2]], dev[1])
+        assert all((g == w).all() for g, w in zip(got, want)) and got_minmax == want_minmax, i
+    assert len(device_read._staging.launches) == 1
+    strided = torch.arange(2 * 33, dtype=torch.int32, device="cuda").flip(0)[::2]  # 64, 62, ..., 0
+    whole = strided.contiguous()
+    indptr = torch.tensor([0, 20, 33], dtype=torch.int32, device="cuda")
+    last = torch.tensor([3, 8], dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        got, got_minmax = checks.host_arrays([indptr, last], strided)
+        assert got_minmax == (int(whole.min()), int(whole.max()))
+        got, got_minmax = checks.host_arrays([indptr[:2], last[:1]], whole)
+        assert got[0].tolist() == [0, 20] and got_minmax == (int(whole[:20].min()), int(whole[:20].max()))
+    assert len(device_read._staging.launches) == 2  # the slices' kept too; the strided view's never is
+
+
 @pytest.mark.parametrize("used", [0, 1, 2500, 4096, 5000])
 @pytest.mark.parametrize("used_on_device", [True, False])
 def test_device_read_reduces_only_the_used_indices_over_several_programs(monkeypatch, used, used_on_device):
