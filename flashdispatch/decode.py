@@ -212,8 +212,9 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
             lambda: self._check_scalars(q_data_type, kv_data_type, o_data_type, num_qo_heads, num_kv_heads, head_dim,
                                         page_size, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
                                         rope_scale, rope_theta, fixed_split_size, disable_split_kv, head_dim_vo))
-        for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
-            checks.check_index_tensor(t, name)
+        checks.check_index_tensor(indptr, "indptr")
+        checks.check_index_tensor(indices, "indices")
+        checks.check_index_tensor(last_page_len, "last_page_len")
         batch = checks.check_indptr_length(indptr, "indptr") - 1
         checks.check_lengths_count(last_page_len, "last_page_len", batch)
         self._finish_page_check()  # the last plan()'s, if its runs did not finish it
@@ -232,9 +233,9 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
             if uploaded is not None:
                 indptr, last_page_len = uploaded
         previous = self._plan_args
-        self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h,
-                                          int(np.add.reduce(kv_lens_h)), int(np.maximum.reduce(kv_lens_h, initial=0)), max_page_index, scalars,
-                                          self._workspace())
+        kv_total, kv_max = int(np.add.reduce(kv_lens_h)), int(np.maximum.reduce(kv_lens_h, initial=0))
+        self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h, kv_total, kv_max,
+                                          max_page_index, scalars, self._workspace())
         refresh = (previous is not None and previous.scalars is scalars and previous.kv_lens_h.size == batch
                    and previous.workspace is self._plan_args.workspace)
         self._planning_with_page_check(lambda: self._plan_variants(refresh=refresh))

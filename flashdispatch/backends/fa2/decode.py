@@ -499,7 +499,7 @@ class DecodePlan(DecodePacking):
                               self.line_groups, self.line_even_groups)
         self._specs = SpecKeys()  # a run's call kind -> spec_key of its arguments (see run())
         # the tables' addresses, for launches that pass the tensors as ints (run()), on their GPU
-        self._table_addrs = tuple(t.data_ptr() for t in self._tables)
+        self._table_addrs = tuple([t.data_ptr() for t in self._tables])
         self._cuda_index = self.kv_indices.device.index if self.kv_indices.is_cuda else None
 
     def _table_scalars(self) -> tuple[int, int, int]:
