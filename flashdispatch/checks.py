@@ -191,7 +191,7 @@ def check_score_scale(sm_scale: float, q_scale, k_scale) -> None:
 
 
 # numpy's reductions without ndarray.min/max's Python wrapper (~1 us a call, several per plan())
-_min, _max, _sum = np.minimum.reduce, np.maximum.reduce, np.add.reduce
+_min, _max = np.minimum.reduce, np.maximum.reduce
 _MAX_INDEX_ENTRIES = (1 << 31) - 1  # the kernels address index tensors with int32 offsets
 
 

@@ -15,10 +15,10 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from ..environ import env_get
 from . import registry
 from .policy import Policy, active_policy
 from .problem import EMPTY_WORKLOAD, Device, Problem, Workload
-from ..environ import env_get
 from .reasons import Reason, Unsupported
 
 BACKEND_ENV = "FLASHDISPATCH_BACKEND"

@@ -25,9 +25,9 @@ import torch
 import triton.language as tl
 
 from ...dispatch.caps import Caps
-from ...environ import env_get
 from ...dispatch.problem import FP8_DTYPES, Device, Problem, dtype_name
 from ...dispatch.reasons import Reason, Unsupported
+from ...environ import env_get
 from ..base import AttentionInputs, AttentionParams, PagedKV, RaggedKV
 from ..common import TRITON_INTERPRETED, alibi_slopes, kernel_scales, kernel_window, triton_fp8_kv_reasons
 from .launch import bind
