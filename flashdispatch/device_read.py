@@ -31,6 +31,7 @@ _POINTER_ARGS = (0, 2, 4, 6, 9, 10)  # index_summary_kernel's pointers among its
 _KEPT_VIEWS = 64  # IndexRangeReader: upload layouts whose device views it keeps
 _KEPT_LAUNCHES = 16  # per thread: argument sets whose summary launch is kept
 _USED_AT = 8  # used_host's place among the kernel's runtime arguments
+_BY_ADDRESS = frozenset({"cuda"})  # device types whose launches go by address (and are kept)
 
 
 @triton.jit
@@ -203,7 +204,7 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
         if not args[i].is_cpu:
             addressed[i] = a
     result = (buf, sizes, n, programs)
-    if device.type == "cuda" and launcher.launch_addresses(spec, device.index, (programs,), addressed):
+    if device.type in _BY_ADDRESS and launcher.launch_addresses(spec, device.index, (programs,), addressed):
         if all(t is c for t, c in zip(given, (*tensors, indices))):  # (no contiguous copy: addresses of their own)
             if len(_staging.launches) >= _KEPT_LAUNCHES:
                 _staging.launches.clear()

@@ -210,3 +210,59 @@ def test_range_reader_keeps_the_views_of_a_few_upload_sizes(monkeypatch):
         reader.result()
         assert [t.cpu().tolist() for t in got] == [a.tolist() for a in arrays]
         assert len(reader._views) <= 2
+
+
+def test_kept_summary_launches_pass_what_a_fresh_launch_would(monkeypatch):
+    """Whenever `_launch_summary` launches a kept argument list, that list is the one it would
+    work out afresh for the same call: same kernel key, grid and arguments (each tensor's memory,
+    sizes, the used count), over the same tensors rewritten, a new used count, slices, a strided
+    view (never kept), a new tensor of other sizes. Runs on the CPU with the launcher recorded
+    and CPU launches let through the by-address path (on a GPU they are the CUDA ones)."""
+    from flashdispatch import device_read
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def launch_addresses(self, spec, device, grid, args):
+            self.calls.append((spec, grid, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]))
+            return True
+
+        def launch_with_spec(self, spec, grid, args):
+            raise AssertionError("every launch goes by address here")
+
+    recorder = Recorder()
+    monkeypatch.setattr(device_read, "_summary_launcher", lambda *a: recorder)
+    monkeypatch.setattr(device_read, "_BY_ADDRESS", frozenset({"cpu"}))
+    monkeypatch.setattr(device_read, "_PER_PROGRAM", 1024)
+    monkeypatch.setattr(device_read._staging, "launches", {})
+    indptr = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    last = torch.tensor([5, 0, 2], dtype=torch.int32)
+    indices = torch.arange(3000, dtype=torch.int32)
+    base = torch.arange(6000, dtype=torch.int32)
+    head, strided = base[:3000], base[::2]  # the same address and entries, one of them strided
+    calls = [([indptr, last], indices, None), ([indptr, last], indices, None), ([last], indices, 7),
+             ([last], indices, 2999), ([indptr[:3], last[:2]], indices, None), ([indptr, last], head, None),
+             ([indptr, last], strided, None), ([indptr, last], strided, None), ([indptr, last], indices[:2000], None),
+             ([indptr], None, None), ([indptr, last], indices, None)]
+    kept_launches = 0
+    for i, (tensors, idx, used) in enumerate(calls * 2):
+        if i == len(calls):
+            indptr.copy_(torch.tensor([0, 1, 2, 2], dtype=torch.int32))  # rewritten in place: same memory
+        kept = device_read._staging.launches.get(
+            (*map(device_read._memory_key, tensors), device_read._memory_key(idx), None, None, used is None,
+             False))
+        kept_launches += kept is not None
+        device_read._launch_summary(tensors, idx, used, None)
+        got = recorder.calls[-1]
+        saved = device_read._staging.launches
+        monkeypatch.setattr(device_read._staging, "launches", {})
+        device_read._launch_summary(tensors, idx, used, None)  # worked out afresh
+        monkeypatch.setattr(device_read._staging, "launches", saved)
+        fresh = recorder.calls[-1]
+        if idx is strided:  # read from a contiguous copy, whose address is its own each time
+            assert got[2][6] != strided.data_ptr(), i
+            got, fresh = (got[0], got[1], got[2][:6] + got[2][7:]), (fresh[0], fresh[1], fresh[2][:6] + fresh[2][7:])
+        assert got == fresh, i
+    assert kept_launches == 12, kept_launches  # 3 in the first round, then every call but the strided ones
+    assert not any(device_read._memory_key(strided) in key for key in device_read._staging.launches)
