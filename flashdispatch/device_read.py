@@ -104,25 +104,18 @@ class _Staging(threading.local):
 
     def __init__(self):
         self.buffers: dict[torch.device, torch.Tensor] = {}
-        self.views: dict[int, np.ndarray] = {}  # id(buffer) -> its numpy view
+        self.views: dict[torch.device, np.ndarray] = {}  # the buffers' numpy views
         self.launches: dict[tuple, _KeptLaunch] = {}
 
     def get(self, device: torch.device, size: int) -> torch.Tensor:
         buf = self.buffers.get(device)
         if buf is None or buf.numel() < size:
-            old = self.buffers.get(device)
+            if buf is not None:
+                self.launches.clear()  # (they hold the old buffer)
             buf = torch.empty(max(size, 1024) * 2, dtype=torch.int32, pin_memory=device.type == "cuda")
             self.buffers[device] = buf
-            self.views[id(buf)] = buf.numpy()
-            if old is not None:
-                self.views.pop(id(old), None)
-                self.launches.clear()  # (they hold the old buffer)
+            self.views[device] = buf.numpy()
         return buf
-
-    def view(self, buf: torch.Tensor) -> np.ndarray:
-        """The numpy view of a staging buffer ``buf``."""
-        view = self.views.get(id(buf))
-        return buf.numpy() if view is None else view
 
 
 class _KeptLaunch(NamedTuple):
@@ -233,7 +226,7 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
         # wait for the device's current stream, where the kernel went (`current_stream`); a stream
         # wait, not an event: one CUDA call less
         current_stream(device.index).synchronize()
-    host = _staging.view(buf)
+    host = _staging.views[device]  # (``buf`` is this thread's staging buffer for ``device``)
     flat = host[:n].astype(np.int64)
     num_indices = 0 if indices is None else indices.numel()
     count = int(flat[sizes[0] - 1]) if used_host is None else used_host
