@@ -38,8 +38,8 @@ def _table(lens, seed, pages=PAGES, device="cpu"):
     return tuple(t.to(device) for t in (indptr, torch.randperm(pages, generator=g)[:sum(n)].int(), last))
 
 
-def _check(wrapper, kv, table, sm_scale=None, return_lse=False):
-    q = torch.randn(len(table[2]), HQ, D).half()
+def _check(wrapper, kv, table, sm_scale=None, return_lse=False, heads=HQ):
+    q = torch.randn(len(table[2]), heads, D).half()
     got = wrapper.run(q, kv, return_lse=return_lse)
     out, lse = got if return_lse else (got, None)
     for b in range(len(table[2])):
@@ -120,6 +120,79 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
     assert plan([3300, 2000], 5) == (True, 9, 331, 8)
     assert plan([1200, 30, 30, 30], 6)[::3] == (False, 10)  # 4 x 4 slots for 7 chunks: the work array
     assert w._planned.plan.fused_merge == (merge == "fused")
+
+
+def _same_as_a_fresh_plan(planned) -> None:
+    """A refreshed fa2 decode plan launches what a plan made afresh from its params would: the same
+    grid, kernel constants, scalars and work rows (`plan_decode` directly: not counted as a plan)."""
+    from flashdispatch.backends.fa2.decode import plan_decode
+    fresh = plan_decode(planned.problem, planned.device, planned.params)
+    got = planned.plan
+    assert (got._grid, got._consts, got._plan_scalars, got.config) == (
+        fresh._grid, fresh._consts, fresh._plan_scalars, fresh.config)
+    assert torch.equal(got.work, fresh.work) and got.info.numel() == fresh.info.numel() == 0
+
+
+@pytest.mark.interpreted
+def test_replan_of_one_work_row_per_request_rebuilds_the_rows(fresh_plans):
+    """MHA (2/2 heads: the host's work array, no direct table), 4 requests x 2 heads under the CPU
+    target: lengths that split no request give one work row per request, and a re-plan whose
+    lengths keep that rebuilds and uploads the rows alone (what a fresh plan launches); lengths
+    that split a request, and the re-plan after them, plan afresh. Each plan() and its lse
+    variant count two fresh plans; every run is checked against the dense computation, lse too."""
+    torch.manual_seed(6)
+    pages = 400
+    kv = torch.randn(pages, 2, PAGE, 2, D).half()
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 22, dtype=torch.uint8), backend="fa2")
+
+    def plan(lens, seed):
+        table = _table(lens, seed, pages)
+        w.plan(*table, 2, 2, D, PAGE, data_type=torch.float16)
+        _check(w, kv, table, return_lse=True, heads=2)
+        p = w._planned.plan
+        assert not p.direct
+        if p.whole_rows:
+            _same_as_a_fresh_plan(w._planned)
+        return p.whole_rows, p.n_merge, len(fresh_plans)
+
+    assert plan([40, 0, 130, 17], 0) == (True, 0, 2)
+    assert plan([16, 77, 3, 200], 1) == (True, 0, 2)  # refreshed, the lse variant too
+    assert plan([900, 5, 5, 5], 2) == (False, 1, 4)  # the long request splits
+    assert plan([300, 300, 300, 300], 3) == (True, 0, 6)  # after a split plan: afresh
+    assert plan([250, 9, 64, 0], 4) == (True, 0, 6)
+
+
+@pytest.mark.interpreted
+def test_graph_replan_of_one_work_row_per_request_rewrites_the_rows_in_place():
+    """Graph mode, MHA, 16 requests x 2 heads (one chunk slot each: one work row per request): a
+    re-plan rewrites the rows at the captured plan's addresses with its grid and constants, so the
+    captured plan object run on the new inputs (a replay) gives the new lengths' attention."""
+    from flashdispatch.backends.base import AttentionInputs, PagedKV
+
+    torch.manual_seed(7)
+    batch, pages = 16, 200
+    kv = torch.randn(pages, 2, PAGE, 2, D).half()
+    bufs = [torch.zeros(n, dtype=torch.int32) for n in (batch + 1, pages, batch)]
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(1 << 22, dtype=torch.uint8), use_cuda_graph=True, backend="fa2",
+        paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2])
+    w.plan(*_table([40, 0, 130, 17] * 4, 0, pages), 2, 2, D, PAGE, data_type=torch.float16)
+    captured = w._planned.plan
+    assert captured.whole_rows
+    for seed, lens in enumerate(([16, 77, 3, 200] * 4, [1, 90, 0, 33] * 4), 1):
+        table = _table(lens, seed, pages)
+        w.plan(*table, 2, 2, D, PAGE, data_type=torch.float16)
+        now = w._planned.plan
+        assert now is not captured and now.whole_rows
+        assert (now._grid, now._consts, now._plan_scalars, now._table_addrs) == (
+            captured._grid, captured._consts, captured._plan_scalars, captured._table_addrs)
+        _same_as_a_fresh_plan(w._planned)
+        q = torch.randn(batch, 2, D).half()
+        out = torch.full((batch, 2, D), float("nan"), dtype=torch.float16)
+        w._planned.backend.run(captured, AttentionInputs(q, PagedKV(kv[:, 0], kv[:, 1], "NHD"), out))
+        for b in range(batch):
+            k, v = paged_to_dense(kv, *table, PAGE, b)
+            assert rel(out[b:b + 1], dense_attention(q[b:b + 1], k, v)[0]) < 4e-3, (seed, b)
 
 
 @pytest.mark.interpreted
@@ -210,17 +283,19 @@ def test_a_graph_capture_on_no_rows_is_refused(op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, max_len, split", [(128, 640, False), (16, 2048, True), (2, 9000, True)],
-                         ids=["unsplit", "split-fused", "split-merge-kernel"])
-def test_replan_on_the_gpu_matches_the_reference(fresh_plans, batch, max_len, split, monkeypatch):
-    """bf16, 32/8 heads: batch 128 splits nothing (on a GPU of up to 256 SMs); 16 requests of up to
+@pytest.mark.parametrize("batch, max_len, split, hkv", [(128, 640, False, 8), (16, 2048, True, 8), (2, 9000, True, 8),
+                                                       (128, 640, False, 32)],
+                         ids=["unsplit", "split-fused", "split-merge-kernel", "mha-work-rows"])
+def test_replan_on_the_gpu_matches_the_reference(fresh_plans, batch, max_len, split, hkv, monkeypatch):
+    """bf16, 32/8 heads (MHA 32/32: the host's work array of one row per request, whose re-plans
+    rebuild the rows alone): batch 128 splits nothing (on a GPU of up to 256 SMs); 16 requests of up to
     2048 tokens split into at most 16 chunks (the fused merge), 2 of up to 9000 into more (the
     merge kernel, after the decode kernel's info rows), each request on its own (16 mixed requests
     would take the line: few_line_mixed off). Re-plans with new lengths and pages, on device
     tables, each run against the reference backend's, lse too."""
     monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"few_line_mixed": 0}')
     torch.manual_seed(3)
-    hq, hkv, d = 32, 8, 128
+    hq, d = 32, 128
     pages = batch * (max_len // PAGE + 1)
     kv = torch.randn(pages, 2, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
@@ -235,7 +310,8 @@ def test_replan_on_the_gpu_matches_the_reference(fresh_plans, batch, max_len, sp
         table = _table(lens, seed, pages, "cuda")
         for wrapper in (w, ref):
             wrapper.plan(*table, hq, hkv, d, PAGE, data_type=torch.bfloat16)
-        assert w._planned.plan.direct and (w._planned.plan.split_slots > 1) == split
+        p = w._planned.plan
+        assert (p.direct, p.whole_rows) == (False, True) if hkv == hq else p.direct and (p.split_slots > 1) == split
         q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
         out, lse = w.run(q, kv, return_lse=True)
         ref_out, ref_lse = ref.run(q, kv, return_lse=True)

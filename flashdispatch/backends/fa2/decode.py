@@ -6,7 +6,8 @@ merge rows) to the device, unless the kernel reads the API's page table itself
 (`DecodeConfig.direct_table`: then it also derives its chunk of the policy's split from the
 length). A request with one chunk is written to out/lse by the decode kernel; the partials of a
 split request go to the workspace and the merge kernel (merge.py) combines them. run() only
-launches.
+launches. A re-plan of the same batch size whose lengths keep the plan's layout refreshes it
+(`DecodePlan.refreshed`): a direct plan swaps the tables, one row per request rebuilds the rows.
 
 Fused merge (DecodeConfig.fused_merge_max_chunks): when no request has more chunks than that (a
 line plan: whenever it is on), the decode kernel merges in place of the merge kernel, one launch
@@ -182,6 +183,7 @@ class DecodePlan(DecodePacking):
         run_device = self.kv_indices.device
         self.slopes = alibi_slopes(p.num_qo_heads, run_device) if p.pos_encoding_mode == "ALIBI" else None
         self.split_tokens, self.split_slots = 0, 1  # the kernel's own split (`_place_direct`): none
+        self.whole_rows = False  # a work array of one row per request (`_build`)
         # work rows per program (`DecodeConfig.pack_items`): a few-programs split may pack
         self.items, self._may_pack = 1, few and policy_splits and not p.use_cuda_graph and cfg.pack_items > 1
         self.kernel_max_splits = cfg.max_splits  # the kernel's cap on its own split's chunks
@@ -206,8 +208,10 @@ class DecodePlan(DecodePacking):
         the split length change (a copy of the plan with the new ones, its config too:
         FLASHDISPATCH_FA2_DECODE_CONFIG is read when a plan is made afresh); None otherwise, to
         plan afresh (so too an eager plan under one wave whose new lengths take the line or pack, and
-        lengths that take the Gluon fp8 kernel)."""
-        if not self.direct or params.batch_size != self.batch:
+        lengths that take the Gluon fp8 kernel). A work-array plan of one row per request
+        (``whole_rows``: no split, no packing) whose new lengths keep that layout only rebuilds
+        and uploads those rows (`_with_rows`)."""
+        if not (self.direct or self.whole_rows) or params.batch_size != self.batch:
             return None
         if gluon_layout(self.problem, device, params, self.config) is not None:
             return None  # these lengths take the Gluon fp8 kernel
@@ -236,10 +240,10 @@ class DecodePlan(DecodePacking):
                                        or self._packed(eff, chunk, params) is not None):
                     return None  # these lengths take the line or pack (a work array): as `_build` plans them
                 if splits and chunk is not None:
-                    split = self._direct_split(eff, chunk, params)
+                    split = self._direct_split(eff, chunk, params) if self.direct else None
         if split is None or split[1] != self.split_slots:
             return None
-        return self._with_tables(params, split[0])
+        return self._with_tables(params, split[0]) if self.direct else self._with_rows(params)
 
     def _with_tables(self, params: AttentionParams, split_tokens: int) -> DecodePlan:
         """A shallow copy of this direct plan with the index tensors of ``params`` and the kernel's
@@ -251,6 +255,19 @@ class DecodePlan(DecodePacking):
         if plan.n_merge == 0:
             plan.plse = plan.po = plan.work
         plan.split_tokens = split_tokens
+        plan._set_tables()
+        return plan
+
+    def _with_rows(self, params: AttentionParams) -> DecodePlan:
+        """A shallow copy of this ``whole_rows`` plan with the index tensors of ``params`` and the
+        work rows of its lengths, uploaded as `_place` uploads them (`refreshed`)."""
+        lens, lo, eff = effective_lengths(params, self.problem, self.q_len)
+        meta = work_array(lens, lo, eff, self.problem.page_size, self.q_len, 0, None, None, None).meta
+        plan = object.__new__(DecodePlan)
+        plan.__dict__.update(self.__dict__)
+        plan.kv_indices = params.kv_indices
+        plan.work = plan.plse = plan.po = self._upload(meta, params)  # (no partial: never written)
+        plan.info = plan.work[meta.size:]
         plan._set_tables()
         return plan
 
@@ -310,6 +327,8 @@ class DecodePlan(DecodePacking):
             (lens, lo, eff), splits, chunk = lengths, 0, None
         self.batch = len(lens)
         unsplit = chunk is None and splits <= 1 and packed is None  # one work item per request, nothing to merge
+        # a refresh may rebuild the rows alone where it partitions with this config (`refreshed`)
+        self.whole_rows = unsplit and self._unsplit_config is None and params.fixed_split_size is None
         if unsplit and self._unsplit_config is not None:
             self.config = cfg = self._unsplit_config
         if unsplit and cfg.direct_table and not p.use_cuda_graph:
@@ -322,7 +341,7 @@ class DecodePlan(DecodePacking):
                 return
         work = work_array(lens, lo, eff, p.page_size, self.q_len, splits, chunk, packed, params.fixed_split_size)
         self.n_work, self.n_merge, self.max_chunks, self.items = work.n_work, work.n_merge, work.max_chunks, work.items
-        self._place(work.meta, work.n_work, work.n_partial, params, run_device)
+        self._place(work.meta, work.n_work, work.n_partial, params)
 
     def _merge_choice(self) -> tuple[int, bool]:
         """(the most chunks a request can have, whether the kernel merges them) of a direct plan
@@ -443,11 +462,9 @@ class DecodePlan(DecodePacking):
         p = self.problem
         return carve_partials(params, n_partial, self.q_len, p.num_qo_heads, p.head_dim_vo)
 
-    def _place(self, meta: np.ndarray, n_work: int, n_partial: int, params: AttentionParams,
-               run_device: torch.device) -> None:
+    def _place(self, meta: np.ndarray, n_work: int, n_partial: int, params: AttentionParams) -> None:
         """Copy the plan arrays (and the fused merge's zeroed counters after them) to the device
         and carve the partials out of the workspace."""
-        graph = self.problem.use_cuda_graph
         self.direct, self.last = False, None
         self.fused_merge = self.n_merge > 0 and self.max_chunks <= self.config.fused_merge_max_chunks
         n_meta = meta.size
@@ -455,13 +472,7 @@ class DecodePlan(DecodePacking):
             counters_at = counters_offset(n_meta)
             meta = np.concatenate([meta, np.zeros(counters_at - n_meta + self.n_merge * self.units, np.int32)])
         plse, po, need = self._carve(n_partial, params)
-        host = torch.from_numpy(meta)  # pageable: a copy returns once the driver has staged it
-        if graph:
-            # the wrapper's own int workspace: same addresses at every re-plan, never shared
-            dst = int_workspace_ints(params, meta.size)
-            dst.copy_(host, non_blocking=True)
-        else:
-            dst = host.to(run_device, non_blocking=True)
+        dst = self._upload(meta, params)
         self.work = dst[:n_work * WORK_COLS]
         self.info = dst[n_work * WORK_COLS:n_meta]
         self.counters = dst[counters_at:] if self.fused_merge else None
@@ -469,6 +480,16 @@ class DecodePlan(DecodePacking):
         self.plse, self.po = (plse, po) if need else (self.work, self.work)
         self.workspace_bytes = need
         self._launch_constants()
+
+    def _upload(self, meta: np.ndarray, params: AttentionParams) -> torch.Tensor:
+        """``meta`` on the run device: in graph mode into the wrapper's own int workspace (same
+        addresses at every re-plan, never shared), else a new tensor."""
+        host = torch.from_numpy(meta)  # pageable: a copy returns once the driver has staged it
+        if self.problem.use_cuda_graph:
+            dst = int_workspace_ints(params, meta.size)
+            dst.copy_(host, non_blocking=True)
+            return dst
+        return host.to(self.kv_indices.device, non_blocking=True)
 
     # --- running ----------------------------------------------------------------------------
     def _launch_constants(self) -> None:
