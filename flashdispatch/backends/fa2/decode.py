@@ -327,8 +327,6 @@ class DecodePlan(DecodePacking):
             (lens, lo, eff), splits, chunk = lengths, 0, None
         self.batch = len(lens)
         unsplit = chunk is None and splits <= 1 and packed is None  # one work item per request, nothing to merge
-        # a refresh may rebuild the rows alone where it partitions with this config (`refreshed`)
-        self.whole_rows = unsplit and self._unsplit_config is None and params.fixed_split_size is None
         if unsplit and self._unsplit_config is not None:
             self.config = cfg = self._unsplit_config
         if unsplit and cfg.direct_table and not p.use_cuda_graph:
@@ -340,6 +338,9 @@ class DecodePlan(DecodePacking):
                 self._place_direct(params, run_device, *split)
                 return
         work = work_array(lens, lo, eff, p.page_size, self.q_len, splits, chunk, packed, params.fixed_split_size)
+        # one row per request: a refresh may rebuild the rows alone where it partitions with this
+        # config, not the unsplit one a wave split swapped in (`refreshed`)
+        self.whole_rows = unsplit and self._unsplit_config is None
         self.n_work, self.n_merge, self.max_chunks, self.items = work.n_work, work.n_merge, work.max_chunks, work.items
         self._place(work.meta, work.n_work, work.n_partial, params)
 
