@@ -245,12 +245,17 @@ class DecodePlan(DecodePacking):
             return None
         return self._with_tables(params, split[0]) if self.direct else self._with_rows(params)
 
-    def _with_tables(self, params: AttentionParams, split_tokens: int) -> DecodePlan:
-        """A shallow copy of this direct plan with the index tensors of ``params`` and the kernel's
-        own split length ``split_tokens`` (`refreshed`)."""
+    def _copy_for(self, params: AttentionParams) -> DecodePlan:
+        """A shallow copy of this plan with the index tensors of ``params`` (the refreshes' base)."""
         plan = object.__new__(DecodePlan)  # (copy.copy takes the slower __reduce_ex__ path)
         plan.__dict__.update(self.__dict__)
         plan.kv_indices = params.block_tables if self.table else params.kv_indices
+        return plan
+
+    def _with_tables(self, params: AttentionParams, split_tokens: int) -> DecodePlan:
+        """`_copy_for` ``params`` of this direct plan, with the kernel's own split length
+        ``split_tokens`` (`refreshed`)."""
+        plan = self._copy_for(params)
         plan.work, plan.last = self._direct_tables(params)
         if plan.n_merge == 0:
             plan.plse = plan.po = plan.work
@@ -259,13 +264,11 @@ class DecodePlan(DecodePacking):
         return plan
 
     def _with_rows(self, params: AttentionParams) -> DecodePlan:
-        """A shallow copy of this ``whole_rows`` plan with the index tensors of ``params`` and the
-        work rows of its lengths, uploaded as `_place` uploads them (`refreshed`)."""
+        """`_copy_for` ``params`` of this ``whole_rows`` plan, with the work rows of its lengths,
+        uploaded as `_place` uploads them (`refreshed`)."""
         lens, lo, eff = effective_lengths(params, self.problem, self.q_len)
         meta = work_array(lens, lo, eff, self.problem.page_size, self.q_len, 0, None, None, None).meta
-        plan = object.__new__(DecodePlan)
-        plan.__dict__.update(self.__dict__)
-        plan.kv_indices = params.kv_indices
+        plan = self._copy_for(params)
         plan.work = plan.plse = plan.po = self._upload(meta, params)  # (no partial: never written)
         plan.info = plan.work[meta.size:]
         plan._set_tables()
