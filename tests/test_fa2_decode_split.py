@@ -81,3 +81,27 @@ def test_a_policy_split_of_one_chunk_a_request_runs_unsplit(kv_len):
     case = _case((kv_len,), page_size=64, seed=61)
     plan = _check(case, config={"min_chunk_tokens": 16, "split_chunk_tokens": 0})
     assert plan.direct and plan.split_slots == 1 and plan.split_tokens == 0 and plan.n_merge == 0
+
+
+def test_balanced_chunks_round_each_share_up_to_whole_blocks():
+    """One division (ceil(eff / (n x block))) gives the kernel's two roundings (decode_kernel.py,
+    DIRECT_SPLIT: a share ceil(eff / n), then whole blocks): lengths 0..2999, n 0..69."""
+    from flashdispatch.backends.fa2.decode_split import balanced_chunks
+    eff = np.arange(3000)
+    for block in (16, 64, 128):
+        for n in range(70):
+            share = -(-eff // max(n, 1))
+            expected = np.maximum(block, -(-share // block) * block)
+            assert (balanced_chunks(eff, np.full_like(eff, n), block) == expected).all(), (block, n)
+
+
+@pytest.mark.parametrize("feature", ["plain", "q_len3-window"])
+def test_tokens_sum_is_the_sum_of_the_effective_lengths(feature):
+    """The split policy's tokens (`tokens_sum`: the wrapper's kv_lens_stats without a window)
+    are those of the requests from their window starts."""
+    from flashdispatch.backends.fa2.decode_split import effective_lengths, tokens_sum
+    case = _case((1200, 1000, 0, 1320, 870), seed=63, **FEATURES[feature])
+    problem = case.problem
+    eff = effective_lengths(case.params, problem, problem.q_len_per_req)[2]
+    assert tokens_sum(eff, case.params, problem) == int(eff.sum())
+    assert (problem.window_left >= 0) == (int(eff.sum()) < 1200 + 1000 + 1320 + 870), "the window must cut"

@@ -77,7 +77,7 @@ from .decode_kernel import WORK_COLS, decode_kernel
 from .decode_packing import DecodePacking
 from .decode_split import (PackedSplit, balanced_chunks, chunk_counts, chunk_tokens, effective_lengths,
                            few_programs_target, mean_tokens, packs_these_waves, never_split, policy_tokens,
-                           split_target)
+                           split_target, tokens_sum)
 from .decode_variant import (for_cuda_graph, kernel_constants, line_variant, plain_variant, rope_config, rope_variant,
                              row_block, with_split_block, with_tile, without_waves)
 from .decode_waves import wave_choice, wave_split_ceiling, wave_split_config
@@ -284,7 +284,8 @@ class DecodePlan(DecodePacking):
         lens, lo, eff = lengths
         batch = len(lens)
         if not p.use_cuda_graph:
-            splits, chunk = 0, chunk_tokens(eff, p, params, cfg, self.units, self.split_target)
+            splits, chunk = 0, chunk_tokens(eff, p, params, cfg, self.units, self.split_target,
+                                            tokens_sum(eff, params, p))
             if chunk is not None and self.wave_split:
                 nsplit = chunk_counts(eff, chunk)  # work items, or the kernel's own request x slots
                 n_partial = max(int(nsplit.sum()), batch * int(nsplit.max()))
@@ -308,10 +309,10 @@ class DecodePlan(DecodePacking):
         if not self.config.direct_table or self.problem.use_cuda_graph or params.fixed_split_size is not None:
             return None
         nsplit = chunk_counts(eff, chunk)
-        slots = int(nsplit.max())
-        if len(eff) * slots > 2 * int(nsplit.sum()):
+        slots = int(np.maximum.reduce(nsplit))
+        if len(eff) * slots > 2 * int(np.add.reduce(nsplit)):
             return None
-        return policy_tokens(eff, self.config, self.units, self.split_target), slots
+        return policy_tokens(tokens_sum(eff, params, self.problem), self.config, self.units, self.split_target), slots
 
     def _build(self, device: Device, params: AttentionParams, run_device: torch.device, lengths: tuple,
                packed: PackedSplit | None = None) -> None:
@@ -402,7 +403,8 @@ class DecodePlan(DecodePacking):
             self._place_direct(params, run_device)
         else:  # (the kernel's total split: at least min_chunk_tokens)
             self._place_direct(params, run_device, cfg.min_chunk_tokens if self.total_split else
-                               policy_tokens(eff, cfg, self.units, self.split_target), slots)
+                               policy_tokens(tokens_sum(eff, params, self.problem), cfg, self.units,
+                                             self.split_target), slots)
 
     def _direct_tables(self, params: AttentionParams) -> tuple:
         """The kernel's (work_ptr, last_ptr): (kv_indptr, kv_last_page_len), or a table's (seq_lens, None)."""

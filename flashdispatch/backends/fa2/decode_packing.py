@@ -11,17 +11,19 @@ from ...dispatch.problem import Device
 from ..base import AttentionParams
 from .decode_config import DecodeConfig
 from .decode_split import (PackedSplit, effective_lengths, line_groups, may_wave_pack, packed_segments,
-                           wave_pack_groups, work_fill)
+                           tokens_sum, wave_pack_groups, work_fill)
 from .decode_workspace import workspace_bytes
 
 
 class DecodePacking:
     """Mixin of `DecodePlan`: see the module docstring."""
 
-    def _few_packs(self, eff: np.ndarray, chunk: np.ndarray | None) -> bool:
+    def _few_packs(self, eff: np.ndarray, chunk: np.ndarray | None, total: int | None = None) -> bool:
         """Whether an eager few-programs plan packs its requests (whole, or in chunks of ``chunk``
-        tokens): they keep its target's programs less than `DecodeConfig.pack_fill` busy (`work_fill`)."""
-        return self._may_pack and work_fill(eff, chunk, self.split_target // self.units) < self.config.pack_fill
+        tokens): they keep its target's programs less than `DecodeConfig.pack_fill` busy
+        (`work_fill`; ``total``: the sum of ``eff`` where the caller has it)."""
+        return (self._may_pack
+                and work_fill(eff, chunk, self.split_target // self.units, total) < self.config.pack_fill)
 
     def _takes_few_line(self, eff: np.ndarray, chunk: np.ndarray | None) -> bool:
         """Whether an eager few-programs plan of more than one request leaves the pieces to the
@@ -30,7 +32,7 @@ class DecodePacking:
         cfg = self.config
         if len(eff) < 2 or not self._may_pack:
             return False
-        return (0 < cfg.few_line_mixed <= len(eff) and eff.min() != eff.max()) or (
+        return (0 < cfg.few_line_mixed <= len(eff) and np.minimum.reduce(eff) != np.maximum.reduce(eff)) or (
             cfg.few_pack_line and self._few_packs(eff, chunk))
 
     def _few_line(self, device: Device, eff: np.ndarray, chunk: np.ndarray | None,
@@ -51,7 +53,7 @@ class DecodePacking:
     def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> PackedSplit | None:
         """`decode_split.packed_segments` of a few-programs plan whose requests pack (`_few_packs`),
         else None (also where the workspace cannot hold its partials: packing is a speed-up)."""
-        if not self._few_packs(eff, chunk):
+        if not self._few_packs(eff, chunk, tokens_sum(eff, params, self.problem)):
             return None
         cfg, groups = self.config, self.split_target // self.units
         packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)

@@ -16,9 +16,10 @@ from .decode_waves import unpacked_fraction, wave_choice, wave_split_choice
 
 
 def balanced_chunks(eff: np.ndarray, n: np.ndarray, block_n: int) -> np.ndarray:
-    """Chunk length per request for ``n`` chunks each: equal shares, rounded up to whole blocks."""
-    per = -(-eff // np.maximum(n, 1))
-    return np.maximum(block_n, -(-per // block_n) * block_n)
+    """Chunk length per request for ``n`` chunks each: equal shares, rounded up to whole blocks
+    (at least one)."""
+    blocks = -(-eff // (np.maximum(n, 1) * block_n))  # (ceil(ceil(eff / n) / block_n), in one division)
+    return np.maximum(blocks, 1) * block_n
 
 
 def chunk_counts(eff: np.ndarray, chunk: np.ndarray | None) -> np.ndarray:
@@ -70,6 +71,12 @@ def window_stats(params: AttentionParams, problem: Problem, q_len: int) -> tuple
         return params.kv_lens_stats()
     tokens = np.minimum(params.kv_lens_array(), q_len + problem.window_left)
     return int(tokens.sum()), int(tokens.max(initial=0))
+
+
+def tokens_sum(eff: np.ndarray, params: AttentionParams, problem: Problem) -> int:
+    """The sum of ``eff``, `effective_lengths`' tokens of ``params``' requests: without a window
+    `AttentionParams.kv_lens_stats`' (no pass over the requests where the wrapper gave it)."""
+    return params.kv_lens_stats()[0] if problem.window_left < 0 else int(np.add.reduce(eff))
 
 
 def mean_tokens(params: AttentionParams, problem: Problem, q_len: int) -> float:
@@ -157,9 +164,10 @@ def never_split(batch: int, params: AttentionParams, target: int | None) -> bool
 
 
 def chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg: DecodeConfig,
-                  units: int, target: int | None) -> np.ndarray | None:
+                  units: int, target: int | None, total: int | None = None) -> np.ndarray | None:
     """Chunk length in tokens per request, or None: no request is split. ``target``: the
-    policy's split target for this batch (`split_target`)."""
+    policy's split target for this batch (`split_target`); ``total``: the sum of ``eff`` where
+    the caller has it."""
     if params.disable_split_kv or len(eff) == 0:
         return None
     if params.fixed_split_size is not None:
@@ -168,23 +176,28 @@ def chunk_tokens(eff: np.ndarray, problem: Problem, params: AttentionParams, cfg
         return None
     # Chunks per request rounded down: the grid stays within the target (one more chunk each
     # would start a second, mostly idle wave: 32 x 4096 ran at 3.06 TB/s with 3 chunks, 3.73 with 2).
-    n = np.minimum(np.maximum(eff // policy_tokens(eff, cfg, units, target), 1), cfg.max_splits)
-    return balanced_chunks(eff, n, cfg.block_n) if n.max() > 1 else None
+    total = int(np.add.reduce(eff)) if total is None else total
+    n = np.minimum(np.maximum(eff // policy_tokens(total, cfg, units, target), 1), cfg.max_splits)
+    return balanced_chunks(eff, n, cfg.block_n) if np.maximum.reduce(n) > 1 else None
 
 
-def policy_tokens(eff: np.ndarray, cfg: DecodeConfig, units: int, target: int) -> int:
-    """The split policy's chunk length before balancing: the tokens that give each of the
-    ``target`` programs (`split_target`) an equal share (rounded down, so that requests of
-    equal length get target / programs chunks each), at least ``min_chunk_tokens``."""
-    return max(cfg.min_chunk_tokens, int(eff.sum()) * units // target)
+def policy_tokens(total: int, cfg: DecodeConfig, units: int, target: int) -> int:
+    """The split policy's chunk length before balancing, for requests of ``total`` tokens: the
+    tokens that give each of the ``target`` programs (`split_target`) an equal share (rounded
+    down, so that requests of equal length get target / programs chunks each), at least
+    ``min_chunk_tokens``."""
+    return max(cfg.min_chunk_tokens, total * units // target)
 
 
-def work_fill(eff: np.ndarray, chunk: np.ndarray | None, groups: int) -> float:
+def work_fill(eff: np.ndarray, chunk: np.ndarray | None, groups: int, total: int | None = None) -> float:
     """How busy ``groups`` work items keep their programs on average in a plan whose longest item
     (a request whole, or one of its chunks of ``chunk`` tokens, `chunk_tokens`) sets its time:
-    the requests' tokens over ``groups`` x that item's (1.0: none is longer than the mean)."""
-    longest = int((eff if chunk is None else np.minimum(eff, chunk)).max(initial=0))
-    return int(eff.sum()) / (max(groups, 1) * longest) if longest else 1.0
+    the requests' tokens (``total``, the sum of ``eff`` where the caller has it) over ``groups`` x
+    that item's (1.0: none is longer than the mean)."""
+    longest = int(np.maximum.reduce(eff if chunk is None else np.minimum(eff, chunk), initial=0))
+    if not longest:
+        return 1.0
+    return (int(np.add.reduce(eff)) if total is None else total) / (max(groups, 1) * longest)
 
 
 class PackedSplit(NamedTuple):
