@@ -5,7 +5,8 @@ apart; this host's Python time drifts by 1.5-2x over that. Here both wrappers ge
 inputs (the bench's decode data: device indptr, indices and last_page_len, the page-index check
 as configured), and each round times --calls calls of ours, then of FlashInfer's, plan then run;
 the table shows the median over --rounds rounds of each round's median call (every call after
-a device sync, as the bench's host columns). ``--profile N`` adds a cProfile of our plan and run
+a device sync, as the bench's host columns), and as the ratio the median of the rounds' own
+ratios (this host runs in slow and fast phases of a few seconds: both sides of a round share one). ``--profile N`` adds a cProfile of our plan and run
 at the last shape (the N functions with the most own time). ``--host-indptr`` passes indptr and
 last_page_len as CPU tensors (indices stays on the GPU), as serving engines that build the
 batch's metadata on the host do: FlashInfer's plan then reads nothing from the device, ours
@@ -79,12 +80,14 @@ def main(argv=None) -> None:
             rounds["ro"].append(host_time_us(ours.run, args.calls))
             rounds["rf"].append(host_time_us(peer.run, args.calls))
         m = {key: statistics.median(values) for key, values in rounds.items()}
+        plan_ratio, run_ratio = (statistics.median(o / f for o, f in zip(rounds[ours_key], rounds[peer_key]))
+                                 for ours_key, peer_key in (("po", "pf"), ("ro", "rf")))
         busy = ""
         if args.busy_ms:
             busy = "".join(f" {busy_plan_us(job.plan, args.calls, args.busy_ms):{w}.1f}"
                            for job, w in ((ours, 9), (peer, 8)))
-        print(f"{shape.label:<12} {m['po']:9.1f} {m['pf']:8.1f} {m['po'] / m['pf']:6.2f} "
-              f"{m['ro']:9.1f} {m['rf']:7.1f} {m['ro'] / m['rf']:6.2f}{busy}", flush=True)
+        print(f"{shape.label:<12} {m['po']:9.1f} {m['pf']:8.1f} {plan_ratio:6.2f} "
+              f"{m['ro']:9.1f} {m['rf']:7.1f} {run_ratio:6.2f}{busy}", flush=True)
     if args.profile and ours is not None:
         profile("our plan()", ours.plan, args.calls * 4, args.profile, torch.cuda.synchronize)
         profile("our run()", ours.run, args.calls * 4, args.profile, torch.cuda.synchronize)
