@@ -141,6 +141,44 @@ def test_first_call_normal_then_direct(fake_cuda):
     assert bound.cached_kernels() == 1
 
 
+class FakeCudaLauncher:
+    """Triton 3.6's CudaLauncher as the bound launcher sees it: scratch sizes, the flags its
+    ``__call__`` passes, and a C ``launch`` (both record their calls)."""
+
+    def __init__(self, log, scratch=0):
+        self.log = log
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.launch = lambda *a: log.append(("c-launch", a))
+
+    def __call__(self, *a):
+        self.log.append(("launcher", a))
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_a_kernel_without_scratch_launches_through_the_c_launch(fake_cuda, scratch):
+    """A kept kernel without scratch memory goes to its launcher's C launch with the arguments
+    the launcher's ``__call__`` gives it (cooperative grid, PDL, no scratch, then the metadata);
+    one with scratch to the launcher itself, which allocates it."""
+    jit = FakeJit()
+    compiled = FakeCompiled(jit.log)
+    compiled.run = FakeCudaLauncher(jit.log, scratch)
+    jit.fn.run = lambda *args, grid, warmup, **kwargs: (jit.log.append(("normal",)), compiled)[1]
+    bound = BoundKernel(jit.fn, dict(BLOCK=64, num_warps=4))
+    x, y = torch.randn(64), torch.randn(64)
+    bound((3,), x, y, 32, 0.5)
+    bound((3, 2), x, y, 48, 0.25)
+    kind, call = jit.log[1]
+    if scratch:
+        assert kind == "launcher" and call[:6] == (3, 2, 1, 77, compiled.function, compiled.packed_metadata)
+        assert call[6:] == (None, None, None, x, y, 48, 0.25, 64, False)
+        return
+    assert kind == "c-launch"
+    assert call[:13] == (3, 2, 1, 77, compiled.function, False, True, None, None, compiled.packed_metadata,
+                         None, None, None)
+    assert call[13:] == (x, y, 48, 0.25, 64, False)
+
+
 def test_a_tensor_on_another_gpu_launches_on_that_gpu(fake_cuda, monkeypatch):
     """Triton launches on the current device; the launcher switches to the first argument's GPU
     for the launch (and back), so a wrapper used with tensors on cuda:1 never launches on cuda:0."""

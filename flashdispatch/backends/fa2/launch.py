@@ -11,7 +11,9 @@ low-level launcher, the call `JITFunction.run` makes at its end (triton 3.6 runt
                launch_metadata, launch_enter_hook, launch_exit_hook, *every kernel argument)
 
 (constexpr arguments included: the CUDA launcher skips them). With no launch hooks, the metadata
-and both hooks are None, which the launcher skips too. For each tensor argument that launcher
+and both hooks are None, which the launcher skips too. That launcher's ``__call__`` allocates the
+kernel's scratch memory and calls its C ``launch``; a kernel without scratch is launched through
+that C function directly (`_kept_launch`). For each tensor argument that launcher
 calls ``data_ptr()`` and asks the driver whether the GPU can reach the memory
 (cuPointerGetAttribute); an int it passes on as it is. `BoundKernel.launch_addresses` launches a
 kept kernel with the tensors given as their addresses, for callers that hold them already and
@@ -173,7 +175,7 @@ class BoundKernel:
         if direct is None:
             direct = isinstance(fn, JITFunction) and _version_verified()
         self._direct = direct
-        self._kernels: dict = {}  # (device, debug, instrumentation, spec_key) -> (run, function, metadata)
+        self._kernels: dict = {}  # (device, debug, instrumentation, spec_key) -> `_kept_launch`
         self._calls = None  # (current device, current stream), looked up at the first direct call
         if direct:
             self._tail, self._num_runtime = self._layout(fn, kwargs)
@@ -244,13 +246,13 @@ class BoundKernel:
             return
         kernel = self.fn[grid](*args, **self._kwargs)
         if hit is None and len(args) == self._num_runtime and getattr(kernel, "packed_metadata", None) is not None:
-            self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+            self._kernels[key] = _kept_launch(kernel)
 
     def _run(self, hit: tuple, stream: int, grid: tuple, args: tuple) -> None:
-        run, function, metadata = hit
+        call, function, head = hit
         n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, metadata, None, None, None,
-            *args, *self._tail)
+        call(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, *head, None, None, None,
+             *args, *self._tail)
 
     def launch_addresses(self, spec: tuple, device: int, grid: tuple, args: tuple) -> bool:
         """Launch the kernel kept for ``spec`` (the `spec_key` of the same arguments as tensors) on
@@ -276,6 +278,18 @@ class BoundKernel:
     def cached_kernels(self) -> int:
         """How many compiled kernels this launcher launches directly (all devices)."""
         return len(self._kernels)
+
+
+def _kept_launch(kernel) -> tuple:
+    """(call, function, head) of a compiled kernel for `BoundKernel._run`, which calls ``call(grid,
+    stream, function, *head, None, None, None, *args)``. Where its launcher (triton 3.6's
+    CudaLauncher) allocates no scratch memory for the kernel, its own C launch, with the flags
+    the launcher's ``__call__`` passes it (cooperative grid, PDL, no scratch); else the launcher."""
+    launcher = kernel.run
+    if getattr(launcher, "global_scratch_size", None) == 0 and getattr(launcher, "profile_scratch_size", None) == 0:
+        return launcher.launch, kernel.function, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                                                  kernel.packed_metadata)
+    return launcher, kernel.function, (kernel.packed_metadata,)
 
 
 def launch_kept(launch: BoundKernel, specs: SpecKeys, call, device: int | None, grid: tuple, addressed: tuple,
