@@ -6,8 +6,9 @@ inputs (the bench's decode data: device indptr, indices and last_page_len, the p
 as configured), and each round times --calls calls of ours, then of FlashInfer's, plan then run;
 the table shows the median over --rounds rounds of each round's median call (every call after
 a device sync, as the bench's host columns), and as the ratio the median of the rounds' own
-ratios (this host runs in slow and fast phases of a few seconds: both sides of a round share one). ``--profile N`` adds a cProfile of our plan and run
-at the last shape (the N functions with the most own time). ``--host-indptr`` passes indptr and
+ratios (this host runs in slow and fast phases of a few seconds: both sides of a round share
+one). ``--profile N`` adds a cProfile of our plan and run at the last shape (the N functions
+with the most own time). ``--host-indptr`` passes indptr and
 last_page_len as CPU tensors (indices stays on the GPU), as serving engines that build the
 batch's metadata on the host do: FlashInfer's plan then reads nothing from the device, ours
 still reduces the used page indices to their (min, max) for its page-index check (with fa2

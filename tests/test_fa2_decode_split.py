@@ -95,6 +95,26 @@ def test_balanced_chunks_round_each_share_up_to_whole_blocks():
             assert (balanced_chunks(eff, np.full_like(eff, n), block) == expected).all(), (block, n)
 
 
+def test_the_decode_wrappers_kv_stats_are_those_of_the_planned_lengths():
+    """`tokens_sum` takes a windowless plan's token sum from the kv_lens_stats the decode wrapper
+    gives its params (worked out once in plan()): they must be the sum and max of the planned
+    lengths, at the first plan() and at a re-plan of other lengths (the refresh's)."""
+    import torch
+
+    import flashdispatch as fd
+    wrapper = fd.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), "NHD",
+                                                    backend="reference")
+    page = 16
+    for lens in ([1200, 0, 870, 33], [5, 1600, 17, 900]):
+        pages = [-(-n // page) for n in lens]
+        indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), dtype=torch.int32)
+        last = torch.tensor([n - (k - 1) * page if k else 0 for n, k in zip(lens, pages)], dtype=torch.int32)
+        wrapper.plan(indptr, torch.arange(sum(pages), dtype=torch.int32), last, 8, 2, 64, page)
+        params = wrapper._planned.params
+        assert params.kv_lens_array().tolist() == lens
+        assert params.kv_lens_stats() == (sum(lens), max(lens))
+
+
 @pytest.mark.parametrize("feature", ["plain", "q_len3-window"])
 def test_tokens_sum_is_the_sum_of_the_effective_lengths(feature):
     """The split policy's tokens (`tokens_sum`: the wrapper's kv_lens_stats without a window)

@@ -53,7 +53,7 @@ class DecodePacking:
     def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> PackedSplit | None:
         """`decode_split.packed_segments` of a few-programs plan whose requests pack (`_few_packs`),
         else None (also where the workspace cannot hold its partials: packing is a speed-up)."""
-        if not self._few_packs(eff, chunk, tokens_sum(eff, params, self.problem)):
+        if not (self._may_pack and self._few_packs(eff, chunk, tokens_sum(eff, params, self.problem))):
             return None
         cfg, groups = self.config, self.split_target // self.units
         packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
