@@ -228,7 +228,7 @@ class DecodePlan(DecodePacking):
             tokens = mean_tokens(params, self.problem, self.q_len)
             if split_target(self.batch, cfg, self.units, sm_count, tokens, choice) != self.split_target:
                 return None
-        split = (0, 1)
+        split, lengths = (0, 1), None
         if self.problem.use_cuda_graph:  # `_place_graph_direct`: a function of the batch size alone
             split = (self.split_tokens, self.split_slots)
         else:
@@ -243,7 +243,7 @@ class DecodePlan(DecodePacking):
                     split = self._direct_split(eff, chunk, params) if self.direct else None
         if split is None or split[1] != self.split_slots:
             return None
-        return self._with_tables(params, split[0]) if self.direct else self._with_rows(params)
+        return self._with_tables(params, split[0]) if self.direct else self._with_rows(params, lengths)
 
     def _copy_for(self, params: AttentionParams) -> DecodePlan:
         """A shallow copy of this plan with the index tensors of ``params`` (the refreshes' base)."""
@@ -263,10 +263,10 @@ class DecodePlan(DecodePacking):
         plan._set_tables()
         return plan
 
-    def _with_rows(self, params: AttentionParams) -> DecodePlan:
-        """`_copy_for` ``params`` of this ``whole_rows`` plan, with the work rows of its lengths,
-        uploaded as `_place` uploads them (`refreshed`)."""
-        lens, lo, eff = effective_lengths(params, self.problem, self.q_len)
+    def _with_rows(self, params: AttentionParams, lengths: tuple | None) -> DecodePlan:
+        """`_copy_for` ``params`` of this ``whole_rows`` plan with the work rows of ``lengths`` (their
+        `effective_lengths`; None: worked out here), uploaded as `_place` uploads them (`refreshed`)."""
+        lens, lo, eff = lengths or effective_lengths(params, self.problem, self.q_len)
         meta = work_array(lens, lo, eff, self.problem.page_size, self.q_len, 0, None, None, None).meta
         plan = self._copy_for(params)
         plan.work = plan.plse = plan.po = self._upload(meta, params)  # (no partial: never written)

@@ -18,12 +18,14 @@ from .decode_workspace import workspace_bytes
 class DecodePacking:
     """Mixin of `DecodePlan`: see the module docstring."""
 
-    def _few_packs(self, eff: np.ndarray, chunk: np.ndarray | None, total: int | None = None) -> bool:
+    def _few_packs(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams | None = None) -> bool:
         """Whether an eager few-programs plan packs its requests (whole, or in chunks of ``chunk``
         tokens): they keep its target's programs less than `DecodeConfig.pack_fill` busy
-        (`work_fill`; ``total``: the sum of ``eff`` where the caller has it)."""
-        return (self._may_pack
-                and work_fill(eff, chunk, self.split_target // self.units, total) < self.config.pack_fill)
+        (`work_fill`; ``params``, where the caller has them, give the tokens' sum: `tokens_sum`)."""
+        if not self._may_pack:
+            return False
+        total = None if params is None else tokens_sum(eff, params, self.problem)
+        return work_fill(eff, chunk, self.split_target // self.units, total) < self.config.pack_fill
 
     def _takes_few_line(self, eff: np.ndarray, chunk: np.ndarray | None) -> bool:
         """Whether an eager few-programs plan of more than one request leaves the pieces to the
@@ -53,7 +55,7 @@ class DecodePacking:
     def _packed(self, eff: np.ndarray, chunk: np.ndarray | None, params: AttentionParams) -> PackedSplit | None:
         """`decode_split.packed_segments` of a few-programs plan whose requests pack (`_few_packs`),
         else None (also where the workspace cannot hold its partials: packing is a speed-up)."""
-        if not (self._may_pack and self._few_packs(eff, chunk, tokens_sum(eff, params, self.problem))):
+        if not self._few_packs(eff, chunk, params):
             return None
         cfg, groups = self.config, self.split_target // self.units
         packed = packed_segments(eff, groups, cfg.pack_items, cfg.min_chunk_tokens, cfg.max_splits)
