@@ -8,7 +8,9 @@
 #
 # Knobs (environment): TESTS (pytest files, run with -m gpu), TESTS_S (their cap, s), SHAPES,
 # REPS (alternations), MODES ("device host": where indptr and last_page_len live), ROUNDS, AB_S
-# (cap per process, s), PROFILE=N (then a cProfile of this tree's plan() at 256x1024, top N).
+# (cap per process, s), EXTRA (more arguments of host_vs_flashinfer.py, e.g. "--step-layers 32": the
+# earlier tree's copy of the script must know them), PROFILE=N (then a cProfile of this tree's plan() at
+# 256x1024, top N).
 # Writes $OUT/gpu.txt, tests.log, ab.log, profile.log.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -30,8 +32,9 @@ for rep in $(seq 1 "${REPS:-2}"); do
       echo "== rep $rep tree $tree indptr on the $mode"
       flag=()
       [ "$mode" = host ] && flag=(--host-indptr)
+      # shellcheck disable=SC2086  # EXTRA: several arguments
       timeout "${AB_S:-120}" python3 "$tree/scripts/host_vs_flashinfer.py" \
-        --shapes "${SHAPES:-256x1024,64x4096,1x32768}" --rounds "${ROUNDS:-9}" "${flag[@]}" 2>&1 \
+        --shapes "${SHAPES:-256x1024,64x4096,1x32768}" --rounds "${ROUNDS:-9}" "${flag[@]}" ${EXTRA:-} 2>&1 \
         | grep -v "^host us\|Warning\|warn"
     done
   done

@@ -15,7 +15,11 @@ still reduces the used page indices to their (min, max) for its page-index check
 queued without a wait, the check ending at a later run() or plan()). ``--cuda-graph`` times
 use_cuda_graph=True wrappers, run() as a graph replay. ``--busy-ms MS`` adds two columns: plan()
 issued right after a kernel of MS ms was queued (`host_overhead.busy_plan_us`): about the idle
-figure when plan() does not wait for the GPU, about MS ms when it does.
+figure when plan() does not wait for the GPU, about MS ms when it does. ``--step-layers L`` adds
+a serving step's host time: plan() then L run()s (one per layer), issued right after a kernel of
+``--busy-ms`` ms (5 when not given) was queued, as an engine issues a step while the GPU still
+runs the last one: what the step costs beyond the bare calls (a page check still pending at the
+runs, the first run() of a new plan) shows there.
 
     python scripts/host_vs_flashinfer.py --shapes 256x1024,64x4096,1x32768
     python scripts/host_vs_flashinfer.py --ours fa2 --peer fa2-tc --rounds 9 --profile 25
@@ -53,6 +57,8 @@ def main(argv=None) -> None:
                     help="use_cuda_graph=True wrappers, run() a graph replay (as the bench's --cuda-graph)")
     ap.add_argument("--busy-ms", type=float, default=0.0, metavar="MS",
                     help="also time plan() queued behind an MS ms kernel (does it wait for the GPU?)")
+    ap.add_argument("--step-layers", type=int, default=0, metavar="L",
+                    help="also time plan() + L run()s issued behind a busy kernel (a serving step)")
     args = ap.parse_args(argv)
     fi, why = import_flashinfer()
     if fi is None:
@@ -61,6 +67,7 @@ def main(argv=None) -> None:
     print(f"host us per call, median of {args.rounds} rounds x {args.calls} calls; ours fd:{args.ours}, "
           f"peer fi:{args.peer}; indptr on the {where}; torch {torch.__version__}, flashinfer {fi.__version__}")
     busy_head = f" {'busy ours':>9} {'busy fi':>8}" if args.busy_ms else ""
+    busy_head += f" {'step ours':>9} {'step fi':>8} {'ratio':>6}" if args.step_layers else ""
     print(f"{'shape':<12} {'plan ours':>9} {'plan fi':>8} {'ratio':>6} {'run ours':>9} {'run fi':>7} {'ratio':>6}"
           + busy_head)
     ours = None
@@ -87,11 +94,25 @@ def main(argv=None) -> None:
         if args.busy_ms:
             busy = "".join(f" {busy_plan_us(job.plan, args.calls, args.busy_ms):{w}.1f}"
                            for job, w in ((ours, 9), (peer, 8)))
+        if args.step_layers:  # alternated as the other columns: a round of steps each
+            steps = [[busy_plan_us(serving_step(job, args.step_layers), 5, args.busy_ms or 5.0) for job in (ours, peer)]
+                     for _ in range(args.rounds)]
+            busy += "".join(f" {statistics.median(s[i] for s in steps):{w}.1f}" for i, w in ((0, 9), (1, 8)))
+            busy += f" {statistics.median(o / f for o, f in steps):6.2f}"
         print(f"{shape.label:<12} {m['po']:9.1f} {m['pf']:8.1f} {plan_ratio:6.2f} "
               f"{m['ro']:9.1f} {m['rf']:7.1f} {run_ratio:6.2f}{busy}", flush=True)
     if args.profile and ours is not None:
         profile("our plan()", ours.plan, args.calls * 4, args.profile, torch.cuda.synchronize)
         profile("our run()", ours.run, args.calls * 4, args.profile, torch.cuda.synchronize)
+
+
+def serving_step(job, layers: int):
+    """One decode step of an engine: plan(), then a run() per layer."""
+    def step():
+        job.plan()
+        for _ in range(layers):
+            job.run()
+    return step
 
 
 if __name__ == "__main__":

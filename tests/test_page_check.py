@@ -128,13 +128,14 @@ class _Reduction:
     ``ready`` says so."""
 
     def __init__(self):
-        self.pending, self.ready = False, False
+        self.pending, self.ready, self.asked = False, False, 0
 
     def start(self, indices, used, upload=None):
         self.pending, self.range = True, (int(indices[:used].min()), int(indices[:used].max()))
         return None if upload is None else [torch.from_numpy(a.astype("int32")) for a in upload]
 
     def done(self):
+        self.asked += 1
         return self.ready
 
     def result(self):
@@ -211,6 +212,28 @@ def test_a_negative_index_refuses_every_run_of_its_plan():
         r.run(64)  # the plan stays installed: its run() would read page -2
     r.plan(20)
     r.run(64)
+
+
+def test_only_the_first_run_after_a_plan_asks_whether_its_check_ran():
+    """The reduction is asked about (an event query) at the first run() after its plan() only:
+    a step's later runs, issued ahead of the GPU, ask nothing; the next plan() ends the check.
+    A new plan()'s first run() asks again."""
+    w = _Wrapper(graph=False)
+    w.plan(150)
+    for _ in range(4):
+        w.run(64)
+        w._page_reader.ready = True  # ran after the first run() asked: the next plan() ends it
+    assert w._page_reader.asked == 1 and w._page_checking()
+    with pytest.raises(ValueError, match="reference page 150, but paged_kv_cache has only 64 pages"):
+        w.plan(20)
+    w._page_reader.ready = False
+    w.plan(20)  # (after a plan() that raised, runs wait for one that succeeds)
+    w.run(64)
+    assert w._page_reader.asked == 2 and w._page_checking()
+    w.plan(20)  # ends it (index 20 within the 64-page cache of its run)
+    w._page_reader.ready = True
+    w.run(64)  # asks, finds it ran: ended before the launch
+    assert w._page_reader.asked == 3 and not w._page_checking() and w.variant.max_page_index == 20
 
 
 def test_a_plan_that_fails_refuses_run_until_a_plan_succeeds():
