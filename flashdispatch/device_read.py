@@ -148,28 +148,41 @@ def _memory_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.numel(), t.dtype, t.is_contiguous())
 
 
+def _relaunch(launches: dict, key: tuple, used: int) -> tuple | None:
+    """The launch kept in ``launches`` under ``key`` made again with ``used`` used indices; its
+    `_launch_summary` result, or None when none is kept (or the kept kernel cannot take it)."""
+    kept = launches.get(key)
+    if kept is not None:
+        args = kept.args.copy()
+        args[_USED_AT] = used
+        if kept.launcher.launch_addresses(kept.spec, kept.device, kept.grid, args):
+            return kept.result
+    return None
+
+
 def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, used_host: int | None,
-                    buf: torch.Tensor | None, copy_to: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, list[int], int, int]:
+                    buf: torch.Tensor | None, copy_to: torch.Tensor | None = None, launches: dict | None = None,
+                    key: tuple | None = None) -> tuple[torch.Tensor, list[int], int, int]:
     """Launch `index_summary_kernel` (see `read_index_tensors`) into ``buf`` (None: this thread's
     staging buffer), the tensors copied to ``copy_to`` (None: ``buf``; else on ``indices``' GPU,
     the tensors then in pinned host memory); returns (buffer, tensor sizes, their total, programs).
 
     A launch made by address is kept (per thread) under the memory it reads and writes: a plan()
     given the same index tensors again (a serving engine's fixed buffers) launches it again
-    without working its arguments out."""
+    without working its arguments out. ``launches`` and ``key``: where to keep it instead, under
+    the caller's key, which must tell apart every memory (address, entries, dtype, contiguity)
+    the launch reads and writes (`IndexRangeReader`, whose own buffers it names by their size)."""
     if len(tensors) > MAX_TENSORS or (used_host is None and not tensors):
         raise ValueError(f"read_index_tensors: 1 to {MAX_TENSORS} tensors (the first an indptr when "
                          f"used_host is None), got {len(tensors)}")
     used = used_host or 0
-    key = (*map(_memory_key, tensors), _memory_key(indices), _memory_key(buf), _memory_key(copy_to),
-           used_host is None, used > _I32_MAX)
-    kept = _staging.launches.get(key)
-    if kept is not None:
-        args = kept.args.copy()
-        args[_USED_AT] = used
-        if kept.launcher.launch_addresses(kept.spec, kept.device, kept.grid, args):
-            return kept.result
+    if launches is None:
+        launches = _staging.launches
+        key = (*map(_memory_key, tensors), _memory_key(indices), _memory_key(buf), _memory_key(copy_to),
+               used_host is None, used > _I32_MAX)
+    result = _relaunch(launches, key, used)
+    if result is not None:
+        return result
     given = (*tensors, indices)
     tensors = [t.contiguous() for t in tensors]  # the kernel reads flat memory (free when contiguous)
     indices = None if indices is None else indices.contiguous()
@@ -199,9 +212,9 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
     result = (buf, sizes, n, programs)
     if device.type in _BY_ADDRESS and launcher.launch_addresses(spec, device.index, (programs,), addressed):
         if all(t is c for t, c in zip(given, (*tensors, indices))):  # (no contiguous copy: addresses of their own)
-            if len(_staging.launches) >= _KEPT_LAUNCHES:
-                _staging.launches.clear()
-            _staging.launches[key] = _KeptLaunch(launcher, spec, device.index, (programs,), addressed, result)
+            if len(launches) >= _KEPT_LAUNCHES:
+                launches.clear()
+            launches[key] = _KeptLaunch(launcher, spec, device.index, (programs,), addressed, result)
     else:
         launcher.launch_with_spec(spec, (programs,), args)
     return result
@@ -249,6 +262,7 @@ class IndexRangeReader:
         self._event: torch.cuda.Event | None = None
         self._dst: torch.Tensor | None = None  # the upload's device buffer
         self._views: dict = {}  # upload sizes -> views of _dst
+        self._launches: dict = {}  # its summary launches made by address (`_launch_summary`), for these buffers
         self._programs = self._n = 0
 
     def start(self, indices: torch.Tensor, used: int, upload: list[np.ndarray] | None = None
@@ -266,20 +280,23 @@ class IndexRangeReader:
             self._buf = torch.empty(max(2 * (n + 2 * programs), 64), dtype=torch.int32, pin_memory=True)
             self._buf_np = self._buf.numpy()
             self._event = self._event or torch.cuda.Event()
+            self._launches = {}  # (they name the old buffer)
         views = None
         if n:
             if self._dst is None or self._dst.numel() < n or self._dst.device != indices.device:
                 self._dst = torch.empty(max(2 * n, 64), dtype=torch.int32, device=indices.device)
-                self._views = {}
+                self._views, self._launches = {}, {}
             np.concatenate(upload, out=self._buf_np[:n], casting="unsafe")
             views = self._views.get(tuple(sizes))
             if views is None:
                 if len(self._views) >= _KEPT_VIEWS:  # a batch size each: kept for the sizes in use
                     self._views.clear()
                 views = self._views[tuple(sizes)] = list(self._dst[:n].split_with_sizes(sizes))
-            _launch_summary([self._buf[:n]], indices, used, self._buf, copy_to=self._dst)
-        else:
-            _launch_summary([], indices, used, self._buf)
+        # its own buffers, fixed until they grow, named by the upload's size (no slice, no keys of theirs)
+        key = (n, _memory_key(indices), used > _I32_MAX)
+        if _relaunch(self._launches, key, used) is None:
+            _launch_summary([self._buf[:n]] if n else [], indices, used, self._buf, self._dst if n else None,
+                            self._launches, key)
         self._event.record(current_stream(indices.device.index))
         self._programs, self._n, self.pending = programs, n, True
         return views

@@ -196,6 +196,35 @@ def test_range_reader_uploads_host_arrays_with_its_launch():
 
 
 @pytest.mark.gpu
+def test_range_reader_makes_its_kept_launch_again_with_what_its_inputs_hold_now(monkeypatch):
+    """`IndexRangeReader.start` keeps its launches under its own key (the upload's size, the
+    indices' memory, the used count's width): a start like an earlier one makes that launch again
+    without `_launch_summary`, and it reads what the indices and the upload hold now; other
+    indices, another upload size and grown buffers launch afresh."""
+    import numpy as np
+    from flashdispatch import device_read
+    fresh = []
+    summary = device_read._launch_summary
+    monkeypatch.setattr(device_read, "_launch_summary", lambda *a: fresh.append(1) or summary(*a))
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a, b = (torch.randint(0, 10 ** 6, (n,), dtype=torch.int32, device="cuda", generator=gen) for n in (5000, 9000))
+    reader = device_read.IndexRangeReader()
+    rng = np.random.default_rng(0)
+    # (indices, used, upload sizes, launched afresh); the third rewrites a in place first
+    steps = [(a, 100, (5, 4), True), (a, 4000, (5, 4), False), (a, 4000, (5, 4), False), (b, 9000, (5, 4), True),
+             (a, 50, (5, 4), False), (a, 50, (300, 299), True), (a, 50, (5, 4), True), (a, 60, (5, 4), False)]
+    for i, (indices, used, sizes, afresh) in enumerate(steps):
+        if i == 2:
+            a.random_(0, 10 ** 6, generator=gen)
+        arrays = [rng.integers(0, 1 << 30, n) for n in sizes]
+        before = len(fresh)
+        got = reader.start(indices, used, arrays)
+        assert reader.result() == (int(indices[:used].min()), int(indices[:used].max())), i
+        assert [t.cpu().tolist() for t in got] == [x.tolist() for x in arrays], i
+        assert (len(fresh) > before) == afresh, i
+
+
+@pytest.mark.gpu
 def test_range_reader_keeps_the_views_of_a_few_upload_sizes(monkeypatch):
     """A reader keeps device views for at most `_KEPT_VIEWS` upload layouts (batch sizes); past
     them it starts again, and every upload still arrives whole."""
