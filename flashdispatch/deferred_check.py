@@ -43,7 +43,7 @@ class DeferredPageCheck:
     _page_reader: IndexRangeReader | None = None  # made at the first deferred check
     _cache_pages: int | None = None  # pages its end checks against (`_finish_page_check`)
     _checked_pages = 0  # the used indices of the pending check (indptr[-1])
-    _page_asked = False  # whether a run() has asked the pending check's reduction (`_reduction_ran`)
+    _page_runs = 0  # run()s since the pending check's plan() (`_reduction_ran`)
 
     @staticmethod
     def _defers_page_check(lengths: tuple[torch.Tensor, ...], indices: torch.Tensor) -> bool:
@@ -64,7 +64,7 @@ class DeferredPageCheck:
             from .device_read import IndexRangeReader  # Triton: only where device values are read
             self._page_reader = IndexRangeReader()
         uploaded = self._page_reader.start(indices, used_pages, upload)
-        self._checked_pages, self._page_asked = used_pages, False
+        self._checked_pages, self._page_runs = used_pages, 0
         return 0, uploaded
 
     def _planning_with_page_check(self, plan) -> None:
@@ -81,8 +81,8 @@ class DeferredPageCheck:
 
     def _page_check_at_run(self, planned: PlannedAttention, num_pages: int) -> None:
         """Before run()'s launch on a cache of ``num_pages`` pages: end the check if
-        ``planned``'s backend does not clamp page indices, or if its reduction has run by the
-        first run() after its plan() (`_reduction_ran`). A plan whose check found a negative index
+        ``planned``'s backend does not clamp page indices, or if this run() asks whether its
+        reduction has run and it has (`_reduction_ran`). A plan whose check found a negative index
         is refused at every run() until a plan() succeeds (`WrapperBase._variant`, which run()
         calls first)."""
         keep = self._use_cuda_graph or self._cache_pages is None
@@ -91,13 +91,12 @@ class DeferredPageCheck:
             self._finish_page_check()
 
     def _reduction_ran(self) -> bool:
-        """Whether the pending check's reduction has run, asked at the first run() after its
-        plan() only: the question is an event query (a driver call), and an engine that issues a
-        step's runs (one a layer) ahead of the GPU would pay one at each of them."""
-        if self._page_asked:
-            return False
-        self._page_asked = True
-        return self._page_reader.done()
+        """Whether the pending check's reduction has run, asked at the 1st, 2nd, 4th, 8th, ...
+        run() after its plan(): the question is an event query (a driver call), which an engine
+        issuing a step's runs (one a layer) ahead of the GPU would otherwise pay at each of them;
+        a plan run many times still ends its check (within twice the runs it took to run)."""
+        self._page_runs = n = self._page_runs + 1
+        return n & (n - 1) == 0 and self._page_reader.done()
 
     def _page_checking(self) -> bool:
         """Whether a deferred page-index check has not ended (`_finish_page_check`)."""
@@ -114,9 +113,9 @@ class DeferredPageCheck:
         its cache between steps: an eager plan's indices are never checked against the cache of
         an earlier plan's run().
 
-        The check ends at the first run() after its plan() if its reduction has run by then
-        (before the launch), at a run() of a backend that does not clamp, or at the next plan()
-        (CUDA-graph replays run no Python). Runs before its end read clamped pages: an error
+        The check ends at a run() that asks whether its reduction has run and finds it has
+        (before the launch; `_reduction_ran`), at a run() of a backend that does not clamp, or at
+        the next plan() (CUDA-graph replays run no Python). Runs before its end read clamped pages: an error
         raised at the end says their outputs are wrong."""
         if not self._page_checking():
             return

@@ -29,7 +29,7 @@ _PER_PROGRAM = 2048
 _I32_MAX = (1 << 31) - 1
 _POINTER_ARGS = (0, 2, 4, 6, 9, 10)  # index_summary_kernel's pointers among its runtime arguments
 _KEPT_VIEWS = 64  # IndexRangeReader: upload layouts whose device views it keeps
-_KEPT_LAUNCHES = 16  # per thread: argument sets whose summary launch is kept
+_KEPT_LAUNCHES = 16  # per thread (and per IndexRangeReader): argument sets whose summary launch is kept
 _USED_AT = 8  # used_host's place among the kernel's runtime arguments
 _BY_ADDRESS = frozenset({"cuda"})  # device types whose launches go by address (and are kept)
 
@@ -171,7 +171,9 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
     given the same index tensors again (a serving engine's fixed buffers) launches it again
     without working its arguments out. ``launches`` and ``key``: where to keep it instead, under
     the caller's key, which must tell apart every memory (address, entries, dtype, contiguity)
-    the launch reads and writes (`IndexRangeReader`, whose own buffers it names by their size)."""
+    the launch reads and writes, or the caller empties ``launches`` when one changes
+    (`IndexRangeReader`: the indices' memory and the upload's size in its key, its own buffers
+    dropped with their kept launches when they are replaced)."""
     if len(tensors) > MAX_TENSORS or (used_host is None and not tensors):
         raise ValueError(f"read_index_tensors: 1 to {MAX_TENSORS} tensors (the first an indptr when "
                          f"used_host is None), got {len(tensors)}")
@@ -292,7 +294,7 @@ class IndexRangeReader:
                 if len(self._views) >= _KEPT_VIEWS:  # a batch size each: kept for the sizes in use
                     self._views.clear()
                 views = self._views[tuple(sizes)] = list(self._dst[:n].split_with_sizes(sizes))
-        # its own buffers, fixed until they grow, named by the upload's size (no slice, no keys of theirs)
+        # its own buffers are fixed until replaced above (which drops their kept launches): no slice, no keys of theirs
         key = (n, _memory_key(indices), used > _I32_MAX)
         if _relaunch(self._launches, key, used) is None:
             _launch_summary([self._buf[:n]] if n else [], indices, used, self._buf, self._dst if n else None,

@@ -200,19 +200,25 @@ def test_range_reader_makes_its_kept_launch_again_with_what_its_inputs_hold_now(
     """`IndexRangeReader.start` keeps its launches under its own key (the upload's size, the
     indices' memory, the used count's width): a start like an earlier one makes that launch again
     without `_launch_summary`, and it reads what the indices and the upload hold now; other
-    indices, another upload size and grown buffers launch afresh."""
+    indices and another upload size launch afresh, and so does every key after its pinned
+    buffer (more programs) or its device buffer (a larger upload) grew."""
     import numpy as np
     from flashdispatch import device_read
     fresh = []
     summary = device_read._launch_summary
     monkeypatch.setattr(device_read, "_launch_summary", lambda *a: fresh.append(1) or summary(*a))
     gen = torch.Generator(device="cuda").manual_seed(3)
-    a, b = (torch.randint(0, 10 ** 6, (n,), dtype=torch.int32, device="cuda", generator=gen) for n in (5000, 9000))
+    a, b, c = (torch.randint(0, 10 ** 6, (n,), dtype=torch.int32, device="cuda", generator=gen)
+               for n in (5000, 9000, 150000))
     reader = device_read.IndexRangeReader()
+    reader.start(a, 10, [np.arange(5), np.arange(4)])  # compiles the kernel (a first launch is not kept)
+    reader.result()
     rng = np.random.default_rng(0)
-    # (indices, used, upload sizes, launched afresh); the third rewrites a in place first
+    # (indices, used, upload sizes, launched afresh); the third rewrites a in place first; c's 74
+    # programs grow the pinned buffer (64 -> 314 entries), the upload of 200 the device one (64 -> 400)
     steps = [(a, 100, (5, 4), True), (a, 4000, (5, 4), False), (a, 4000, (5, 4), False), (b, 9000, (5, 4), True),
-             (a, 50, (5, 4), False), (a, 50, (300, 299), True), (a, 50, (5, 4), True), (a, 60, (5, 4), False)]
+             (a, 50, (5, 4), False), (c, 150000, (5, 4), True), (a, 50, (5, 4), True), (a, 60, (100, 100), True),
+             (a, 60, (5, 4), True), (a, 70, (5, 4), False)]
     for i, (indices, used, sizes, afresh) in enumerate(steps):
         if i == 2:
             a.random_(0, 10 ** 6, generator=gen)

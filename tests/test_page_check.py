@@ -214,26 +214,39 @@ def test_a_negative_index_refuses_every_run_of_its_plan():
     r.run(64)
 
 
-def test_only_the_first_run_after_a_plan_asks_whether_its_check_ran():
-    """The reduction is asked about (an event query) at the first run() after its plan() only:
-    a step's later runs, issued ahead of the GPU, ask nothing; the next plan() ends the check.
-    A new plan()'s first run() asks again."""
+def test_runs_ask_whether_the_check_ran_at_the_1st_2nd_4th_8th_run_after_its_plan():
+    """The reduction is asked about (an event query) at the 1st, 2nd, 4th, 8th, ... run() after
+    its plan(): a step's runs, issued ahead of the GPU, ask a few times, and a plan run many times
+    still ends its check (a bad index is then refused before the launch)."""
     w = _Wrapper(graph=False)
-    w.plan(150)
-    for _ in range(4):
+    w.plan(20)
+    for _ in range(9):
         w.run(64)
-        w._page_reader.ready = True  # ran after the first run() asked: the next plan() ends it
-    assert w._page_reader.asked == 1 and w._page_checking()
-    with pytest.raises(ValueError, match="reference page 150, but paged_kv_cache has only 64 pages"):
-        w.plan(20)
-    w._page_reader.ready = False
-    w.plan(20)  # (after a plan() that raised, runs wait for one that succeeds)
-    w.run(64)
-    assert w._page_reader.asked == 2 and w._page_checking()
-    w.plan(20)  # ends it (index 20 within the 64-page cache of its run)
+    assert w._page_reader.asked == 4 and w._page_checking()  # runs 1, 2, 4, 8
     w._page_reader.ready = True
-    w.run(64)  # asks, finds it ran: ended before the launch
-    assert w._page_reader.asked == 3 and not w._page_checking() and w.variant.max_page_index == 20
+    for _ in range(6):
+        w.run(64)  # runs 10-15 do not ask
+    assert w._page_reader.asked == 4 and w._page_checking()
+    w.run(64)  # run 16 asks, finds it ran: ended before the launch
+    assert w._page_reader.asked == 5 and not w._page_checking() and w.variant.max_page_index == 20
+    w._page_reader.ready = False
+    w.plan(150)  # (index 150: past the 64 pages of its runs)
+    w.run(64)
+    assert w._page_reader.asked == 6 and w._page_checking()
+    w._page_reader.ready = True
+    with pytest.raises(ValueError, match="reference page 150, but paged_kv_cache has only 64 pages"):
+        w.run(64)  # run 2 asks: refused before its launch, as at every later run() on that cache
+
+
+def test_a_run_of_a_backend_that_does_not_clamp_ends_the_check_first():
+    """A run() whose variant's backend reads page indices unclamped waits for a pending check
+    (and ends it) before its launch, whether or not this run() would ask."""
+    w = _Wrapper(graph=False)
+    w.plan(20)
+    w.run(64)  # asks: not run yet
+    w.variant.backend = SimpleNamespace(clamps_page_indices=lambda problem: False)
+    w.run(64)
+    assert not w._page_checking() and w.variant.max_page_index == 20
 
 
 def test_a_plan_that_fails_refuses_run_until_a_plan_succeeds():
