@@ -115,8 +115,8 @@ class DeferredPageCheck:
 
         The check ends at a run() that asks whether its reduction has run and finds it has
         (before the launch; `_reduction_ran`), at a run() of a backend that does not clamp, or at
-        the next plan() (CUDA-graph replays run no Python). Runs before its end read clamped pages: an error
-        raised at the end says their outputs are wrong."""
+        the next plan() (CUDA-graph replays run no Python). Runs before its end read clamped
+        pages: an error raised at the end says their outputs are wrong."""
         if not self._page_checking():
             return
         low, high = self._page_reader.result()
