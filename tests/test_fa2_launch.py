@@ -316,6 +316,26 @@ def test_launch_kept_keys_a_call_kind_once_then_launches_by_address(fake_cuda):
     assert jit.kinds()[-1] == "direct" and jit.log[-1][1][9:] == (*tensors, 64, False)  # keyed at the launch
 
 
+def test_launch_kept_launches_a_new_call_kind_of_a_kept_kernel_by_address(fake_cuda):
+    """A call kind new to its SpecKeys (a re-plan's first run(): the plan keeps new keys) whose
+    kernel the launcher keeps already goes by address with the key worked out from the tensors;
+    the tensors are launched only where no kernel is kept for that key (here: another dtype)."""
+    jit = FakeJit()
+    bound = BoundKernel(jit.fn, dict(BLOCK=64))
+    x, y = torch.randn(64), torch.randn(64)
+    launch.launch_kept(bound, SpecKeys(), "kind", 0, (1,), (x.data_ptr(), y.data_ptr(), 32, 0.5),
+                       lambda: (x, y, 32, 0.5))  # compiles: the tensors
+    u, v = torch.randn(64), torch.randn(64)
+    specs = SpecKeys()  # as a refreshed plan's
+    addressed = (u.data_ptr(), v.data_ptr(), 48, 0.25)
+    launch.launch_kept(bound, specs, "kind", 0, (2,), addressed, lambda: (u, v, 48, 0.25))
+    assert jit.kinds() == ["normal", "direct"] and jit.log[1][1][9:] == (*addressed, 64, False)
+    assert specs.known("kind") == spec_key((u, v, 48, 0.25))
+    h = torch.randn(64).half()
+    launch.launch_kept(bound, specs, "half", 0, (1,), (h.data_ptr(), v.data_ptr(), 48, 0.25), lambda: (h, v, 48, 0.25))
+    assert jit.kinds()[-1] == "normal" and jit.log[-1][2][0] is h and jit.log[-1][2][2:] == (48, 0.25)
+
+
 def test_unknown_argument_types_and_uncached_results(fake_cuda):
     import numpy as np
     jit = FakeJit()

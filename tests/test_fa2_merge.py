@@ -117,23 +117,29 @@ def test_decode_merge_column_blocks(head_dim, counts, with_lse):
 
 def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
     """`DecodeMerge` fixes the grid and works Triton's specialisation key out once per kind of call
-    (lse or not, out/lse strides), as `spec_key` would; a call of a kind whose key it has passes
-    the tensors as their addresses (the launcher's kept kernel); a misaligned out gets no key
-    (worked out at the launch)."""
-    from flashdispatch.backends.fa2.launch import spec_key
+    (lse or not, out/lse strides), as `spec_key` would; a call whose key's kernel the launcher
+    keeps passes the tensors as their addresses, also the first call of a kind (its key worked
+    out from the tensors); a misaligned out gets no key (worked out at the launch)."""
+    from flashdispatch.backends.fa2.launch import SpecKeys, spec_key
     po, plse = torch.zeros(4, 1, 2, 64), torch.zeros(4, 1, 2)
     info = torch.zeros(2, 4, dtype=torch.int32)
     merge = DecodeMerge(po, plse, info, 2, 1, 2, 64)
     assert merge.grid == (2, 2, 2)  # rows x heads x 32-column blocks of the head dim
     calls = []
 
-    class Recorder:
+    class Recorder:  # a launcher that compiles (keeps) a key's kernel at its first tensor launch
+        def __init__(self):
+            self.kept = set()
+
         def launch_with_spec(self, spec, grid, args):
             calls.append(("tensors", spec, args))
+            self.kept.add(spec)
 
         def launch_addresses(self, spec, device, grid, args):
+            if spec not in self.kept:
+                return False
             calls.append(("addresses", spec, args))
-            return True  # as a launcher whose kernel for this key is kept
+            return True
 
     merge._launchers = {False: Recorder(), True: Recorder()}
     out, lse = torch.empty(2, 2, 64), torch.empty(2, 2)
@@ -141,10 +147,13 @@ def test_decode_merge_keeps_one_specialisation_key_per_call_kind():
     misaligned = torch.empty(2 * 2 * 64 + 1)[1:].view(2, 2, 64)
     for o, lse_arg in ((out, lse), (out, lse), (out, None), (wide, lse), (misaligned, lse)):
         merge(o, lse_arg)
+    merge._specs = SpecKeys()  # the kinds are new again, their kernels kept
+    merge(out, lse)
     kinds, specs, args = zip(*calls)
-    assert kinds == ("tensors", "addresses", "tensors", "tensors", "tensors")
-    assert specs[0] is specs[1] and specs[0] == spec_key(args[0])
+    assert kinds == ("tensors", "addresses", "tensors", "tensors", "tensors", "addresses")
+    assert specs[0] is specs[1] and specs[0] == spec_key(args[0]) == specs[5]
     assert args[1] == (po.data_ptr(), plse.data_ptr(), out.data_ptr(), lse.data_ptr(), info.data_ptr(), 128, 64, 2, 1)
+    assert args[5] == args[1]
     assert specs[2] == spec_key(args[2]) and specs[2] != specs[0]
     assert specs[3] == spec_key(args[3]) and args[3][5:7] == (144, 72) and specs[3] != specs[0]
     assert specs[4] is None

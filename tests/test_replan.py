@@ -122,6 +122,46 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
     assert w._planned.plan.fused_merge == (merge == "fused")
 
 
+@pytest.mark.interpreted
+def test_a_refresh_keeps_the_launch_keys_while_its_own_arguments_keep_their_specialisation(fresh_plans, monkeypatch):
+    """A refreshed plan whose tables and scalars specialise as the last plan's did keeps its kept
+    launch keys (`SpecKeys.carried`: on a GPU its first run() then launches by address with no key
+    to work out); a page table off 16-byte alignment, or a split length that now divides by 16,
+    takes new ones. Every launch's key is the `spec_key` of its arguments."""
+    from flashdispatch.backends.fa2.launch import BoundKernel, spec_key
+    monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"block_n": 64}')
+    launched = []
+    original = BoundKernel.launch_with_spec
+
+    def recording(self, spec, grid, args):
+        launched.append((spec, args))
+        original(self, spec, grid, args)
+
+    monkeypatch.setattr(BoundKernel, "launch_with_spec", recording)
+    torch.manual_seed(3)
+    pages = 420
+    kv = torch.randn(pages, 2, PAGE, HKV, D).half()
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 22, dtype=torch.uint8), backend="fa2")
+    kept = []
+
+    def plan(lens, seed, offset=0):
+        indptr, indices, last = _table(lens, seed, pages)
+        if offset:  # the same indices one int32 past a 16-byte boundary
+            indices = torch.cat([torch.zeros(offset, dtype=torch.int32), indices])[offset:]
+        w.plan(indptr, indices, last, HQ, HKV, D, PAGE, data_type=torch.float16)
+        _check(w, kv, (indptr, indices, last))
+        p = w._planned.plan
+        kept.append(p._specs)
+        return p.split_tokens, len(fresh_plans)
+
+    assert plan([1500], 1) == (256, 1)
+    assert plan([1400], 2) == (256, 1) and kept[1] is kept[0]  # refreshed: the same keys
+    assert plan([1400], 2, offset=1) == (256, 1) and kept[2] is not kept[1]
+    assert plan([3000, 2900], 3) == (368, 2)
+    assert plan([3200, 3100], 4) == (393, 2) and kept[4] is not kept[3]  # 368 divides by 16, 393 not
+    assert launched and all(spec == spec_key(args) for spec, args in launched)
+
+
 def _same_as_a_fresh_plan(planned) -> None:
     """A refreshed fa2 decode plan launches what a plan made afresh from its params would: the same
     grid, kernel constants, scalars and work rows (`plan_decode` directly: not counted as a plan)."""

@@ -92,9 +92,22 @@ class SpecKeys:
     depends on beyond its fixed arguments, e.g. strides and dtypes), at most ``limit`` kinds (strides
     that change at every call: the oldest are dropped all at once)."""
 
-    def __init__(self, limit: int = 64):
+    def __init__(self, limit: int = 64, fixed: tuple | None = None):
         self.limit = limit
+        self.fixed = fixed  # `spec_key` of the arguments every call of these kinds shares (`carried`)
         self._keys: dict = {}
+
+    @classmethod
+    def carried(cls, previous: SpecKeys | None, fixed_args: tuple) -> SpecKeys:
+        """The keys of calls that pass ``fixed_args`` (a plan's own tensors and scalars) with the
+        rest of their arguments described by their call kind: ``previous`` where it was made for
+        fixed arguments of the same `spec_key` (then every kind it holds has the same key here), else
+        new ones. A re-plan that keeps them launches its first run() by address with no key to
+        work out (decode: `DecodePlan._set_tables`; docs/perf-notes.md, session 71)."""
+        fixed = spec_key(fixed_args)
+        if previous is not None and previous.fixed == fixed:
+            return previous
+        return cls(fixed=fixed)
 
     def known(self, call) -> tuple | None:
         """The key kept for ``call``, or None when none is (then `get` works it out)."""
@@ -296,15 +309,22 @@ def launch_kept(launch: BoundKernel, specs: SpecKeys, call, device: int | None, 
                 tensors: Callable[[], tuple]) -> None:
     """Launch the arguments of the call kind ``call`` (None: no key may be kept, e.g. a pointer off
     16-byte alignment): by address (`BoundKernel.launch_addresses` with ``addressed``, the
-    arguments with each tensor as its ``data_ptr()``) when ``specs`` holds the kind's key and
-    ``launch`` keeps its kernel on CUDA device ``device``, else with the tensors (``tensors()``:
-    the same arguments, called only then: a caller may make views for it) and that key (worked
-    out now for a new kind; see `SpecKeys`)."""
-    spec = None if call is None else specs.known(call)
+    arguments with each tensor as its ``data_ptr()``) when ``launch`` keeps the kernel of the
+    kind's key on CUDA device ``device``, the key kept in ``specs`` or, for a kind ``specs`` does
+    not hold yet, worked out now from the tensors (``tensors()``: the same arguments, called only
+    then: a caller may make views for it; see `SpecKeys`); else with the tensors and that key.
+    (A tensor costs Triton's launcher a ``data_ptr()`` call and a driver query: a new kind of an
+    already compiled kernel, e.g. a fresh plan's first run(), goes by address too.)"""
+    if call is None:
+        launch.launch_with_spec(None, grid, tensors())
+        return
+    spec, args = specs.known(call), None
+    if spec is None:
+        args = tensors()
+        spec = specs.get(call, args)
     if spec is not None and launch.launch_addresses(spec, device, grid, addressed):
         return
-    args = tensors()
-    launch.launch_with_spec(None if call is None else specs.get(call, args), grid, args)
+    launch.launch_with_spec(spec, grid, tensors() if args is None else args)
 
 
 _BOUND: dict = {}
