@@ -336,6 +336,16 @@ def test_launch_kept_launches_a_new_call_kind_of_a_kept_kernel_by_address(fake_c
     assert jit.kinds()[-1] == "normal" and jit.log[-1][2][0] is h and jit.log[-1][2][2:] == (48, 0.25)
 
 
+def test_spec_keys_are_carried_only_to_fixed_arguments_of_the_same_key():
+    import numpy as np
+    x = torch.randn(8)
+    kept = SpecKeys.carried(None, (x, 5))
+    assert SpecKeys.carried(kept, (torch.randn(8), 7)) is kept
+    assert SpecKeys.carried(kept, (x, 16)) is not kept and SpecKeys.carried(kept, (x.half(), 5)) is not kept
+    unknown = SpecKeys.carried(None, (np.int32(5),))  # a type spec_key does not cover: never carried
+    assert unknown.fixed is None and SpecKeys.carried(unknown, (np.int32(5),)) is not unknown
+
+
 def test_unknown_argument_types_and_uncached_results(fake_cuda):
     import numpy as np
     jit = FakeJit()

@@ -126,8 +126,8 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
 def test_a_refresh_keeps_the_launch_keys_while_its_own_arguments_keep_their_specialisation(fresh_plans, monkeypatch):
     """A refreshed plan whose tables and scalars specialise as the last plan's did keeps its kept
     launch keys (`SpecKeys.carried`: on a GPU its first run() then launches by address with no key
-    to work out); a page table off 16-byte alignment, or a split length that now divides by 16,
-    takes new ones. Every launch's key is the `spec_key` of its arguments."""
+    to work out); a page table off 16-byte alignment, or a split length whose divisibility by 16
+    changes, takes new ones. Every launch's key is the `spec_key` of its arguments."""
     from flashdispatch.backends.fa2.launch import BoundKernel, spec_key
     monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"block_n": 64}')
     launched = []
@@ -160,6 +160,47 @@ def test_a_refresh_keeps_the_launch_keys_while_its_own_arguments_keep_their_spec
     assert plan([3000, 2900], 3) == (368, 2)
     assert plan([3200, 3100], 4) == (393, 2) and kept[4] is not kept[3]  # 368 divides by 16, 393 not
     assert launched and all(spec == spec_key(args) for spec, args in launched)
+
+
+@pytest.mark.interpreted
+def test_a_plan_and_its_refreshed_copy_launch_with_the_keys_of_their_arguments(monkeypatch):
+    """The launch keys a plan shares with its refreshed copy (`SpecKeys.carried`) are right for
+    both, run alternately with inputs of several kinds (lse or not, fp16 or fp32 out, a strided
+    out, a q off 16-byte alignment: no key kept), also while the keys are dropped at their limit:
+    every launch's key (decode and merge) is the `spec_key` of its arguments."""
+    from flashdispatch.backends.base import AttentionInputs, PagedKV
+    from flashdispatch.backends.fa2.launch import BoundKernel, spec_key
+    monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"block_n": 64, "fused_merge_max_chunks": 0}')
+    launched = []
+    original = BoundKernel.launch_with_spec
+
+    def recording(self, spec, grid, args):
+        launched.append((spec, args))
+        original(self, spec, grid, args)
+
+    monkeypatch.setattr(BoundKernel, "launch_with_spec", recording)
+    torch.manual_seed(4)
+    kv = PagedKV.of_combined(torch.randn(420, 2, PAGE, HKV, D).half(), "NHD")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 22, dtype=torch.uint8), backend="fa2")
+    plans = []
+    for lens, seed in (([1500], 1), ([1400], 2)):
+        w.plan(*_table(lens, seed, 420), HQ, HKV, D, PAGE, data_type=torch.float16)
+        plans.append(w._planned.plan)
+    first, second = plans
+    assert first is not second and first._specs is second._specs and first._merge is not None
+    q = torch.randn(1, HQ, D).half()
+    misaligned_q = torch.cat([torch.zeros(1, dtype=torch.half), q.flatten()])[1:].view(1, HQ, D)
+    for _ in range(2):
+        for plan in (second, first, second):
+            for q_in, out, lse in ((q, torch.empty(1, HQ, D).half(), None),
+                                   (q, torch.empty(1, HQ, D).half(), torch.empty(1, HQ)),
+                                   (q, torch.empty(1, HQ, D), torch.empty(1, HQ)),  # only out's dtype differs
+                                   (q, torch.empty(1, HQ, 2 * D).half()[..., :D], torch.empty(1, HQ)),
+                                   (misaligned_q, torch.empty(1, HQ, D).half(), None)):
+                plan.run(AttentionInputs(q_in, kv, out, lse))
+        first._specs.limit = 2  # from the second round on, the kept keys are dropped as kinds come
+    assert len(launched) == 60 and all(spec is None or spec == spec_key(args) for spec, args in launched)
+    assert sum(spec is None for spec, _ in launched) == 6  # the misaligned q's decode launches
 
 
 def _same_as_a_fresh_plan(planned) -> None:

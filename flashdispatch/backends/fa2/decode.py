@@ -513,8 +513,8 @@ class DecodePlan(DecodePacking):
         self._set_tables()
 
     def _set_tables(self) -> None:
-        """The plan's tensors and scalars in the launch's order, and the specialisation keys of
-        launches with them (what a `refreshed` plan changes)."""
+        """The plan's tensors and scalars in the launch's order (what a `refreshed` plan changes),
+        and the launch keys (`SpecKeys.carried`: the last plan's while these specialise alike)."""
         p, dummy = self.problem, self.plse
         self._tables = (self.po, self.plse, self.info if self.info is not None else dummy,
                         self.counters if self.fused_merge else dummy, self.work,

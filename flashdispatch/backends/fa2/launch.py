@@ -90,22 +90,25 @@ def spec_key(args, _Tensor=torch.Tensor, _int=int, _float=float, _bool=bool) -> 
 class SpecKeys:
     """`spec_key` results kept per kind of call (``call``: whatever the caller knows the key
     depends on beyond its fixed arguments, e.g. strides and dtypes), at most ``limit`` kinds (strides
-    that change at every call: the oldest are dropped all at once)."""
+    that change at every call: the oldest are dropped all at once). The caller's contract: its
+    call kind determines the specialisation of every argument but the fixed ones (the same
+    tensors and scalars, at the same positions, in every call) and ``do_not_specialize``
+    parameters; ``fixed`` is the fixed arguments' `spec_key` where `carried` made these keys."""
 
     def __init__(self, limit: int = 64, fixed: tuple | None = None):
         self.limit = limit
-        self.fixed = fixed  # `spec_key` of the arguments every call of these kinds shares (`carried`)
+        self.fixed = fixed
         self._keys: dict = {}
 
     @classmethod
     def carried(cls, previous: SpecKeys | None, fixed_args: tuple) -> SpecKeys:
-        """The keys of calls that pass ``fixed_args`` (a plan's own tensors and scalars) with the
-        rest of their arguments described by their call kind: ``previous`` where it was made for
-        fixed arguments of the same `spec_key` (then every kind it holds has the same key here), else
-        new ones. A re-plan that keeps them launches its first run() by address with no key to
-        work out (decode: `DecodePlan._set_tables`; docs/perf-notes.md, session 71)."""
+        """The keys of calls whose fixed arguments are ``fixed_args`` (a plan's own tensors and
+        scalars): ``previous`` where it was made for fixed arguments of the same `spec_key` (then
+        every kind it holds has the same key here), else new ones (so too where an argument's
+        type has no `spec_key`). A re-plan that keeps them launches its first run() by address
+        with no key to work out (decode: `DecodePlan._set_tables`; docs/perf-notes.md, session 71)."""
         fixed = spec_key(fixed_args)
-        if previous is not None and previous.fixed == fixed:
+        if fixed is not None and previous is not None and previous.fixed == fixed:
             return previous
         return cls(fixed=fixed)
 
@@ -311,8 +314,9 @@ def launch_kept(launch: BoundKernel, specs: SpecKeys, call, device: int | None, 
     16-byte alignment): by address (`BoundKernel.launch_addresses` with ``addressed``, the
     arguments with each tensor as its ``data_ptr()``) when ``launch`` keeps the kernel of the
     kind's key on CUDA device ``device``, the key kept in ``specs`` or, for a kind ``specs`` does
-    not hold yet, worked out now from the tensors (``tensors()``: the same arguments, called only
-    then: a caller may make views for it; see `SpecKeys`); else with the tensors and that key.
+    not hold yet, worked out now from the tensors (``tensors()``: the same arguments, called at
+    most once, only for a new kind or a launch of the tensors: a caller may make views for it;
+    see `SpecKeys`); else with the tensors and that key.
     (A tensor costs Triton's launcher a ``data_ptr()`` call and a driver query: a new kind of an
     already compiled kernel, e.g. a fresh plan's first run(), goes by address too.)"""
     if call is None:
