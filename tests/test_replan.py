@@ -30,6 +30,22 @@ def fresh_plans(monkeypatch):
     return made
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """(key, arguments) of every launch of the tensors (`BoundKernel.launch_with_spec`), the only
+    launches under the interpreter."""
+    from flashdispatch.backends.fa2.launch import BoundKernel
+    calls = []
+    original = BoundKernel.launch_with_spec
+
+    def recording(self, spec, grid, args):
+        calls.append((spec, args))
+        original(self, spec, grid, args)
+
+    monkeypatch.setattr(BoundKernel, "launch_with_spec", recording)
+    return calls
+
+
 def _table(lens, seed, pages=PAGES, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     n = [(x + PAGE - 1) // PAGE for x in lens]
@@ -123,21 +139,14 @@ def test_replan_of_a_split_keeps_the_kernels_split_while_its_slots_stay(fresh_pl
 
 
 @pytest.mark.interpreted
-def test_a_refresh_keeps_the_launch_keys_while_its_own_arguments_keep_their_specialisation(fresh_plans, monkeypatch):
+def test_a_refresh_keeps_the_launch_keys_while_its_own_arguments_keep_their_specialisation(fresh_plans, launched,
+                                                                                           monkeypatch):
     """A refreshed plan whose tables and scalars specialise as the last plan's did keeps its kept
     launch keys (`SpecKeys.carried`: on a GPU its first run() then launches by address with no key
     to work out); a page table off 16-byte alignment, or a split length whose divisibility by 16
     changes, takes new ones. Every launch's key is the `spec_key` of its arguments."""
-    from flashdispatch.backends.fa2.launch import BoundKernel, spec_key
+    from flashdispatch.backends.fa2.launch import spec_key
     monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"block_n": 64}')
-    launched = []
-    original = BoundKernel.launch_with_spec
-
-    def recording(self, spec, grid, args):
-        launched.append((spec, args))
-        original(self, spec, grid, args)
-
-    monkeypatch.setattr(BoundKernel, "launch_with_spec", recording)
     torch.manual_seed(3)
     pages = 420
     kv = torch.randn(pages, 2, PAGE, HKV, D).half()
@@ -163,22 +172,14 @@ def test_a_refresh_keeps_the_launch_keys_while_its_own_arguments_keep_their_spec
 
 
 @pytest.mark.interpreted
-def test_a_plan_and_its_refreshed_copy_launch_with_the_keys_of_their_arguments(monkeypatch):
+def test_a_plan_and_its_refreshed_copy_launch_with_the_keys_of_their_arguments(launched, monkeypatch):
     """The launch keys a plan shares with its refreshed copy (`SpecKeys.carried`) are right for
     both, run alternately with inputs of several kinds (lse or not, fp16 or fp32 out, a strided
     out, a q off 16-byte alignment: no key kept), also while the keys are dropped at their limit:
     every launch's key (decode and merge) is the `spec_key` of its arguments."""
     from flashdispatch.backends.base import AttentionInputs, PagedKV
-    from flashdispatch.backends.fa2.launch import BoundKernel, spec_key
+    from flashdispatch.backends.fa2.launch import spec_key
     monkeypatch.setenv("FLASHDISPATCH_FA2_DECODE_CONFIG", '{"block_n": 64, "fused_merge_max_chunks": 0}')
-    launched = []
-    original = BoundKernel.launch_with_spec
-
-    def recording(self, spec, grid, args):
-        launched.append((spec, args))
-        original(self, spec, grid, args)
-
-    monkeypatch.setattr(BoundKernel, "launch_with_spec", recording)
     torch.manual_seed(4)
     kv = PagedKV.of_combined(torch.randn(420, 2, PAGE, HKV, D).half(), "NHD")
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 22, dtype=torch.uint8), backend="fa2")
