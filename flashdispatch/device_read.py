@@ -173,7 +173,8 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
     the caller's key, which must tell apart every memory (address, entries, dtype, contiguity)
     the launch reads and writes, or the caller empties ``launches`` when one changes
     (`IndexRangeReader`: the indices' memory and the upload's size in its key, its own buffers
-    dropped with their kept launches when they are replaced)."""
+    dropped with their kept launches when they are replaced); such a caller makes a kept launch
+    again itself (`_relaunch`) before it calls this."""
     if len(tensors) > MAX_TENSORS or (used_host is None and not tensors):
         raise ValueError(f"read_index_tensors: 1 to {MAX_TENSORS} tensors (the first an indptr when "
                          f"used_host is None), got {len(tensors)}")
@@ -182,9 +183,9 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
         launches = _staging.launches
         key = (*map(_memory_key, tensors), _memory_key(indices), _memory_key(buf), _memory_key(copy_to),
                used_host is None, used > _I32_MAX)
-    result = _relaunch(launches, key, used)
-    if result is not None:
-        return result
+        result = _relaunch(launches, key, used)
+        if result is not None:
+            return result
     given = (*tensors, indices)
     tensors = [t.contiguous() for t in tensors]  # the kernel reads flat memory (free when contiguous)
     indices = None if indices is None else indices.contiguous()

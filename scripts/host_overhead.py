@@ -142,16 +142,21 @@ def time_us(fn, calls: int, reps: int, sync, clock) -> float:
     return statistics.median(samples)
 
 
-def busy_plan_us(fn, reps: int, busy_ms: float) -> float:
-    """Median host time of one call of ``fn`` made while the GPU runs a ``busy_ms`` kernel queued
-    just before it: close to the idle figure when the call never waits for the GPU, about
-    ``busy_ms`` when something in it synchronises."""
+def busy_cycles(busy_ms: float) -> int:
+    """The ``torch.cuda._sleep`` cycles of a kernel that runs about ``busy_ms`` ms on this GPU."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(1 << 20)
     end.record()
     end.synchronize()
-    cycles = int(busy_ms / start.elapsed_time(end) * (1 << 20))
+    return int(busy_ms / start.elapsed_time(end) * (1 << 20))
+
+
+def busy_plan_us(fn, reps: int, busy_ms: float) -> float:
+    """Median host time of one call of ``fn`` made while the GPU runs a ``busy_ms`` kernel queued
+    just before it: close to the idle figure when the call never waits for the GPU, about
+    ``busy_ms`` when something in it synchronises."""
+    cycles = busy_cycles(busy_ms)
     fn()
     torch.cuda.synchronize()
     samples = []

@@ -31,16 +31,7 @@ from flashdispatch import planned as planned_mod  # noqa: E402
 from flashdispatch.backends.common import kernel_scales  # noqa: E402
 from flashdispatch.backends.fa2.paging import decode_strides  # noqa: E402
 from flashdispatch.checks import unpack_paged_kv_cache  # noqa: E402
-
-
-def busy_cycles(ms: float) -> int:
-    """torch.cuda._sleep cycles of about ``ms`` milliseconds."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1 << 20)
-    end.record()
-    end.synchronize()
-    return int(ms / start.elapsed_time(end) * (1 << 20))
+from host_overhead import busy_cycles  # noqa: E402  (scripts/, the script's own folder)
 
 
 def per_call_us(fn, layers: int, cycles: int) -> float:
