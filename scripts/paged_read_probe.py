@@ -8,11 +8,19 @@ head's K and V tiles of its chunk's pages, fed to dots as the decode's are:
   tma:  a 3-D descriptor [pages*32, 8, 128], block [16, 1, 128], one load per page tile
         (``--block-pages`` of them a step, ``--stages``)
   tma+hint: the same with `.L2::cache_hint` + an evict_first policy added to its PTX (stages hook)
+  ptr+pf: `ptr` plus an L2 bulk prefetch with an evict_first policy of each row's K and V
+        ``--ahead`` steps ahead (inline PTX `cp.async.bulk.prefetch.L2`; sm90)
+  ptr+pfpage: the same, one prefetch per page: the program of head h takes the page's h-th 1/8
+  ptr+touch: `ptr` plus a plain evict_first load (inline PTX) of one word of each 128-byte line
+        ``--ahead`` steps ahead
+        (these three: one head a program, bf16; all read slower than `ptr`, perf-notes session 72;
+        the interpreter cannot run their inline PTX)
   steal: `ptr`'s loop in ``--programs`` persistent programs that take (chunk, head) units of
         ``--unit-pages`` pages from an atomic counter until none is left (dynamic balance)
 Each variant in its own process (own Triton cache: the hook is not in Triton's cache key):
   python scripts/paged_read_probe.py ptr --shapes 16x8192,64x4096 --programs 512,1024 --block-pages 1,4
   python scripts/paged_read_probe.py tma|tma+hint
+  python scripts/paged_read_probe.py ptr+pf|ptr+pfpage|ptr+touch --ahead 1,2,4 --block-pages 1,2
   python scripts/paged_read_probe.py steal --shapes 64x4096 --programs 528,1056 --unit-pages 16,32
   python scripts/paged_read_probe.py ptr --warps 1 --head-dim 64 --shapes 256x4096   (fp8 d128's bytes, as bf16)
   TRITON_INTERPRET=1 python scripts/paged_read_probe.py ptr|tma|steal --check-small --block-pages 1,2,4   (CPU)
@@ -76,6 +84,104 @@ def paged_ptr_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D:
 
 
 @triton.jit
+def _prefetch_l2_evict_first(addr, V_OFFSET: tl.constexpr, NBYTES: tl.constexpr):
+    """Queue L2 prefetches of the NBYTES at each address and ``V_OFFSET`` bytes past it, the lines
+    taking an evict_first priority; returns a dummy zero (inline asm must return a value)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $3, pol; "
+        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$2], $3, pol; mov.u32 $0, 0; }",
+        "=r,l,l,r", [addr, addr + V_OFFSET, tl.full(addr.shape, NBYTES, tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1)
+
+
+@triton.jit
+def paged_pf_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, PAGE_SHARE: tl.constexpr,
+                 ONES_DTYPE: tl.constexpr):
+    """`paged_ptr_sum` (one head a program) that prefetches the rows AHEAD steps on into L2 as
+    evict_first lines before each step's loads (the last steps prefetch their own chunk's last
+    pages again rather than read past it). PAGE_SHARE: one prefetch per page instead of one per
+    row, of the page's h-th 1/HEADS (the programs of a chunk's heads run side by side and cover
+    the whole page together)."""
+    pid = tl.program_id(0)
+    h, c = pid % HEADS, pid // HEADS
+    tokens = tl.arange(0, BLOCK_PAGES * PAGE)
+    row_off = (tokens % PAGE) * (HEADS * D) + h * D
+    within = row_off[:, None] + tl.arange(0, D)[None, :]
+    acc = tl.zeros([PAGE, D], tl.float32)
+    first, end = c * per_prog, c * per_prog + per_prog
+    for i in tl.range(first, end, BLOCK_PAGES, num_stages=STAGES):
+        if PAGE_SHARE:
+            ahead = tl.minimum(i + AHEAD * BLOCK_PAGES, end - BLOCK_PAGES) + tl.arange(0, BLOCK_PAGES)
+            pf_page = tl.load(idx_ptr + ahead).to(tl.int64)
+            pf = (cache_ptr + pf_page * (2 * PAGE * HEADS * D) + h * PAGE * D).to(tl.int64, bitcast=True)
+            _prefetch_l2_evict_first(pf, PAGE * HEADS * D * 2, PAGE * D * 2)
+        else:
+            ahead = tl.minimum(i + AHEAD * BLOCK_PAGES, end - BLOCK_PAGES) + tokens // PAGE
+            pf_page = tl.load(idx_ptr + ahead).to(tl.int64)
+            pf = (cache_ptr + pf_page * (2 * PAGE * HEADS * D) + row_off).to(tl.int64, bitcast=True)
+            _prefetch_l2_evict_first(pf, PAGE * HEADS * D * 2, D * 2)
+        page = tl.load(idx_ptr + i + tokens // PAGE).to(tl.int64)
+        base = cache_ptr + page[:, None] * (2 * PAGE * HEADS * D) + within
+        k = tl.load(base)
+        v = tl.load(base + PAGE * HEADS * D)
+        ones = tl.full([PAGE, BLOCK_PAGES * PAGE], 1.0, ONES_DTYPE)
+        acc = tl.dot(ones, k.to(ONES_DTYPE), acc)
+        acc = tl.dot(ones, v.to(ONES_DTYPE), acc)
+    tl.store(out_ptr + pid * D + tl.arange(0, D), tl.sum(acc, 0) / PAGE)
+
+
+@triton.jit
+def _load_word_evict_first(addr):
+    """The int32 at each address, loaded past L1 with an L2 evict_first policy."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+        "ld.global.L1::no_allocate.L2::cache_hint.b32 $0, [$1], pol; }",
+        "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def paged_touch_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, ONES_DTYPE: tl.constexpr):
+    """`paged_ptr_sum` (one head a program) that first reads one 4-byte word of each 128-byte
+    line of the rows AHEAD steps on with a plain evict_first load (inline PTX: Triton's pipeliner
+    would turn a tl.load into a cp.async and drop its hint), so the line enters L2 with that
+    priority before the unhinted cp.async reads it. The words are summed a step later (a result
+    nobody waits for in its own step)."""
+    pid = tl.program_id(0)
+    h, c = pid % HEADS, pid // HEADS
+    tokens = tl.arange(0, BLOCK_PAGES * PAGE)
+    row_off = (tokens % PAGE) * (HEADS * D) + h * D
+    within = row_off[:, None] + tl.arange(0, D)[None, :]
+    LINES: tl.constexpr = D * 2 // 128  # 128-byte lines of a bf16 row
+    words = row_off[:, None] * 2 + tl.arange(0, LINES)[None, :] * 128  # byte offsets of each line's first word
+    acc = tl.zeros([PAGE, D], tl.float32)
+    touched = tl.zeros([BLOCK_PAGES * PAGE, LINES], tl.int32)
+    total = tl.zeros([], tl.int32)
+    first, end = c * per_prog, c * per_prog + per_prog
+    for i in tl.range(first, end, BLOCK_PAGES, num_stages=STAGES):
+        total += tl.sum(tl.sum(touched, 1), 0)  # last step's words: loaded a step ago
+        ahead = tl.minimum(i + AHEAD * BLOCK_PAGES, end - BLOCK_PAGES) + tokens // PAGE
+        t_page = tl.load(idx_ptr + ahead).to(tl.int64)
+        t_bytes = t_page[:, None] * (2 * PAGE * HEADS * D * 2) + words
+        t_at = (cache_ptr.to(tl.pointer_type(tl.int8)) + t_bytes).to(tl.int64, bitcast=True)
+        t_k = _load_word_evict_first(t_at)
+        t_v = _load_word_evict_first(t_at + PAGE * HEADS * D * 2)
+        touched = t_k ^ t_v
+        page = tl.load(idx_ptr + i + tokens // PAGE).to(tl.int64)
+        base = cache_ptr + page[:, None] * (2 * PAGE * HEADS * D) + within
+        k = tl.load(base)
+        v = tl.load(base + PAGE * HEADS * D)
+        ones = tl.full([PAGE, BLOCK_PAGES * PAGE], 1.0, ONES_DTYPE)
+        acc = tl.dot(ones, k.to(ONES_DTYPE), acc)
+        acc = tl.dot(ones, v.to(ONES_DTYPE), acc)
+    total += tl.sum(tl.sum(touched, 1), 0)
+    sums = tl.sum(acc, 0) / PAGE
+    tl.store(out_ptr + pid * D + tl.arange(0, D), tl.where(total == 0x7A5C3E1F, sums + 1.0, sums))
+
+
+@triton.jit
 def paged_steal_sum(cache_ptr, idx_ptr, out_ptr, counter_ptr, base, per_unit, n_units, HEADS: tl.constexpr,
                     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr,
                     ONES_DTYPE: tl.constexpr):
@@ -121,7 +227,7 @@ def paged_tma_sum(cache_ptr, idx_ptr, out_ptr, per_prog, n_rows, HEADS: tl.const
 
 def parse_args():
     ap = argparse.ArgumentParser(description="bare paged reads of a decode's KV cache under the bench's flushes")
-    ap.add_argument("mode", choices=("ptr", "tma", "tma+hint", "steal"))
+    ap.add_argument("mode", choices=("ptr", "ptr+pf", "ptr+pfpage", "ptr+touch", "tma", "tma+hint", "steal"))
     ap.add_argument("--shapes", default="1x32768", help="batch x kv_len list (a flat random page list of that many "
                     "16-token pages of 8 heads x 128; requests play no part in a bare read)")
     ap.add_argument("--programs", default="512", help="programs (chunks x 8 heads), a list; each must split the "
@@ -129,6 +235,8 @@ def parse_args():
     ap.add_argument("--block-pages", default="1", help="pages a step, a list")
     ap.add_argument("--unit-pages", default="16", help="steal: pages of a unit, a list")
     ap.add_argument("--stages", default="3", help="num_stages of the page loop, a list")
+    ap.add_argument("--ahead", default="2", help="ptr+pf, ptr+pfpage, ptr+touch: steps ahead of the "
+                    "reads, a list")
     ap.add_argument("--group", default="1", help="heads a program reads (ptr only; 8: whole NHD pages), a list")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128, help="bf16 d64 reads fp8 d128's bytes (128-byte rows)")
@@ -149,6 +257,11 @@ def main():
     after each kind of L2 flush (median)."""
     args = parse_args()
     small = args.check_small
+    if MODE in ("ptr+pf", "ptr+pfpage", "ptr+touch"):
+        if small:
+            sys.exit(f"{MODE} is inline PTX, which the Triton interpreter cannot run: it needs a GPU")
+        if args.kv != "16bit" or args.head_dim * 2 % 128:
+            sys.exit(f"{MODE} reads bf16 rows of whole 128-byte lines: --kv 16bit and --head-dim a multiple of 64")
     dev = "cpu" if small else "cuda"
     heads, d, page = (2, 16, 16) if small else (8, args.head_dim, 16)
     dtype = torch.float16 if small else torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
@@ -163,15 +276,18 @@ def main():
             cache = cache.to(torch.float8_e4m3fn)
         idx = torch.randperm(pages, generator=g, device=dev).to(torch.int32)
         c = cache.float()
-        steal = MODE == "steal"
-        # the last item: heads a program reads (ptr), or pages a unit (steal; one head a unit)
+        steal, prefetch = MODE == "steal", MODE in ("ptr+pf", "ptr+pfpage", "ptr+touch")
+        # the last item: heads a program reads (ptr), pages a unit (steal; one head a unit) or
+        # steps ahead (ptr+pf; one head a program)
+        last_item = args.unit_pages if steal else args.ahead if prefetch else args.group
         configs = [(p, bp, st, gr) for p in ([6] if small else ints(args.programs)) for bp in ints(args.block_pages)
-                   for st in ints(args.stages) for gr in ints(args.unit_pages if steal else args.group)]
+                   for st in ints(args.stages) for gr in ints(last_item)]
         for programs, block_pages, stages, group in configs:
-            groups = heads if steal else heads // group
+            groups = heads if steal or prefetch else heads // group
             chunks = pages // group if steal else programs // groups
             per = pages // max(chunks, 1)
-            if (not steal and (heads % group or programs % groups)) or pages % chunks or per % block_pages:
+            uneven_heads = not (steal or prefetch) and (heads % group or programs % groups)
+            if uneven_heads or pages % chunks or per % block_pages:
                 print(f"{shape} programs {programs} block_pages {block_pages} group {group}: pages do not split "
                       "evenly, skipped")
                 continue
@@ -181,6 +297,15 @@ def main():
                 run = lambda: paged_ptr_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page,  # noqa: E731
                                                   BLOCK_PAGES=block_pages, STAGES=stages, GROUP=group,
                                                   ONES_DTYPE=ones_dtype, num_warps=args.warps)
+            elif MODE == "ptr+touch":
+                run = lambda: paged_touch_sum[grid](cache, idx, out, per, HEADS=heads, D=d,  # noqa: E731
+                                                    PAGE=page, BLOCK_PAGES=block_pages, STAGES=stages,
+                                                    AHEAD=group, ONES_DTYPE=ones_dtype, num_warps=args.warps)
+            elif prefetch:
+                run = lambda: paged_pf_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page,  # noqa: E731
+                                                 BLOCK_PAGES=block_pages, STAGES=stages, AHEAD=group,
+                                                 PAGE_SHARE=MODE == "ptr+pfpage",
+                                                 ONES_DTYPE=ones_dtype, num_warps=args.warps)
             elif steal:
                 counter, calls = torch.zeros(1, device=dev, dtype=torch.int32), [0]
 
@@ -201,12 +326,12 @@ def main():
                 print(f"{MODE} {shape} programs {programs} block_pages {block_pages} stages {stages} group {group}: "
                       f"{e}", flush=True)
                 continue
-            width = 1 if steal else group  # heads of a program's (unit's) sums
+            width = 1 if steal or prefetch else group  # heads of a program's (unit's) sums
             want = torch.stack([(c[idx[ci * per:(ci + 1) * per].long(), :, :, g * width:(g + 1) * width, :])
                                 .sum((0, 1, 2, 3)) for ci in range(chunks) for g in range(groups)])
             err = float((out - want).abs().max() / want.abs().max())
             label = (f"{MODE} {shape} programs {programs} block_pages {block_pages} stages {stages} "
-                     f"{'unit pages' if steal else 'group'} {group}")
+                     f"{'unit pages' if steal else 'ahead' if prefetch else 'group'} {group}")
             if small:
                 print(f"{label}: max rel err {err:.1e}", flush=True)
                 assert err < 1e-3

@@ -20,3 +20,11 @@ def test_probe_sums_match_torch(mode, extra):
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [line for line in res.stdout.splitlines() if "max rel err" in line]
     assert len(lines) == 4, res.stdout
+
+
+@pytest.mark.parametrize("mode", ["ptr+pf", "ptr+pfpage", "ptr+touch"])
+def test_prefetch_modes_say_they_need_a_gpu(mode):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, SCRIPT, mode, "--check-small"], capture_output=True, text=True,
+                         timeout=600, check=False, env=env)
+    assert res.returncode != 0 and "needs a GPU" in res.stderr, (res.returncode, res.stderr[-2000:])
