@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma list of BATCHxKV_LEN[:var|:long] (default: ANCHORS.md; :var: the bench's mixed "
                          f"lengths; :long: those with the middle request {LONG_FACTOR} x KV_LEN tokens long)")
     ap.add_argument("--grid", default="{}", help="JSON: {field: [values]} (cartesian product) or [{config}, ...]")
-    ap.add_argument("--no-default", action="store_true", help="leave out the default_config row")
+    ap.add_argument("--no-default", action="store_true", help="leave out the default_config row (a {} of --grid "
+                    "stays)")
     ap.add_argument("--kv", default="bf16", choices=list(DTYPES), help="KV cache dtype")
     ap.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--heads", default="32,8", help="QO_HEADS,KV_HEADS")
@@ -82,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config_grid(text: str, with_default: bool) -> list[dict]:
+    """The configs of ``--grid`` (a product of lists, or a list), after the default row ``{}``
+    when ``with_default``; a ``{}`` of the grid is that row (kept once)."""
     grid = json.loads(text)
     if isinstance(grid, dict):
         keys = list(grid)
@@ -90,8 +93,9 @@ def config_grid(text: str, with_default: bool) -> list[dict]:
         configs = grid
     else:
         raise SystemExit("--grid must be a JSON object of lists or a list of objects")
-    configs = [c for c in configs if c]  # {} is the default row
-    return ([{}] if with_default else []) + configs
+    if with_default:
+        configs = [{}] + [c for c in configs if c]
+    return configs
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, str]]:

@@ -3,6 +3,7 @@ request) in another order, two configs over two rounds, every result checked aga
 reference (the script exits non-zero where one is off), out alone and with lse."""
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,18 @@ def test_sweep_checks_mixed_lengths_in_rounds(lse):
     rows = [line for line in table.splitlines() if line.startswith(("default", '{"block_n": 16}'))]
     assert len(rows) == 2 and not any("!" in row or "ERR" in row for row in rows), table
     assert "BEST 5x40:var:" in table and "BEST 2x32:" in table and "BEST 3x16:long:" in table
+
+
+def _sweep_module():
+    spec = importlib.util.spec_from_file_location("sweep_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grid_keeps_an_explicit_default_row_without_the_added_one():
+    grid = _sweep_module().config_grid
+    assert grid('[{}, {"block_n": 16}]', with_default=False) == [{}, {"block_n": 16}]
+    assert grid('[{}, {"block_n": 16}]', with_default=True) == [{}, {"block_n": 16}]
+    assert grid('{"block_n": [16, 32]}', with_default=True) == [{}, {"block_n": 16}, {"block_n": 32}]
+    assert grid('{"block_n": [16, 32]}', with_default=False) == [{"block_n": 16}, {"block_n": 32}]
