@@ -96,43 +96,6 @@ def _prefetch_l2_evict_first(addr, V_OFFSET: tl.constexpr, NBYTES: tl.constexpr)
 
 
 @triton.jit
-def paged_pf_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                 BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, PAGE_SHARE: tl.constexpr,
-                 ONES_DTYPE: tl.constexpr):
-    """`paged_ptr_sum` (one head a program) that prefetches the rows AHEAD steps on into L2 as
-    evict_first lines before each step's loads (the last steps prefetch their own chunk's last
-    pages again rather than read past it). PAGE_SHARE: one prefetch per page instead of one per
-    row, of the page's h-th 1/HEADS (the programs of a chunk's heads run side by side and cover
-    the whole page together)."""
-    pid = tl.program_id(0)
-    h, c = pid % HEADS, pid // HEADS
-    tokens = tl.arange(0, BLOCK_PAGES * PAGE)
-    row_off = (tokens % PAGE) * (HEADS * D) + h * D
-    within = row_off[:, None] + tl.arange(0, D)[None, :]
-    acc = tl.zeros([PAGE, D], tl.float32)
-    first, end = c * per_prog, c * per_prog + per_prog
-    for i in tl.range(first, end, BLOCK_PAGES, num_stages=STAGES):
-        if PAGE_SHARE:
-            ahead = tl.minimum(i + AHEAD * BLOCK_PAGES, end - BLOCK_PAGES) + tl.arange(0, BLOCK_PAGES)
-            pf_page = tl.load(idx_ptr + ahead).to(tl.int64)
-            pf = (cache_ptr + pf_page * (2 * PAGE * HEADS * D) + h * PAGE * D).to(tl.int64, bitcast=True)
-            _prefetch_l2_evict_first(pf, PAGE * HEADS * D * 2, PAGE * D * 2)
-        else:
-            ahead = tl.minimum(i + AHEAD * BLOCK_PAGES, end - BLOCK_PAGES) + tokens // PAGE
-            pf_page = tl.load(idx_ptr + ahead).to(tl.int64)
-            pf = (cache_ptr + pf_page * (2 * PAGE * HEADS * D) + row_off).to(tl.int64, bitcast=True)
-            _prefetch_l2_evict_first(pf, PAGE * HEADS * D * 2, D * 2)
-        page = tl.load(idx_ptr + i + tokens // PAGE).to(tl.int64)
-        base = cache_ptr + page[:, None] * (2 * PAGE * HEADS * D) + within
-        k = tl.load(base)
-        v = tl.load(base + PAGE * HEADS * D)
-        ones = tl.full([PAGE, BLOCK_PAGES * PAGE], 1.0, ONES_DTYPE)
-        acc = tl.dot(ones, k.to(ONES_DTYPE), acc)
-        acc = tl.dot(ones, v.to(ONES_DTYPE), acc)
-    tl.store(out_ptr + pid * D + tl.arange(0, D), tl.sum(acc, 0) / PAGE)
-
-
-@triton.jit
 def _load_word_evict_first(addr):
     """The int32 at each address, loaded past L1 with an L2 evict_first policy."""
     return tl.inline_asm_elementwise(
@@ -142,13 +105,16 @@ def _load_word_evict_first(addr):
 
 
 @triton.jit
-def paged_touch_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, ONES_DTYPE: tl.constexpr):
-    """`paged_ptr_sum` (one head a program) that first reads one 4-byte word of each 128-byte
-    line of the rows AHEAD steps on with a plain evict_first load (inline PTX: Triton's pipeliner
-    would turn a tl.load into a cp.async and drop its hint), so the line enters L2 with that
-    priority before the unhinted cp.async reads it. The words are summed a step later (a result
-    nobody waits for in its own step)."""
+def paged_hinted_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                     BLOCK_PAGES: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, HINT: tl.constexpr,
+                     ONES_DTYPE: tl.constexpr):
+    """`paged_ptr_sum` (one head a program, bf16) that gives the lines of the rows AHEAD steps on
+    an L2 evict_first priority before that step's cp.async reads them (the last steps hint their
+    own chunk's last pages again rather than pass its end). HINT "ptr+pf": an L2 bulk prefetch
+    of each K and V row; "ptr+pfpage": one per page, of its h-th 1/HEADS (the programs of a
+    chunk's heads run side by side and cover the page together); "ptr+touch": a plain load of
+    one word of each 128-byte line (inline PTX: Triton's pipeliner would turn a tl.load into a
+    cp.async and drop its hint), summed a step later so that no step waits for its own."""
     pid = tl.program_id(0)
     h, c = pid % HEADS, pid // HEADS
     tokens = tl.arange(0, BLOCK_PAGES * PAGE)
@@ -161,14 +127,21 @@ def paged_touch_sum(cache_ptr, idx_ptr, out_ptr, per_prog, HEADS: tl.constexpr, 
     total = tl.zeros([], tl.int32)
     first, end = c * per_prog, c * per_prog + per_prog
     for i in tl.range(first, end, BLOCK_PAGES, num_stages=STAGES):
-        total += tl.sum(tl.sum(touched, 1), 0)  # last step's words: loaded a step ago
-        ahead = tl.minimum(i + AHEAD * BLOCK_PAGES, end - BLOCK_PAGES) + tokens // PAGE
-        t_page = tl.load(idx_ptr + ahead).to(tl.int64)
-        t_bytes = t_page[:, None] * (2 * PAGE * HEADS * D * 2) + words
-        t_at = (cache_ptr.to(tl.pointer_type(tl.int8)) + t_bytes).to(tl.int64, bitcast=True)
-        t_k = _load_word_evict_first(t_at)
-        t_v = _load_word_evict_first(t_at + PAGE * HEADS * D * 2)
-        touched = t_k ^ t_v
+        at = tl.minimum(i + AHEAD * BLOCK_PAGES, end - BLOCK_PAGES)  # the first page hinted
+        if HINT == "ptr+pfpage":
+            pf_page = tl.load(idx_ptr + at + tl.arange(0, BLOCK_PAGES)).to(tl.int64)
+            pf = (cache_ptr + pf_page * (2 * PAGE * HEADS * D) + h * PAGE * D).to(tl.int64, bitcast=True)
+            _prefetch_l2_evict_first(pf, PAGE * HEADS * D * 2, PAGE * D * 2)
+        elif HINT == "ptr+pf":
+            pf_page = tl.load(idx_ptr + at + tokens // PAGE).to(tl.int64)
+            pf = (cache_ptr + pf_page * (2 * PAGE * HEADS * D) + row_off).to(tl.int64, bitcast=True)
+            _prefetch_l2_evict_first(pf, PAGE * HEADS * D * 2, D * 2)
+        else:
+            total += tl.sum(tl.sum(touched, 1), 0)  # last step's words: loaded a step ago
+            t_page = tl.load(idx_ptr + at + tokens // PAGE).to(tl.int64)
+            t_bytes = t_page[:, None] * (2 * PAGE * HEADS * D * 2) + words
+            t_at = (cache_ptr.to(tl.pointer_type(tl.int8)) + t_bytes).to(tl.int64, bitcast=True)
+            touched = _load_word_evict_first(t_at) ^ _load_word_evict_first(t_at + PAGE * HEADS * D * 2)
         page = tl.load(idx_ptr + i + tokens // PAGE).to(tl.int64)
         base = cache_ptr + page[:, None] * (2 * PAGE * HEADS * D) + within
         k = tl.load(base)
@@ -297,15 +270,11 @@ def main():
                 run = lambda: paged_ptr_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page,  # noqa: E731
                                                   BLOCK_PAGES=block_pages, STAGES=stages, GROUP=group,
                                                   ONES_DTYPE=ones_dtype, num_warps=args.warps)
-            elif MODE == "ptr+touch":
-                run = lambda: paged_touch_sum[grid](cache, idx, out, per, HEADS=heads, D=d,  # noqa: E731
-                                                    PAGE=page, BLOCK_PAGES=block_pages, STAGES=stages,
-                                                    AHEAD=group, ONES_DTYPE=ones_dtype, num_warps=args.warps)
             elif prefetch:
-                run = lambda: paged_pf_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page,  # noqa: E731
-                                                 BLOCK_PAGES=block_pages, STAGES=stages, AHEAD=group,
-                                                 PAGE_SHARE=MODE == "ptr+pfpage",
-                                                 ONES_DTYPE=ones_dtype, num_warps=args.warps)
+                run = lambda: paged_hinted_sum[grid](cache, idx, out, per, HEADS=heads, D=d,  # noqa: E731
+                                                     PAGE=page, BLOCK_PAGES=block_pages, STAGES=stages,
+                                                     AHEAD=group, HINT=MODE, ONES_DTYPE=ones_dtype,
+                                                     num_warps=args.warps)
             elif steal:
                 counter, calls = torch.zeros(1, device=dev, dtype=torch.int32), [0]
 
