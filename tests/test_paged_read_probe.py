@@ -1,6 +1,6 @@
 """scripts/paged_read_probe.py on the CPU (Triton interpreter): the static and the work-stealing
 bare reads sum exactly the pages each (chunk, head) owns (the script checks against torch and
-exits non-zero on a mismatch)."""
+exits non-zero on a mismatch); the inline-PTX modes refuse to run there."""
 from __future__ import annotations
 
 import os

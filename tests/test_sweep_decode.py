@@ -1,6 +1,7 @@
 """scripts/sweep_decode.py on the CPU (Triton interpreter): mixed-length rows (one with a long
 request) in another order, two configs over two rounds, every result checked against its dense
-reference (the script exits non-zero where one is off), out alone and with lse."""
+reference (the script exits non-zero where one is off), out alone and with lse; --grid's configs
+with and without the default row."""
 from __future__ import annotations
 
 import importlib.util
