@@ -33,6 +33,7 @@ import sys
 import tempfile
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "ptr"
+HINTED = ("ptr+pf", "ptr+pfpage", "ptr+touch")  # `paged_hinted_sum`'s modes
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix=f"fd_tma_{MODE.replace('+', '_')}_"))
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -200,7 +201,7 @@ def paged_tma_sum(cache_ptr, idx_ptr, out_ptr, per_prog, n_rows, HEADS: tl.const
 
 def parse_args():
     ap = argparse.ArgumentParser(description="bare paged reads of a decode's KV cache under the bench's flushes")
-    ap.add_argument("mode", choices=("ptr", "ptr+pf", "ptr+pfpage", "ptr+touch", "tma", "tma+hint", "steal"))
+    ap.add_argument("mode", choices=("ptr", *HINTED, "tma", "tma+hint", "steal"))
     ap.add_argument("--shapes", default="1x32768", help="batch x kv_len list (a flat random page list of that many "
                     "16-token pages of 8 heads x 128; requests play no part in a bare read)")
     ap.add_argument("--programs", default="512", help="programs (chunks x 8 heads), a list; each must split the "
@@ -230,7 +231,7 @@ def main():
     after each kind of L2 flush (median)."""
     args = parse_args()
     small = args.check_small
-    if MODE in ("ptr+pf", "ptr+pfpage", "ptr+touch"):
+    if MODE in HINTED:
         if small:
             sys.exit(f"{MODE} is inline PTX, which the Triton interpreter cannot run: it needs a GPU")
         if args.kv != "16bit" or args.head_dim * 2 % 128:
@@ -249,17 +250,17 @@ def main():
             cache = cache.to(torch.float8_e4m3fn)
         idx = torch.randperm(pages, generator=g, device=dev).to(torch.int32)
         c = cache.float()
-        steal, prefetch = MODE == "steal", MODE in ("ptr+pf", "ptr+pfpage", "ptr+touch")
+        steal, hinted = MODE == "steal", MODE in HINTED
         # the last item: heads a program reads (ptr), pages a unit (steal; one head a unit) or
-        # steps ahead (ptr+pf; one head a program)
-        last_item = args.unit_pages if steal else args.ahead if prefetch else args.group
+        # steps ahead (HINTED; one head a program)
+        last_item = args.unit_pages if steal else args.ahead if hinted else args.group
         configs = [(p, bp, st, gr) for p in ([6] if small else ints(args.programs)) for bp in ints(args.block_pages)
                    for st in ints(args.stages) for gr in ints(last_item)]
         for programs, block_pages, stages, group in configs:
-            groups = heads if steal or prefetch else heads // group
+            groups = heads if steal or hinted else heads // group
             chunks = pages // group if steal else programs // groups
             per = pages // max(chunks, 1)
-            uneven_heads = not (steal or prefetch) and (heads % group or programs % groups)
+            uneven_heads = not (steal or hinted) and (heads % group or programs % groups)
             if uneven_heads or pages % chunks or per % block_pages:
                 print(f"{shape} programs {programs} block_pages {block_pages} group {group}: pages do not split "
                       "evenly, skipped")
@@ -270,7 +271,7 @@ def main():
                 run = lambda: paged_ptr_sum[grid](cache, idx, out, per, HEADS=heads, D=d, PAGE=page,  # noqa: E731
                                                   BLOCK_PAGES=block_pages, STAGES=stages, GROUP=group,
                                                   ONES_DTYPE=ones_dtype, num_warps=args.warps)
-            elif prefetch:
+            elif hinted:
                 run = lambda: paged_hinted_sum[grid](cache, idx, out, per, HEADS=heads, D=d,  # noqa: E731
                                                      PAGE=page, BLOCK_PAGES=block_pages, STAGES=stages,
                                                      AHEAD=group, HINT=MODE, ONES_DTYPE=ones_dtype,
@@ -295,12 +296,12 @@ def main():
                 print(f"{MODE} {shape} programs {programs} block_pages {block_pages} stages {stages} group {group}: "
                       f"{e}", flush=True)
                 continue
-            width = 1 if steal or prefetch else group  # heads of a program's (unit's) sums
+            width = 1 if steal or hinted else group  # heads of a program's (unit's) sums
             want = torch.stack([(c[idx[ci * per:(ci + 1) * per].long(), :, :, g * width:(g + 1) * width, :])
                                 .sum((0, 1, 2, 3)) for ci in range(chunks) for g in range(groups)])
             err = float((out - want).abs().max() / want.abs().max())
             label = (f"{MODE} {shape} programs {programs} block_pages {block_pages} stages {stages} "
-                     f"{'unit pages' if steal else 'ahead' if prefetch else 'group'} {group}")
+                     f"{'unit pages' if steal else 'ahead' if hinted else 'group'} {group}")
             if small:
                 print(f"{label}: max rel err {err:.1e}", flush=True)
                 assert err < 1e-3

@@ -151,6 +151,7 @@ def main() -> None:
         inputs = AttentionInputs(d.q, kv, out, None, None, None, None, None)
         launches = recorded_launches(lambda: backend.run(plan, inputs))
         merge = getattr(plan, "_merge", None)
+        dummy = plan.plse
         parts = {
             "wrapper run()": lambda: w.run(d.q, d.cache),
             "backend run()": lambda: backend.run(plan, inputs),
@@ -158,9 +159,6 @@ def main() -> None:
             "torch.empty(out)": lambda: torch.empty(planned.out_shape, dtype=d.q.dtype, device=d.q.device),
             "current_device()": torch.cuda.current_device,
             "direct_allowed": lambda: launch_mod._direct_allowed(launches[0][0].fn),
-        }
-        dummy = plan.plse
-        parts.update({
             "_variant": lambda: w._variant((1, False)),
             "unpack cache": lambda: unpack_paged_kv_cache(d.cache, "NHD"),
             "page_check_at_run": lambda: w._page_check_at_run(planned, kv.num_pages),
@@ -173,7 +171,7 @@ def main() -> None:
             "decode_strides": lambda: decode_strides(inputs),
             "kernel_scales": lambda: kernel_scales(inputs, dummy),
             "q.data_ptr()": d.q.data_ptr,
-        })
+        }
         if merge is not None:
             parts["merge call"] = lambda: merge(out, None)
             parts["merge C launch"] = lambda: launches[-1][0]._run(*launches[-1][1:])
