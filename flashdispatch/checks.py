@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -302,6 +302,47 @@ def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
             arrays.append(flat[offset:offset + n])  # (int64 already: the read's own copy)
             offset += n
     return arrays, minmax
+
+
+@functools.cache
+def _lengths_reader():
+    """`device_read.read_paged_lengths`, imported at its first use (as `_device_reader`)."""
+    from .device_read import read_paged_lengths
+    return read_paged_lengths
+
+
+class PagedTable(NamedTuple):
+    """A paged table's checked host values (`paged_lengths`); the arrays are int64."""
+
+    indptr: np.ndarray
+    last_page_len: np.ndarray
+    kv_lens: np.ndarray
+    used_pages: int  # indptr[-1]
+    kv_total: int
+    kv_max: int  # 0 with no request
+    index_range: tuple[int, int] | None  # (min, max) of the used page indices, as `host_arrays` reads it
+
+
+def paged_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, indices: torch.Tensor | None, page_size: int,
+                  names: tuple[str, str] = ("indptr", "last_page_len")) -> PagedTable:
+    """Read and check a paged table's indptr (`check_indptr`) and last_page_len (`paged_kv_lengths`),
+    both int32 of checked sizes, and work out its lengths; with ``indices``, the (min, max) of the
+    used ones too (`host_arrays`). With indptr, last_page_len and the indices on one GPU, the
+    device read's kernel works the lengths out and checks them (`device_read.read_paged_lengths`):
+    the host checks then run only where it found an entry breaking their rules, to name it."""
+    if indices is not None and not page_indices_checked():
+        indices = None
+    device = indptr.device
+    if not indptr.is_cpu and last_page_len.device == device and (indices is None or indices.device == device):
+        indptr_h, last_h, lens, stats, minmax = _lengths_reader()(indptr, last_page_len, indices, page_size)
+        if stats is not None:
+            return PagedTable(indptr_h, last_h, lens, int(indptr_h[-1]), *stats, minmax)
+    else:
+        (indptr_h, last_h), minmax = host_arrays([indptr, last_page_len], indices)
+    pages = check_indptr(indptr_h, names[0])
+    used = int(indptr_h[-1])
+    lens = paged_kv_lengths(pages, last_h, page_size, used, names[1])
+    return PagedTable(indptr_h, last_h, lens, used, int(np.add.reduce(lens)), int(_max(lens, initial=0)), minmax)
 
 
 def check_indptr(h: np.ndarray, name: str) -> np.ndarray:

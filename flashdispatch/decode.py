@@ -219,23 +219,21 @@ class BatchDecodeWithPagedKVCacheWrapper(DeferredPageCheck, WrapperBase):
         checks.check_lengths_count(last_page_len, "last_page_len", batch)
         self._finish_page_check()  # the last plan()'s, if its runs did not finish it
         defer = self._defers_page_check((indptr, last_page_len), indices)  # (deferred_check.py)
-        (indptr_h, last_h), minmax = checks.host_arrays([indptr, last_page_len], None if defer else indices)
-        pages = checks.check_indptr(indptr_h, "indptr")
-        used_pages = int(indptr_h[-1])
-        kv_lens_h = checks.paged_kv_lengths(pages, last_h, page_size, used_pages)
-        max_page_index = checks.check_page_indices(indices.numel(), used_pages, minmax,
+        table = checks.paged_lengths(indptr, last_page_len, None if defer else indices, page_size)
+        used_pages = table.used_pages
+        max_page_index = checks.check_page_indices(indices.numel(), used_pages, table.index_range,
                                                    "indices" if block_tables is None else "block_tables")
         if self._graph_buffers is not None and batch + 1 != self._graph_buffers[0].numel():
             raise ValueError(f"use_cuda_graph=True fixes batch_size={self._graph_buffers[0].numel() - 1} "
                              f"(paged_kv_indptr_buffer), got indptr for batch_size={batch}")
         if defer:  # indptr and last_page_len go to the device with the check's launch
-            max_page_index, uploaded = self._begin_page_check(indices, used_pages, max_page_index, [indptr_h, last_h])
+            max_page_index, uploaded = self._begin_page_check(indices, used_pages, max_page_index,
+                                                              [table.indptr, table.last_page_len])
             if uploaded is not None:
                 indptr, last_page_len = uploaded
         previous = self._plan_args
-        kv_total, kv_max = int(np.add.reduce(kv_lens_h)), int(np.maximum.reduce(kv_lens_h, initial=0))
-        self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, kv_lens_h, kv_total, kv_max,
-                                          max_page_index, scalars, self._workspace())
+        self._plan_args = _DecodePlanArgs(indptr, indices, last_page_len, used_pages, table.kv_lens, table.kv_total,
+                                          table.kv_max, max_page_index, scalars, self._workspace())
         refresh = (previous is not None and previous.scalars is scalars and previous.kv_lens_h.size == batch
                    and previous.workspace is self._plan_args.workspace)
         self._planning_with_page_check(lambda: self._plan_variants(refresh=refresh))

@@ -31,6 +31,7 @@ _POINTER_ARGS = (0, 2, 4, 6, 9, 10)  # index_summary_kernel's pointers among its
 _KEPT_VIEWS = 64  # IndexRangeReader: upload layouts whose device views it keeps
 _KEPT_LAUNCHES = 16  # per thread (and per IndexRangeReader): argument sets whose summary launch is kept
 _USED_AT = 8  # used_host's place among the kernel's runtime arguments
+_LENGTH_STATS = 4  # what `_paged_lengths` writes after the lengths: the flag, the longest, the sum's two words
 _BY_ADDRESS = frozenset({"cuda"})  # device types whose launches go by address (and are kept)
 
 
@@ -41,19 +42,54 @@ def _copy(out_ptr, src_ptr, n, BLOCK: tl.constexpr):
         tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b", "n_c", "n_indices", "used_host"])  # one compile for any sizes
+@triton.jit
+def _paged_lengths(indptr_ptr, last_ptr, batch, page_size, out_ptr, BLOCK: tl.constexpr):
+    """Each request's kv_len from its pages (indptr) and last_page_len, int32 at ``out[:batch]``,
+    then at ``out[batch:batch + 4]``: 1 where an entry breaks a rule `checks.paged_lengths` names
+    (indptr[0] != 0, a decreasing indptr, a last_page_len outside [1, page_size], or not 0 for a
+    request with no pages, a length past int32) else 0, the longest length, the lengths' sum's
+    low and high 32 bits. Lengths are worked out in int64."""
+    wrong = tl.zeros([BLOCK], tl.int32)
+    longest = tl.zeros([BLOCK], tl.int64)
+    total = tl.zeros([BLOCK], tl.int64)
+    for start in range(0, batch, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        keep = offs < batch
+        pages = (tl.load(indptr_ptr + offs + 1, mask=keep, other=0).to(tl.int64)
+                 - tl.load(indptr_ptr + offs, mask=keep, other=0).to(tl.int64))
+        last = tl.load(last_ptr + offs, mask=keep, other=0).to(tl.int64)
+        lens = tl.where(pages > 0, (pages - 1) * page_size + last, 0)
+        bad = tl.where(pages > 0, (last < 1) | (last > page_size) | (lens > 2147483647), (pages < 0) | (last != 0))
+        wrong = tl.maximum(wrong, (bad & keep).to(tl.int32))
+        tl.store(out_ptr + offs, lens.to(tl.int32), mask=keep)
+        total += lens
+        longest = tl.maximum(longest, lens)
+    first_wrong = (tl.load(indptr_ptr) != 0).to(tl.int32)
+    tl.store(out_ptr + batch, tl.maximum(tl.max(wrong, 0), first_wrong))
+    tl.store(out_ptr + batch + 1, tl.max(longest, 0).to(tl.int32))
+    whole = tl.sum(total, 0)
+    tl.store(out_ptr + batch + 2, whole.to(tl.int32))  # (int64 -> int32 keeps the low bits)
+    tl.store(out_ptr + batch + 3, (whole >> 32).to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["n_a", "n_b", "n_c", "n_indices", "used_host", "page_size"])  # one compile for any sizes
 def index_summary_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, indices_ptr, n_indices, used_host, out_ptr, copy_ptr,
-                         BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr, USED_ON_DEVICE: tl.constexpr):
+                         page_size, BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr, USED_ON_DEVICE: tl.constexpr,
+                         LENGTHS: tl.constexpr):
     """Program 0 copies a, b, c to ``copy[:n_a + n_b + n_c]`` (``copy`` may be ``out``); program
     p writes the (min, max) of ``indices[p * PER_PROGRAM:][:PER_PROGRAM]`` within the used ones
     (the first ``a[-1]`` with USED_ON_DEVICE, else ``used_host``; never past ``n_indices``) to
-    ``out[n + p]`` and ``out[n + programs + p]`` (int32 max / min when it holds none)."""
+    ``out[n + p]`` and ``out[n + programs + p]`` (int32 max / min when it holds none). LENGTHS (a
+    is an indptr, b its last_page_len): program 0 also writes `_paged_lengths` of them, of
+    ``page_size``, from ``out[n + 2 * programs]`` on."""
     pid = tl.program_id(0)
     n = n_a + n_b + n_c
     if pid == 0:
         _copy(copy_ptr, a_ptr, n_a, BLOCK)
         _copy(copy_ptr + n_a, b_ptr, n_b, BLOCK)
         _copy(copy_ptr + n_a + n_b, c_ptr, n_c, BLOCK)
+        if LENGTHS:
+            _paged_lengths(a_ptr, b_ptr, n_b, page_size, out_ptr + n + 2 * tl.num_programs(0), BLOCK)
     if USED_ON_DEVICE:
         used = tl.load(a_ptr + n_a - 1)
     else:
@@ -133,9 +169,9 @@ _staging = _Staging()
 
 
 @functools.lru_cache(maxsize=None)
-def _summary_launcher(used_on_device: bool, per_program: int):
+def _summary_launcher(used_on_device: bool, per_program: int, lengths: bool = False):
     return bind(index_summary_kernel, BLOCK=_BLOCK, PER_PROGRAM=per_program, USED_ON_DEVICE=used_on_device,
-                num_warps=4)
+                LENGTHS=lengths, num_warps=4)
 
 
 def _summary_programs(num_indices: int) -> int:
@@ -162,10 +198,12 @@ def _relaunch(launches: dict, key: tuple, used: int) -> tuple | None:
 
 def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, used_host: int | None,
                     buf: torch.Tensor | None, copy_to: torch.Tensor | None = None, launches: dict | None = None,
-                    key: tuple | None = None) -> tuple[torch.Tensor, list[int], int, int]:
+                    key: tuple | None = None, page_size: int = 0) -> tuple[torch.Tensor, list[int], int, int]:
     """Launch `index_summary_kernel` (see `read_index_tensors`) into ``buf`` (None: this thread's
     staging buffer), the tensors copied to ``copy_to`` (None: ``buf``; else on ``indices``' GPU,
     the tensors then in pinned host memory); returns (buffer, tensor sizes, their total, programs).
+    ``page_size`` > 0: the tensors are an indptr and its last_page_len, whose lengths the kernel
+    works out too (LENGTHS, `read_paged_lengths`).
 
     A launch made by address is kept (per thread) under the memory it reads and writes: a plan()
     given the same index tensors again (a serving engine's fixed buffers) launches it again
@@ -182,7 +220,7 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
     if launches is None:
         launches = _staging.launches
         key = (*map(_memory_key, tensors), _memory_key(indices), _memory_key(buf), _memory_key(copy_to),
-               used_host is None, used > _I32_MAX)
+               used_host is None, used > _I32_MAX, page_size)
         result = _relaunch(launches, key, used)
         if result is not None:
             return result
@@ -195,17 +233,17 @@ def _launch_summary(tensors: list[torch.Tensor], indices: torch.Tensor | None, u
     num_indices = 0 if indices is None else indices.numel()
     programs = _summary_programs(num_indices)
     if buf is None:
-        buf = _staging.get(device, n + 2 * programs)
+        buf = _staging.get(device, n + 2 * programs + (sizes[1] + _LENGTH_STATS if page_size else 0))
     first = tensors[0] if tensors else indices  # a placeholder pointer where a tensor is missing
     args = []
     for i in range(MAX_TENSORS):
         args += [tensors[i] if i < len(tensors) else first, sizes[i]]
-    args += [indices if num_indices else first, num_indices, used, buf, buf if copy_to is None else copy_to]
+    args += [indices if num_indices else first, num_indices, used, buf, buf if copy_to is None else copy_to, page_size]
     # Triton specialises this kernel on its pointers' dtypes and 16-byte alignment and its ints'
     # widths alone (every int is do_not_specialize): that key, shorter to work out than spec_key's
     at = [args[i].data_ptr() for i in _POINTER_ARGS]
     spec = (*[(args[i].dtype, a & 15 == 0) for i, a in zip(_POINTER_ARGS, at)], max(n, num_indices, used) > _I32_MAX)
-    launcher = _summary_launcher(used_host is None, _PER_PROGRAM)
+    launcher = _summary_launcher(used_host is None, _PER_PROGRAM, page_size > 0)
     # device tensors as their addresses once the kernel is kept (BoundKernel.launch_addresses);
     # host tensors (pinned) as tensors: Triton maps pinned host memory to its device address
     addressed = list(args)
@@ -249,6 +287,28 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     if count <= 0 or count > num_indices:
         return flat, None  # nothing used, or too few indices (the caller's check says so)
     return flat, _minmax(host, n, programs)
+
+
+def read_paged_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, indices: torch.Tensor | None,
+                       page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int] | None,
+                                                tuple[int, int] | None]:
+    """`read_index_tensors` of an indptr and its last_page_len (int32, one device), whose kernel
+    also works out each request's kv_len (`_paged_lengths`): (indptr, last_page_len, kv_lens, as
+    int64 host arrays; the lengths' (sum, max), or None where an entry breaks the rules of
+    `checks.paged_lengths`, which the host checks then name; the (min, max) of the used indices)."""
+    buf, sizes, n, programs = _launch_summary([indptr, last_page_len], indices, None, None, page_size=page_size)
+    device = indptr.device
+    if device.type == "cuda":
+        current_stream(device.index).synchronize()  # (as `read_index_tensors`)
+    host = _staging.views[device]
+    batch, at = sizes[1], n + 2 * programs
+    flat = host[:at + batch + _LENGTH_STATS].astype(np.int64)
+    wrong, longest, low, high = flat[at + batch:].tolist()
+    indptr_h, used = flat[:sizes[0]], int(flat[sizes[0] - 1])
+    num_indices = 0 if indices is None else indices.numel()
+    minmax = _minmax(host, n, programs) if 0 < used <= num_indices else None
+    stats = None if wrong else ((high << 32) | (low & 0xFFFFFFFF), longest)
+    return indptr_h, flat[sizes[0]:n], flat[at:at + batch], stats, minmax
 
 
 class IndexRangeReader:

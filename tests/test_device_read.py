@@ -251,7 +251,7 @@ def test_kept_summary_launches_pass_what_a_fresh_launch_would(monkeypatch):
     """Whenever `_launch_summary` launches a kept argument list, that list is the one it would
     work out afresh for the same call: same kernel key, grid and arguments (each tensor's memory,
     sizes, the used count), over the same tensors rewritten, a new used count, slices, a strided
-    view (never kept), a new tensor of other sizes. Runs on the CPU with the launcher recorded
+    view (never kept), a new tensor of other sizes, the lengths' page size. Runs on the CPU with the launcher recorded
     and CPU launches let through the by-address path (on a GPU they are the CUDA ones)."""
     from flashdispatch import device_read
 
@@ -280,24 +280,25 @@ def test_kept_summary_launches_pass_what_a_fresh_launch_would(monkeypatch):
              ([last], indices, 2999), ([indptr[:3], last[:2]], indices, None), ([indptr, last], head, None),
              ([indptr, last], strided, None), ([indptr, last], strided, None), ([indptr, last], indices[:2000], None),
              ([indptr], None, None), ([indptr, last], indices, None)]
+    calls = [(*c, 0) for c in calls] + [([indptr, last], indices, None, 16), ([indptr, last], indices, None, 8)]
     kept_launches = 0
-    for i, (tensors, idx, used) in enumerate(calls * 2):
+    for i, (tensors, idx, used, page_size) in enumerate(calls * 2):
         if i == len(calls):
             indptr.copy_(torch.tensor([0, 1, 2, 2], dtype=torch.int32))  # rewritten in place: same memory
         kept = device_read._staging.launches.get(
             (*map(device_read._memory_key, tensors), device_read._memory_key(idx), None, None, used is None,
-             False))
+             False, page_size))
         kept_launches += kept is not None
-        device_read._launch_summary(tensors, idx, used, None)
+        device_read._launch_summary(tensors, idx, used, None, page_size=page_size)
         got = recorder.calls[-1]
         saved = device_read._staging.launches
         monkeypatch.setattr(device_read._staging, "launches", {})
-        device_read._launch_summary(tensors, idx, used, None)  # worked out afresh
+        device_read._launch_summary(tensors, idx, used, None, page_size=page_size)  # worked out afresh
         monkeypatch.setattr(device_read._staging, "launches", saved)
         fresh = recorder.calls[-1]
         if idx is strided:  # read from a contiguous copy, whose address is its own each time
             assert got[2][6] != strided.data_ptr(), i
             got, fresh = (got[0], got[1], got[2][:6] + got[2][7:]), (fresh[0], fresh[1], fresh[2][:6] + fresh[2][7:])
         assert got == fresh, i
-    assert kept_launches == 12, kept_launches  # 3 in the first round, then every call but the strided ones
+    assert kept_launches == 14, kept_launches  # 3 in the first round, then every call but the strided ones
     assert not any(device_read._memory_key(strided) in key for key in device_read._staging.launches)

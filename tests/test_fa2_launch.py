@@ -338,12 +338,20 @@ def test_launch_kept_launches_a_new_call_kind_of_a_kept_kernel_by_address(fake_c
 
 def test_spec_keys_are_carried_only_to_fixed_arguments_of_the_same_key():
     import numpy as np
+
+    def carried(previous, tensors, scalars, addresses=None):
+        addresses = tuple(t.data_ptr() for t in tensors) if addresses is None else addresses
+        return SpecKeys.carried(previous, tensors, addresses, scalars)
+
     x = torch.randn(8)
-    kept = SpecKeys.carried(None, (x, 5))
-    assert SpecKeys.carried(kept, (torch.randn(8), 7)) is kept
-    assert SpecKeys.carried(kept, (x, 16)) is not kept and SpecKeys.carried(kept, (x.half(), 5)) is not kept
-    unknown = SpecKeys.carried(None, (np.int32(5),))  # a type spec_key does not cover: never carried
-    assert unknown.fixed is None and SpecKeys.carried(unknown, (np.int32(5),)) is not unknown
+    kept = carried(None, (x,), (5,))
+    assert carried(kept, (torch.randn(8),), (7,)) is kept and carried(kept, (x,), (5,)) is kept
+    assert carried(kept, (x,), (16,)) is not kept and carried(kept, (x.half(),), (5,)) is not kept
+    assert carried(kept, (x,), (5, 1)) is not kept and carried(kept, (x,), (5.0,)) is not kept
+    unaligned = carried(kept, (x,), (5,), addresses=(x.data_ptr() + 4,))  # 16-byte alignment is keyed
+    assert unaligned is not kept and carried(unaligned, (x,), (5,), addresses=(x.data_ptr() + 8,)) is unaligned
+    unknown = carried(None, (x,), (np.int32(5),))  # a type spec_key does not cover: never carried
+    assert unknown.fixed is None and carried(unknown, (x,), (np.int32(5),)) is not unknown
 
 
 def test_unknown_argument_types_and_uncached_results(fake_cuda):

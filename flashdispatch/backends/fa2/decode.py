@@ -524,9 +524,10 @@ class DecodePlan(DecodePacking):
                               self.split_tokens, self.split_slots, self.kernel_max_splits, *self._table_scalars(),
                               self.batch, self.line_gap,
                               self.line_groups, self.line_even_groups)
-        self._specs = SpecKeys.carried(self.__dict__.get("_specs"), (*self._tables, *self._plan_scalars))  # (run())
         # the tables' addresses, for launches that pass the tensors as ints (run()), on their GPU
         self._table_addrs = tuple([t.data_ptr() for t in self._tables])
+        self._specs = SpecKeys.carried(self.__dict__.get("_specs"), self._tables, self._table_addrs,
+                                       self._plan_scalars)  # (run())
         self._cuda_index = self.kv_indices.device.index if self.kv_indices.is_cuda else None
 
     def _table_scalars(self) -> tuple[int, int, int]:

@@ -40,6 +40,8 @@ through the normal path, to rule the bound launcher out or to time the plain lau
 """
 from __future__ import annotations
 
+import functools
+import operator
 import os
 from typing import Callable
 
@@ -93,24 +95,39 @@ class SpecKeys:
     that change at every call: the oldest are dropped all at once). The caller's contract: its
     call kind determines the specialisation of every argument but the fixed ones (the same
     tensors and scalars, at the same positions, in every call) and ``do_not_specialize``
-    parameters; ``fixed`` is the fixed arguments' `spec_key` where `carried` made these keys."""
+    parameters; ``fixed`` is what the fixed arguments' specialisation depends on where `carried`
+    made these keys."""
 
     def __init__(self, limit: int = 64, fixed: tuple | None = None):
         self.limit = limit
         self.fixed = fixed
+        self.scalars: tuple | None = None  # (values, types) of the fixed scalars `carried` made these keys for
         self._keys: dict = {}
 
     @classmethod
-    def carried(cls, previous: SpecKeys | None, fixed_args: tuple) -> SpecKeys:
-        """The keys of calls whose fixed arguments are ``fixed_args`` (a plan's own tensors and
-        scalars): ``previous`` where it was made for fixed arguments of the same `spec_key` (then
-        every kind it holds has the same key here), else new ones (so too where an argument's
-        type has no `spec_key`). A re-plan that keeps them launches its first run() by address
-        with no key to work out (decode: `DecodePlan._set_tables`; docs/perf-notes.md, session 71)."""
-        fixed = spec_key(fixed_args)
+    def carried(cls, previous: SpecKeys | None, tensors: tuple, addresses: tuple, scalars: tuple) -> SpecKeys:
+        """The keys of calls whose fixed arguments are ``tensors`` (at ``addresses``, their
+        data_ptr()s) then ``scalars`` (a plan's own): ``previous`` where it was made for fixed
+        arguments that specialise alike (the same dtypes and 16-byte alignment, scalars of the
+        same `spec_key`; then every kind it holds has the same key here), else new ones (so too
+        where a scalar's type has no `spec_key`). A re-plan that keeps them launches its first
+        run() by address with no key to work out (decode: `DecodePlan._set_tables`;
+        docs/perf-notes.md, session 71). Scalars of the same values and types as ``previous``' take
+        its key as they are."""
+        dtypes = tuple([t.dtype for t in tensors])
+        aligned = not functools.reduce(operator.or_, addresses, 0) & 15
+        tensor_key = (dtypes, True if aligned else tuple([a & 15 == 0 for a in addresses]))
+        types = tuple(map(type, scalars))
+        if previous is not None and previous.fixed is not None and previous.scalars == (scalars, types):
+            scalar_key = previous.fixed[1]
+        else:
+            scalar_key = spec_key(scalars)
+        fixed = None if scalar_key is None else (tensor_key, scalar_key)
         if fixed is not None and previous is not None and previous.fixed == fixed:
             return previous
-        return cls(fixed=fixed)
+        keys = cls(fixed=fixed)
+        keys.scalars = (scalars, types)
+        return keys
 
     def known(self, call) -> tuple | None:
         """The key kept for ``call``, or None when none is (then `get` works it out)."""
