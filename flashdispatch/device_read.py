@@ -1,6 +1,7 @@
 """plan()'s one read of device values: small index tensors (indptr, last_page_len, ...) and the
 (min, max) of the used page indices, gathered by one kernel into a pinned host buffer and read
-after one stream wait. On the H200's host this took a batch-256 read from ~91 us (empty + cat +
+after one stream wait (a decode plan's kernel also works out and checks the lengths:
+`read_paged_lengths`). On the H200's host this took a batch-256 read from ~91 us (empty + cat +
 aminmax + a blocking copy) to ~38 us (docs/perf-notes.md, "API host overhead"). `IndexRangeReader`
 queues the same kernel for the page indices and does not wait (a decode plan() whose lengths
 are on the host); the same launch may upload those lengths (`IndexRangeReader.start`'s

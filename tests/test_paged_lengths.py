@@ -80,13 +80,24 @@ def test_cuda_plan_names_the_entry_the_kernel_flagged(indptr, last, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("check", ["1", "0"])
-def test_cuda_paged_lengths_match_the_host_path(monkeypatch, check):
+@pytest.mark.parametrize("where", ["all", "indptr_on_host", "indices_on_host"])
+def test_cuda_paged_lengths_match_the_host_path(monkeypatch, check, where):
+    """The kernel's lengths where the table is on one GPU, the host's (one copy per device)
+    where it is spread: the same values, types and index range either way."""
     monkeypatch.setenv(checks.CHECK_INPUTS_ENV, check)
     torch.manual_seed(1)
     lens = torch.randint(0, 3000, (300,)).tolist()
     indptr, indices, last = table(lens, 16, garbage=(-1,))
     want = checks.paged_lengths(indptr, last, indices, 16)
-    got = checks.paged_lengths(indptr.cuda(), last.cuda(), indices.cuda(), 16)
+    got = checks.paged_lengths(indptr if where == "indptr_on_host" else indptr.cuda(), last.cuda(),
+                               indices if where == "indices_on_host" else indices.cuda(), 16)
     for g, w in zip(got, want):
         assert (np.array_equal(g, w) and g.dtype == w.dtype) if isinstance(w, np.ndarray) else g == w
     assert (got.index_range is None) == (check == "0") and got.kv_lens.tolist() == lens
+
+
+@pytest.mark.gpu
+def test_cuda_paged_lengths_of_no_request():
+    indptr, last = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(0, dtype=torch.int32, device="cuda")
+    got = checks.paged_lengths(indptr, last, torch.arange(4, dtype=torch.int32, device="cuda"), 16)
+    assert got.kv_lens.size == 0 and (got.used_pages, got.kv_total, got.kv_max, got.index_range) == (0, 0, 0, None)
