@@ -526,8 +526,7 @@ class DecodePlan(DecodePacking):
                               self.line_groups, self.line_even_groups)
         # the tables' addresses, for launches that pass the tensors as ints (run()), on their GPU
         self._table_addrs = tuple([t.data_ptr() for t in self._tables])
-        self._specs = SpecKeys.carried(self.__dict__.get("_specs"), self._tables, self._table_addrs,
-                                       self._plan_scalars)  # (run())
+        self._specs = SpecKeys.carried(self.__dict__.get("_specs"), self._tables, self._table_addrs, self._plan_scalars)
         self._cuda_index = self.kv_indices.device.index if self.kv_indices.is_cuda else None
 
     def _table_scalars(self) -> tuple[int, int, int]:
