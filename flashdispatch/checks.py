@@ -271,11 +271,11 @@ def host_arrays(tensors: Sequence[torch.Tensor],
 
 
 @functools.cache
-def _device_reader():
-    """`device_read.read_index_tensors`, imported at the first device read (Triton: only where
-    device values are read; a function-level import costs plan() ~4 us at each call)."""
-    from .device_read import read_index_tensors
-    return read_index_tensors
+def _device_read():
+    """The `device_read` module, imported at the first device read (Triton: only where device
+    values are read; a function-level import costs plan() ~4 us at each call)."""
+    from . import device_read
+    return device_read
 
 
 def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
@@ -284,7 +284,7 @@ def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
     used ``indices`` (counted by indptr = ``tensors[0]``, on the host or the device) come back
     from one kernel and one wait (`device_read.read_index_tensors`). Works on any device (the
     CPU tests run it, the kernel in Triton's interpreter)."""
-    read_index_tensors = _device_reader()
+    read_index_tensors = _device_read().read_index_tensors
     parts = [t for t, host in zip(tensors, on_host) if not host]
     used_host = int(tensors[0].numpy()[-1]) if on_host[0] else None
     if indices is not None and indices.numel() == 0:
@@ -302,13 +302,6 @@ def read_in_one_copy(tensors: Sequence[torch.Tensor], on_host: Sequence[bool],
             arrays.append(flat[offset:offset + n])  # (int64 already: the read's own copy)
             offset += n
     return arrays, minmax
-
-
-@functools.cache
-def _lengths_reader():
-    """`device_read.read_paged_lengths`, imported at its first use (as `_device_reader`)."""
-    from .device_read import read_paged_lengths
-    return read_paged_lengths
 
 
 class PagedTable(NamedTuple):
@@ -334,7 +327,8 @@ def paged_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, indices: to
         indices = None
     device = indptr.device
     if not indptr.is_cpu and last_page_len.device == device and (indices is None or indices.device == device):
-        indptr_h, last_h, lens, stats, minmax = _lengths_reader()(indptr, last_page_len, indices, page_size)
+        read = _device_read().read_paged_lengths
+        indptr_h, last_h, lens, stats, minmax = read(indptr, last_page_len, indices, page_size)
         if stats is not None:
             return PagedTable(indptr_h, last_h, lens, int(indptr_h[-1]), *stats, minmax)
     else:

@@ -268,6 +268,23 @@ def _minmax(host: np.ndarray, n: int, programs: int) -> tuple[int, int]:
     return min(host[n:n + programs].tolist()), max(host[n + programs:n + 2 * programs].tolist())
 
 
+def _read_back(device: torch.device, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """After a `_launch_summary` into this thread's staging buffer for ``device``: wait for the
+    device's current stream, where the kernel went (`current_stream`; a stream wait, not an
+    event: one CUDA call less), then (the buffer's int32 view, an int64 copy of its first
+    ``count`` values)."""
+    if device.type == "cuda":
+        current_stream(device.index).synchronize()
+    host = _staging.views[device]
+    return host, host[:count].astype(np.int64)
+
+
+def _used_range(host: np.ndarray, n: int, programs: int, used: int, num_indices: int) -> tuple[int, int] | None:
+    """`_minmax` of a summary of ``used`` indices out of ``num_indices``: None when nothing is
+    used, or too few indices are (the caller's check says so)."""
+    return _minmax(host, n, programs) if 0 < used <= num_indices else None
+
+
 def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None,
                        used_host: int | None) -> tuple[np.ndarray, tuple[int, int] | None]:
     """The 1-D int32 ``tensors`` (one device, at most `MAX_TENSORS`) concatenated on the host
@@ -276,18 +293,9 @@ def read_index_tensors(tensors: list[torch.Tensor], indices: torch.Tensor | None
     None). One kernel launch and one wait; on the CPU (tests) the kernel runs in Triton's
     interpreter."""
     buf, sizes, n, programs = _launch_summary(tensors, indices, used_host, None)
-    device = (tensors[0] if tensors else indices).device
-    if device.type == "cuda":
-        # wait for the device's current stream, where the kernel went (`current_stream`); a stream
-        # wait, not an event: one CUDA call less
-        current_stream(device.index).synchronize()
-    host = _staging.views[device]  # (``buf`` is this thread's staging buffer for ``device``)
-    flat = host[:n].astype(np.int64)
-    num_indices = 0 if indices is None else indices.numel()
-    count = int(flat[sizes[0] - 1]) if used_host is None else used_host
-    if count <= 0 or count > num_indices:
-        return flat, None  # nothing used, or too few indices (the caller's check says so)
-    return flat, _minmax(host, n, programs)
+    host, flat = _read_back((tensors[0] if tensors else indices).device, n)
+    used = int(flat[sizes[0] - 1]) if used_host is None else used_host
+    return flat, _used_range(host, n, programs, used, 0 if indices is None else indices.numel())
 
 
 def read_paged_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, indices: torch.Tensor | None,
@@ -298,16 +306,11 @@ def read_paged_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, indice
     int64 host arrays; the lengths' (sum, max), or None where an entry breaks the rules of
     `checks.paged_lengths`, which the host checks then name; the (min, max) of the used indices)."""
     buf, sizes, n, programs = _launch_summary([indptr, last_page_len], indices, None, None, page_size=page_size)
-    device = indptr.device
-    if device.type == "cuda":
-        current_stream(device.index).synchronize()  # (as `read_index_tensors`)
-    host = _staging.views[device]
     batch, at = sizes[1], n + 2 * programs
-    flat = host[:at + batch + _LENGTH_STATS].astype(np.int64)
+    host, flat = _read_back(indptr.device, at + batch + _LENGTH_STATS)
     wrong, longest, low, high = flat[at + batch:].tolist()
     indptr_h, used = flat[:sizes[0]], int(flat[sizes[0] - 1])
-    num_indices = 0 if indices is None else indices.numel()
-    minmax = _minmax(host, n, programs) if 0 < used <= num_indices else None
+    minmax = _used_range(host, n, programs, used, 0 if indices is None else indices.numel())
     stats = None if wrong else ((high << 32) | (low & 0xFFFFFFFF), longest)
     return indptr_h, flat[sizes[0]:n], flat[at:at + batch], stats, minmax
 
