@@ -84,7 +84,8 @@ def plan_problem(problem: Problem, torch_device: torch.device, params, requested
     decision = select(problem, device, workload, requested)
     backend = get_backend(decision.backend)
     backend_plan = None
-    if previous is not None and previous.backend is backend and previous.problem == problem:
+    if previous is not None and previous.backend is backend and (previous.problem is problem
+                                                                 or previous.problem == problem):
         backend_plan = backend.replan(previous.plan, problem, device, params)
     if backend_plan is None:
         backend_plan = backend.plan(problem, device, params)

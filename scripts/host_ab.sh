@@ -10,8 +10,9 @@
 # REPS (alternations), MODES ("device host": where indptr and last_page_len live), ROUNDS, AB_S
 # (cap per process, s), EXTRA (more arguments of host_vs_flashinfer.py, e.g. "--step-layers 32": the
 # earlier tree's copy of the script must know them), PROFILE=N (then a cProfile of this tree's plan() at
-# 256x1024, top N).
-# Writes $OUT/gpu.txt, tests.log, ab.log, profile.log.
+# 256x1024, top N), LINES=1 (then this tree's plan() per statement at 256x1024, indptr on the device then the
+# host: scripts/plan_line_times.py).
+# Writes $OUT/gpu.txt, tests.log, ab.log, profile.log, lines.log.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 [ -d ab_base/flashdispatch ] || { echo "host_ab.sh: no ab_base/ tree (see the header)"; exit 2; }
@@ -42,4 +43,10 @@ done 2>&1 | tee "$OUT/ab.log"
 if [ -n "${PROFILE:-}" ]; then
   timeout "${AB_S:-120}" python3 scripts/host_vs_flashinfer.py --shapes 256x1024 --rounds 3 --profile "$PROFILE" 2>&1 \
     | tee "$OUT/profile.log"
+fi
+if [ -n "${LINES:-}" ]; then
+  for flag in "" --host-indptr; do
+    # shellcheck disable=SC2086  # flag: none or one argument
+    timeout "${AB_S:-120}" python3 scripts/plan_line_times.py --device cuda $flag 2>&1
+  done > "$OUT/lines.log"
 fi

@@ -1,6 +1,7 @@
 """The host side of plan()/run(): scalar checks reused only for equal arguments, the params'
 host lengths and deferred uploads, run()'s fast checks falling back to the explaining ones, and
 the single-request functions' kept plans (the device reads: test_device_read.py)."""
+import dataclasses
 import math
 import os
 import subprocess
@@ -131,6 +132,25 @@ def test_host_overhead_script_runs():
     assert rows == [["decode", "1"], ["decode", "4"], ["prefill_paged", "1"], ["prefill_paged", "4"],
                     ["single_prefill", "1"], ["single_decode", "1"]], out.stdout
     assert "cProfile" in out.stdout
+
+
+def test_plan_line_times_script_times_each_statement():
+    """scripts/plan_line_times.py (a subprocess: it rewrites the library's functions) times
+    plan()'s statements: the plan() line that plans is there, once per call, and the lines it
+    calls are inside its time."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "plan_line_times.py"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(script), "--shape", "3x40", "--calls", "4",
+                          "--extra", "flashdispatch.checks:check_indptr"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split(maxsplit=3) for line in out.stdout.splitlines()[3:]]  # us, passes, where, source
+    outer = [(float(us), passes) for us, passes, where, source in rows
+             if where.startswith("decode.BatchDecodeWithPagedKVCacheWrapper.plan:") and "_plan_variants" in source]
+    inner = [float(us) for us, _, where, _ in rows if where.startswith("backends.fa2.decode.DecodePlan.")]
+    assert len(outer) == 1 and outer[0][1] == "1.0x", out.stdout
+    assert inner and max(inner) < outer[0][0], out.stdout
+    assert any(where.startswith("checks.check_indptr:") for _, _, where, _ in rows), out.stdout
 
 
 def test_check_inputs_0_skips_the_page_index_range_check(monkeypatch):
@@ -372,6 +392,21 @@ def test_paged_params_uploads_host_arrays_once_when_first_read(monkeypatch):
     assert params.kv_last_page_len.device.type == "meta" and copies == [4]  # kv_lens + the three host arrays
     assert params.qo_indptr.shape == (4,) and params.kv_indptr.shape == (4,) and params.kv_lens.shape == (3,)
     assert copies == [4] and params.kv_indices.device.type == "meta"
+
+
+def test_a_cached_decision_takes_each_plans_workload():
+    """A decision cached for a workload bucket is shown with each plan's exact workload; the
+    cached one keeps its own."""
+    from flashdispatch.dispatch.explain import describe_device, describe_problem
+    from flashdispatch.dispatch.problem import Workload
+    from flashdispatch.dispatch.select import decide
+    base = describe_problem("decode", heads=(4, 2), head_dim=16, page_size=8)
+    dev = describe_device("cpu")
+    small, other = Workload(3, 3, 1, 40, 20), Workload(3, 3, 1, 38, 17)
+    first = decide(base, dev, small, "reference")
+    second = decide(base, dev, other, "reference")
+    assert (first.workload, second.workload) == (small, other) and first.backend == second.backend == "reference"
+    assert second == dataclasses.replace(first, workload=other) and decide(base, dev, small, "reference") == first
 
 
 def test_host_lengths_given_as_an_array_read_as_a_list():

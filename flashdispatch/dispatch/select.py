@@ -68,6 +68,13 @@ class Decision:
         from .explain import format_decision
         return format_decision(self)
 
+    def for_workload(self, workload: Workload) -> Decision:
+        """This decision shown with ``workload`` (one of the same bucket): a copy made without the
+        frozen dataclass's __init__ (a decision cached per bucket is re-labelled at every plan())."""
+        decision = object.__new__(Decision)
+        decision.__dict__.update(self.__dict__, workload=workload)
+        return decision
+
 
 # --- scoped overrides ------------------------------------------------------------------------
 _use_backends: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
@@ -230,8 +237,7 @@ def decide(problem: Problem, device: Device, workload: Workload = EMPTY_WORKLOAD
             _cache.clear()
         _cache[key] = decision
     elif decision.workload != workload:  # the same decision, shown with this plan's exact workload
-        decision = Decision(decision.problem, decision.device, workload, decision.backend, decision.candidates,
-                            decision.order_source, decision.failure)
+        decision = decision.for_workload(workload)
     return decision
 
 
