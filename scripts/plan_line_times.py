@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from host_overhead import decode_calls  # noqa: E402  (scripts/, the script's own folder)
+
 FUNCTIONS = (
     "flashdispatch.decode:BatchDecodeWithPagedKVCacheWrapper.plan",
     "flashdispatch.decode:BatchDecodeWithPagedKVCacheWrapper._build_variant",
@@ -142,7 +144,6 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--extra", default="", help="more module:Qualname targets, comma separated")
     args = ap.parse_args(argv)
-    from host_overhead import decode_calls  # (scripts/, after argparse: --help imports no torch work)
     batch, kv_len = (int(v) for v in args.shape.split("x"))
     device = torch.device(args.device)
     small = torch.device("cpu") if args.host_indptr else device
