@@ -160,6 +160,14 @@ def norm_msg(e: BaseException, tb: bool = False) -> str:
     return m + "\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:]) if tb else m
 
 
+def refusal_key(e: BaseException) -> str:
+    """`norm_msg` of a refusal, and for an `Unsupported` the codes of its reasons per backend
+    ("| fa2: head_dim"): the summary's refusal counts then say why each one refused."""
+    reasons = getattr(e, "reasons", None) or {}
+    codes = "; ".join(f"{backend}: {','.join(sorted({r.code for r in rs}))}" for backend, rs in reasons.items())
+    return norm_msg(e) + (f" | {codes}" if codes else "")
+
+
 class SeedLoop:
     """The seeds from --start by --stride: --sessions of them, else as many as --minutes allow (one
     at least); every ``every`` s a progress line. ``next_seed``: where a later run goes on."""

@@ -415,7 +415,7 @@ class Session:
                 spec["workspace"] < (1 << 20) and WORKSPACE_REFUSAL.search(msg)
                 or spec["graph"] and GRAPH_REFUSAL.search(msg))
               or spec["cfg_env"] and "out of resource" in msg.lower()):  # a knob's kernel too big
-            self.stats["refusals"][fc.norm_msg(ef)] += 1
+            self.stats["refusals"][fc.refusal_key(ef)] += 1
         else:
             self.fail(where, "fa2_exception", fc.norm_msg(ef, True))
 

@@ -40,3 +40,20 @@ def test_decode_fuzzer_config_under_every_session():
     for bad in ("[1]", "{nope"):
         res = dry(bad)
         assert res.returncode == 2 and "--config" in res.stderr, res.stderr
+
+
+def test_refusal_key_names_each_backends_reasons():
+    """The summary's refusal counts carry the codes of an Unsupported's reasons (why fa2 refused),
+    numbers as N; other refusals keep their normalised first line."""
+    from flashdispatch import Reason, Unsupported
+    sys.path.insert(0, str(SCRIPTS))
+    import fuzz_common
+
+    e = Unsupported("backend 'fa2' cannot run decode d=32", {
+        "fa2": [Reason("head_dim", "(32, 32) not in {(64, 64)}")],
+        "cudnn": [Reason("package", "not installed"), Reason("head_dim", "32"), Reason("package", "x")]})
+    assert fuzz_common.refusal_key(e) == ("Unsupported: backend 'fa2' cannot run decode d=N"
+                                          " | fa2: head_dim; cudnn: head_dim,package")
+    plain = ValueError("float_workspace_buffer too small: 12 bytes\nmore")
+    assert fuzz_common.refusal_key(plain) == fuzz_common.norm_msg(plain)
+    assert fuzz_common.norm_msg(plain) == "ValueError: float_workspace_buffer too small: N bytes"
