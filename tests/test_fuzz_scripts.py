@@ -42,11 +42,11 @@ def test_decode_fuzzer_config_under_every_session():
         assert res.returncode == 2 and "--config" in res.stderr, res.stderr
 
 
-def test_refusal_key_names_each_backends_reasons():
+def test_refusal_key_names_each_backends_reasons(monkeypatch):
     """The summary's refusal counts carry the codes of an Unsupported's reasons (why fa2 refused),
     numbers as N; other refusals keep their normalised first line."""
     from flashdispatch import Reason, Unsupported
-    sys.path.insert(0, str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     import fuzz_common
 
     e = Unsupported("backend 'fa2' cannot run decode d=32", {
