@@ -469,8 +469,9 @@ def run_session(s: dict, verbose: bool = False) -> dict:
             # may not fit in shared memory
             if (isinstance(fa2_err, fd.Unsupported) or isinstance(fa2_err, ValueError) and REFUSAL.search(str(fa2_err))
                     or type(fa2_err).__name__ == "OutOfResources" and s["config"]):
-                bump("refusals", fc.refusal_key(fa2_err))
-                log(f"{head}: fa2 refuses: {fc.refusal_key(fa2_err)}" + (f"\n{tb}" if verbose else ""))
+                refusal = fc.refusal_key(fa2_err)
+                bump("refusals", refusal)
+                log(f"{head}: fa2 refuses: {refusal}" + (f"\n{tb}" if verbose else ""))
             else:
                 res["failures"].append(dict(round=r, kind="fa2_error", detail=tb[-3000:]))
                 log(f"{head}: FAIL fa2 raised\n{tb}")
