@@ -1,4 +1,4 @@
-"""``python -m flashdispatch bench decode|prefill``: our backends against FlashInfer and PyTorch.
+"""``python -m flashdispatch bench decode|prefill|mla``: our backends against FlashInfer and PyTorch.
 
 `add_bench_parser` adds the ``bench`` command to an argparse subparsers object and
 `run_bench` runs it (exit code: 0 done, 1 CUDA context lost mid-run, 2 cannot run).
@@ -11,15 +11,21 @@ import os
 import sys
 import tempfile
 
-from . import decode, prefill
+from . import decode, mla, prefill
 from .matrix import Column
 from .timing import FLUSH_MODES
 
-KINDS = {"decode": dict(reps=50, shapes=decode.DEFAULT_SHAPES),
-         "prefill": dict(reps=20, shapes=prefill.DEFAULT_SHAPES)}
+KINDS = {"decode": dict(reps=50, shapes=decode.DEFAULT_SHAPES, heads=(32, 8), head_dim=128, page_size=16),
+         "prefill": dict(reps=20, shapes=prefill.DEFAULT_SHAPES, heads=(32, 8), head_dim=128, page_size=16),
+         "mla": dict(reps=20, shapes=mla.DEFAULT_SHAPES, heads=(128, 1), head_dim=512, page_size=64)}
+MODULES = {"decode": decode, "prefill": prefill, "mla": mla}
+SHAPE_SYNTAX = {"decode": "BATCHxKV_LEN[:fp8|:e5m2|:mha|:var]",
+                "prefill": "N (single), Q/K (single), BxQ/K (paged), each [:nc|:w<N>|:mask]",
+                "mla": "BATCHxKV_LEN[:p<PAGE>]"}
 # Our extra column names beyond registered backends, per kind.
-EXTRA_COLUMNS = {"decode": ("auto", *decode.OUR_FUNCTION_COLUMNS), "prefill": ("auto",)}
-OPS = {"decode": ("decode",), "prefill": ("prefill_paged", "prefill_ragged")}
+EXTRA_COLUMNS = {"decode": ("auto", *decode.OUR_FUNCTION_COLUMNS), "prefill": ("auto",), "mla": ("auto",)}
+OPS = {"decode": ("decode",), "prefill": ("prefill_paged", "prefill_ragged"), "mla": ("mla",)}
+OPT_IN_FA3 = {"prefill": "takes 88-101 s", "mla": "is slow (not measured)"}  # FlashInfer fa3's JIT, per kind
 # Timing makes two CUDA events per rep up front and --json keeps every rep's time; 10^4 is 200x the default.
 MAX_REPS = 10_000
 
@@ -36,26 +42,23 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``bench {decode,prefill}`` with its options; returns the ``bench`` parser."""
+    """Add ``bench {decode,prefill,mla}`` with its options; returns the ``bench`` parser."""
     bench = subparsers.add_parser("bench", help="time attention backends against FlashInfer (GPU)",
                                   description=__doc__.splitlines()[0])
-    kinds = bench.add_subparsers(dest="bench_kind", metavar="{decode,prefill,summary}", required=True)
+    kinds = bench.add_subparsers(dest="bench_kind", metavar="{decode,prefill,mla,summary}", required=True)
     summary = kinds.add_parser("summary", help="print the summary tables of saved --json results")
     summary.add_argument("paths", nargs="+", metavar="RESULT.json")
     for kind, defaults in KINDS.items():
         p = kinds.add_parser(kind, help=f"{kind} matrix (see docs/benchmarks.md)")
-        syntax = ("BATCHxKV_LEN[:fp8|:e5m2|:mha|:var]" if kind == "decode"
-                  else "N (single), Q/K (single), BxQ/K (paged), each [:nc|:w<N>|:mask]")
         p.add_argument("--shapes", default=defaults["shapes"],
-                       help=f"comma list of {syntax} (default: {defaults['shapes']})")
+                       help=f"comma list of {SHAPE_SYNTAX[kind]} (default: {defaults['shapes']})")
         p.add_argument("--backends", type=_csv, default=None,
                        help="our columns, comma list (default: auto + every available backend"
                             + (" + cudnn-fn, xqa-fn, fa2-fn" if kind == "decode" else "")
                             + "; reference only on request)")
-        peers = decode.PEER_COLUMNS if kind == "decode" else prefill.PEER_COLUMNS
         p.add_argument("--peers", type=_csv, default=None,
-                       help=f"peer columns from {', '.join(peers)} (default: all"
-                            + (" but fa3" if kind == "prefill" else "") + ")")
+                       help=f"peer columns from {', '.join(MODULES[kind].PEER_COLUMNS)} (default: all"
+                            + (" but fa3" if kind in OPT_IN_FA3 else "") + ")")
         p.add_argument("--no-peer", action="store_true", help="run our backends only")
         if kind == "decode":
             p.add_argument("--stream", action="store_true",
@@ -63,15 +66,19 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
             p.add_argument("--cuda-graph", action="store_true",
                            help="time every attention call as a CUDA-graph replay (wrappers made with "
                                 "use_cuda_graph=True, as serving engines run decode)")
-        if kind == "prefill":
+        if kind in OPT_IN_FA3:
             p.add_argument("--peer-fa3", action="store_true",
-                           help="add FlashInfer fa3 (its JIT compile takes 88-101 s)")
+                           help=f"add FlashInfer fa3 (its JIT compile {OPT_IN_FA3[kind]})")
         p.add_argument("--dtype", choices=sorted(decode.DTYPES), default="bf16",
                        help="q, output and K/V dtype" + (" (KV unless the row says fp8)" if kind == "decode" else "")
                        + " (default: bf16)")
-        p.add_argument("--heads", type=_heads, default=(32, 8), help="QO/KV heads (default: 32/8)")
-        p.add_argument("--head-dim", type=int, default=128, help="(default: 128)")
-        p.add_argument("--page-size", type=int, default=16, help="(default: 16)")
+        heads = "/".join(map(str, defaults["heads"]))
+        p.add_argument("--heads", type=_heads, default=defaults["heads"], help=f"QO/KV heads (default: {heads})")
+        p.add_argument("--head-dim", type=int, default=defaults["head_dim"],
+                       help=("ckv dims (kpe: 64)" if kind == "mla" else "dims per head")
+                       + f" (default: {defaults['head_dim']})")
+        p.add_argument("--page-size", type=int, default=defaults["page_size"],
+                       help=f"(default: {defaults['page_size']})")
         p.add_argument("--reps", type=int, default=defaults["reps"],
                        help=f"timed calls per cell, median reported (default: {defaults['reps']})")
         p.add_argument("--seed", type=int, default=0)
@@ -122,7 +129,8 @@ def check_output_path(option: str, path: str) -> None:
 
 
 def parse_shapes(args) -> list:
-    parse = decode.parse_decode_shapes if args.bench_kind == "decode" else prefill.parse_prefill_shapes
+    parse = {"decode": decode.parse_decode_shapes, "prefill": prefill.parse_prefill_shapes,
+             "mla": mla.parse_mla_shapes}[args.bench_kind]
     try:
         return parse(args.shapes, decode.DTYPES[args.dtype], args.heads, args.head_dim, args.page_size)
     except ValueError as e:
@@ -172,7 +180,7 @@ def _failing_column(label: str, reason: str) -> Column:
 def select_columns(args) -> tuple[list[Column], list[str]]:
     """Our columns then the peers', and notes on what was left out and why."""
     kind = args.bench_kind
-    mod = decode if kind == "decode" else prefill
+    mod = MODULES[kind]
     notes: list[str] = []
     if args.backends is None:
         ours, notes = default_backends(kind)
@@ -191,8 +199,8 @@ def select_columns(args) -> tuple[list[Column], list[str]]:
         return columns, notes
     peers = args.peers
     if peers is None:
-        peers = list(decode.PEER_COLUMNS) if kind == "decode" else list(prefill.DEFAULT_PEERS)
-        if kind == "prefill" and args.peer_fa3:
+        peers = list(decode.PEER_COLUMNS) if kind == "decode" else list(mod.DEFAULT_PEERS)
+        if kind in OPT_IN_FA3 and args.peer_fa3:
             peers.append("fa3")
     bad = [p for p in peers if p not in mod.PEER_COLUMNS]
     if bad:
@@ -226,7 +234,7 @@ def decode_ratio_refs(labels: list[str]) -> dict[str, list[str]]:
 def _work(kind: str):
     if kind == "decode":
         return lambda s: float(decode.kv_bytes(s))
-    return prefill.prefill_flops
+    return mla.mla_flops if kind == "mla" else prefill.prefill_flops
 
 
 def dry_run(args, shapes, columns, notes) -> int:
@@ -242,7 +250,7 @@ def dry_run(args, shapes, columns, notes) -> int:
 
 
 def run_bench(args) -> int:
-    """Run ``bench decode|prefill|summary`` as parsed by `add_bench_parser`; returns the exit code."""
+    """Run ``bench decode|prefill|mla|summary`` as parsed by `add_bench_parser`; returns the exit code."""
     if args.bench_kind == "summary":
         from .report import main as summary_main
         return summary_main(args.paths)
@@ -273,10 +281,12 @@ def run_bench(args) -> int:
         make = lambda s: decode.make_decode_data(s, seed=args.seed)  # noqa: E731
         baseline = decode.BASELINE_ORDER
     else:
+        mod = MODULES[args.bench_kind]
         refs = {f"fi:{p}": [f"fi:{p}"] for p in ("fa2", "fa3") if any(c.label == f"fi:{p}" for c in columns)}
-        report = Report("prefill", "TFLOP/s", "bf16 matmul", ceilings["bf16 matmul 8192^3 TFLOP/s"], refs)
-        make = lambda s: prefill.make_prefill_data(s, seed=args.seed)  # noqa: E731
-        baseline = prefill.BASELINE_ORDER
+        report = Report(args.bench_kind, "TFLOP/s", "bf16 matmul", ceilings["bf16 matmul 8192^3 TFLOP/s"], refs)
+        maker = mla.make_mla_data if args.bench_kind == "mla" else prefill.make_prefill_data
+        make = lambda s: maker(s, seed=args.seed)  # noqa: E731
+        baseline = mod.BASELINE_ORDER
     report.env, report.ceilings, report.notes = environment(), ceilings, list(notes)
     if getattr(args, "cuda_graph", False):
         report.notes.append("every attention call a CUDA-graph replay (use_cuda_graph=True wrappers); "

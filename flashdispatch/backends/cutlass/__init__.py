@@ -33,7 +33,7 @@ class CutlassBackend(KernelLessBackend):
     caps = MLA_CAPS
     device_hint = "an sm100 GPU"
     missing = "flashdispatch does not call CUTLASS MLA kernels yet"
-    alternative = "MLA runs on the reference"
+    alternative = "use fa2 for MLA"
     version_dist = "nvidia-cutlass-dsl"
 
 

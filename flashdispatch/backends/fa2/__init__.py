@@ -1,4 +1,4 @@
-"""fa2: our Triton kernels (split-KV paged decode, FlashAttention-2 style prefill, state merge).
+"""fa2: our Triton kernels (split-KV paged decode, FlashAttention-2 style prefill, MLA, state merge).
 
 Runs on CUDA GPUs from sm80 on; on the CPU only under TRITON_INTERPRET=1 (tests).
 Each module declares the `Caps` of its op; this class routes plan()/run() to them.
@@ -12,6 +12,7 @@ from ..common import TRITON_INTERPRETED
 from ..base import AttentionInputs, AttentionParams, Backend, MergeInputs, package_version
 from .decode import DECODE_CAPS, decode_extra_checks, plan_decode
 from .merge import MERGE_CAPS, merge_states
+from .mla import MLA_CAPS, mla_extra_checks, plan_mla
 from .prefill import PREFILL_CAPS, plan_prefill, prefill_extra_checks
 
 class FA2Backend(Backend):
@@ -21,6 +22,7 @@ class FA2Backend(Backend):
         "decode": DECODE_CAPS,
         "prefill_paged": PREFILL_CAPS,
         "prefill_ragged": PREFILL_CAPS,
+        "mla": MLA_CAPS,
         "merge": MERGE_CAPS,
     }
 
@@ -36,6 +38,8 @@ class FA2Backend(Backend):
             return prefill_extra_checks(problem, device)
         if problem.op == "decode":
             return decode_extra_checks(problem, device)
+        if problem.op == "mla":
+            return mla_extra_checks(problem, device)
         return []
 
     @classmethod
@@ -58,6 +62,8 @@ class FA2Backend(Backend):
     def plan(self, problem, device, params: AttentionParams):
         if problem.op == "decode":
             return plan_decode(problem, device, params)
+        if problem.op == "mla":
+            return plan_mla(problem, device, params)
         return plan_prefill(problem, device, params)
 
     def replan(self, plan, problem, device, params: AttentionParams):

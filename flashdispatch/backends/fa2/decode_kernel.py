@@ -117,7 +117,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..common import TRITON_INTERPRETED
 from .decode_requests import line_requests, table_line_pages, table_line_requests, total_split_tokens
-from .merge import _merge_row_block
+from .merge import _merge_row_block, finish_state
 from .paging import page_of, slot_in_page
 from .trig import rope_halves, rope_sincos, tanh
 
@@ -428,13 +428,7 @@ def _decode_item(
 
     if SWAP_AB:
         acc = tl.trans(acc)
-    l_safe = tl.where(l_i == 0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if V_SCALE_T:
-        o = o * tl.load(v_scale_ptr).to(tl.float32)
-    else:
-        o = o * v_scale
-    lse = tl.where(l_i == 0, float("-inf"), m_i + tl.log2(l_safe))
+    o, lse = finish_state(acc, l_i, m_i, v_scale_ptr, v_scale, V_SCALE_T)
     if slot < 0:
         o_ptrs = out_ptr + (q_row * stride_ot + hq * stride_oh)[:, None] + offs_dv[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

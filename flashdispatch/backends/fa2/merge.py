@@ -54,6 +54,19 @@ def _merge_step(m_i, l_i, acc, s_k, v_k, AXIS: tl.constexpr):
 
 
 @triton.jit
+def finish_state(acc, l_i, m_i, v_scale_ptr, v_scale, V_SCALE_T: tl.constexpr):
+    """(out, lse) of rows' online-softmax state: acc / l (0 where no key was seen) times the v
+    scale (a float, or the float32 at v_scale_ptr with V_SCALE_T), lse = m + log2(l) (-inf)."""
+    l_safe = tl.where(l_i == 0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if V_SCALE_T:
+        o = o * tl.load(v_scale_ptr).to(tl.float32)
+    else:
+        o = o * v_scale
+    return o, tl.where(l_i == 0, float("-inf"), m_i + tl.log2(l_safe))
+
+
+@triton.jit
 def _merge_rows(v_ptr, s_ptr, vo_ptr, so_ptr, first, n, stride_vs, stride_ss, stride_vd, stride_vod, head_dim,
                 write_s, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_S: tl.constexpr):
     """Merge states first..first+n-1 of one (row, head) over columns [0, head_dim) of v_ptr (column

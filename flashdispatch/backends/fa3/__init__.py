@@ -40,7 +40,7 @@ class FA3Backend(KernelLessBackend):
     caps = {"prefill_paged": PREFILL_CAPS, "prefill_ragged": PREFILL_CAPS, "mla": MLA_CAPS}
     device_hint = "an sm90+ GPU"
     missing = "flashdispatch has no fa3 kernels yet"
-    alternative = "use cudnn or fa2 for prefill; MLA runs on the reference"
+    alternative = "use cudnn or fa2 for prefill, fa2 for MLA"
     version_dist = "triton"
 
 

@@ -1,0 +1,256 @@
+"""fa2 MLA: paged multi-head latent attention (DeepSeek, matrix-absorbed) in Triton, split-KV.
+
+Every query head reads the one latent KV head: a program takes BLOCK_M query rows (a request's
+(token, head) pairs, token-major) and a range of the request's keys, and computes
+s = (q_nope . ckv_j + q_pe . kpe_j) * sm_scale and out = softmax(s) @ ckv on tensor cores, so
+each key tile read serves all the rows. Causal masks are bottom-right aligned (query token i of
+a request with q_len queries and kv_len keys sees keys j <= kv_len - q_len + i).
+
+plan() cuts the work on the host (its lengths are there): rows into blocks, and, where the
+unsplit grid would not fill the GPU, each request's keys into chunks whose partial states
+(out, base-2 lse) go to the float workspace and are merged per token by the decode merge kernel
+(`merge.DecodeMerge`). Query rows that see no key give 0 and lse -inf.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ...dispatch.caps import Caps
+from ...dispatch.problem import FP8_DTYPES, Device, Problem
+from ...dispatch.reasons import Reason, Unsupported
+from ..base import MLAInputs, MLAParams
+from ..common import TRITON_INTERPRETED, triton_fp8_kv_reasons
+from .decode_workspace import carve_partials, partial_bytes, workspace_bytes
+from .launch import bind
+from .merge import MERGE_INFO_COLS, DecodeMerge, finish_state
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+CKV_DIMS = (64, 128, 256, 512)
+KPE_DIMS = (16, 32, 64)
+
+MLA_CAPS = Caps(
+    ops=frozenset({"mla"}),
+    device_types=frozenset({"cuda", "cpu"}) if TRITON_INTERPRETED else frozenset({"cuda"}),
+    min_cc=(8, 0),
+    q_dtypes=_HALF,
+    kv_dtypes=_HALF | frozenset(FP8_DTYPES),
+    o_dtypes=_HALF,
+    head_dims=frozenset((ckv, kpe) for ckv in CKV_DIMS for kpe in KPE_DIMS),
+    page_sizes=None,
+    features=frozenset({"causal", "lse", "fp8_kv"}),
+    max_q_len_per_req=1 << 16,
+)
+
+LOG2E = 1.0 / math.log(2.0)
+WORK_COLS = 8  # request, first row, key range start, end, first partial (-1: none), chunks, chunk, pad
+MIN_CHUNK_TOKENS = 256  # a split never cuts a request's keys finer than this
+PROGRAMS_PER_SM = 2  # the unsplit grid splits below this many programs per SM
+
+
+@triton.jit
+def _mla_kernel(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, work_ptr,
+                qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, v_scale_ptr,
+                s_mul, v_scale, num_pages,
+                stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_ckv_p, stride_ckv_s,
+                stride_kpe_p, stride_kpe_s, stride_o_t, stride_o_h, stride_l_t, stride_l_h,
+                HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+                V_SCALE_T: tl.constexpr):
+    """One work row: BLOCK_M query rows of a request against its keys [lo, hi), into out/lse or
+    into the partial of (token, chunk) when the request is split."""
+    w = work_ptr + tl.program_id(0) * 8
+    b = tl.load(w)
+    m0 = tl.load(w + 1)
+    lo = tl.load(w + 2)
+    hi = tl.load(w + 3)
+    part = tl.load(w + 4)
+    n_chunks = tl.load(w + 5)
+    chunk = tl.load(w + 6)
+    q_start = tl.load(qo_indptr_ptr + b)
+    q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + b)
+    page_base = tl.load(kv_indptr_ptr + b)
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    t_local = rows // HEADS
+    h = (rows % HEADS).to(tl.int64)
+    row_ok = t_local < q_len
+    tok = (q_start + t_local).to(tl.int64)
+    offs_c = tl.arange(0, CKV)
+    offs_p = tl.arange(0, KPE)
+    q_nope = tl.load(qn_ptr + (tok * stride_qn_t + h * stride_qn_h)[:, None] + offs_c[None, :],
+                     mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(qp_ptr + (tok * stride_qp_t + h * stride_qp_h)[:, None] + offs_p[None, :],
+                   mask=row_ok[:, None], other=0.0)
+    if CAUSAL:
+        limit = kv_len - q_len + t_local  # the last key each row sees
+    else:
+        limit = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len - 1
+    limit = tl.where(row_ok, limit, -1)
+    end = tl.minimum(hi, tl.max(limit, 0) + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, CKV], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, end, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < end
+        page = tl.load(kv_indices_ptr + page_base + j // PAGE, mask=j_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never read outside the cache
+        slot = (j % PAGE).to(tl.int64)
+        ckv = tl.load(ckv_ptr + (page * stride_ckv_p + slot * stride_ckv_s)[:, None] + offs_c[None, :],
+                      mask=j_ok[:, None], other=0.0).to(q_nope.dtype)
+        kpe = tl.load(kpe_ptr + (page * stride_kpe_p + slot * stride_kpe_s)[:, None] + offs_p[None, :],
+                      mask=j_ok[:, None], other=0.0).to(q_pe.dtype)
+        s = tl.dot(q_nope, tl.trans(ckv)) + tl.dot(q_pe, tl.trans(kpe))
+        visible = (j[None, :] <= limit[:, None]) & j_ok[None, :]
+        s = tl.where(visible, s * s_mul, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(ckv.dtype), ckv)
+        m_i = m_new
+
+    o, lse = finish_state(acc, l_i, m_i, v_scale_ptr, v_scale, V_SCALE_T)
+    if part < 0:
+        tl.store(out_ptr + (tok * stride_o_t + h * stride_o_h)[:, None] + offs_c[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            tl.store(lse_ptr + tok * stride_l_t + h * stride_l_h, lse, mask=row_ok)
+    else:
+        state = (part + t_local * n_chunks + chunk).to(tl.int64) * HEADS + h
+        tl.store(po_ptr + (state * CKV)[:, None] + offs_c[None, :], o, mask=row_ok[:, None])
+        tl.store(plse_ptr + state, lse, mask=row_ok)
+
+
+@dataclass(frozen=True)
+class MLATiles:
+    """Tile shape and launch options of one MLA plan."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def mla_tiles(problem: Problem, max_rows: int) -> MLATiles:
+    """Rows per program: 16 where a request has at most 16 rows (few heads, one token), else 32
+    (a [32, 512] float32 accumulator over 8 warps is 64 registers a thread)."""
+    block_m = 16 if max_rows <= 16 else 32
+    wide = problem.head_dim_vo >= 256
+    return MLATiles(block_m, 32, 8 if wide and block_m > 16 else 4, 2)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunk_tokens(row_blocks: np.ndarray, kv_lens: np.ndarray, sm_count: int) -> int:
+    """Keys per chunk that give the grid about PROGRAMS_PER_SM programs a SM (0: no split)."""
+    target = sm_count * PROGRAMS_PER_SM
+    if int(row_blocks.sum()) >= target or not len(kv_lens):
+        return 0
+    work = int((row_blocks * kv_lens).sum())
+    chunk = max(MIN_CHUNK_TOKENS, -(-work // target))
+    return chunk if chunk < int(kv_lens.max()) else 0
+
+
+def _work_rows(qo_lens: np.ndarray, kv_lens: np.ndarray, heads: int, tiles: MLATiles,
+               chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(work rows [items, WORK_COLS], merge rows [split tokens, MERGE_INFO_COLS], partials) of a
+    plan whose requests are cut into chunks of about ``chunk`` keys (0: none cut), evened out over
+    each request in whole key tiles."""
+    work, merge, partials = [], [], 0
+    qo_starts = np.concatenate(([0], np.cumsum(qo_lens)))
+    for b, (q_len, kv_len) in enumerate(zip(qo_lens.tolist(), kv_lens.tolist())):
+        if q_len == 0:
+            continue
+        n = max(1, _cdiv(kv_len, chunk)) if chunk else 1
+        step = kv_len
+        if n > 1:
+            step = _cdiv(_cdiv(kv_len, n), tiles.block_n) * tiles.block_n
+            n = _cdiv(kv_len, step)
+        part = partials if n > 1 else -1
+        for m0 in range(0, q_len * heads, tiles.block_m):
+            for c in range(n):
+                work.append((b, m0, c * step, min(kv_len, (c + 1) * step), part, n, c, 0))
+        if n > 1:
+            start = int(qo_starts[b])
+            merge.extend((start + t, partials + t * n, n, 0) for t in range(q_len))
+            partials += q_len * n
+    return (np.asarray(work, dtype=np.int32).reshape(-1, WORK_COLS),
+            np.asarray(merge, dtype=np.int32).reshape(-1, MERGE_INFO_COLS), partials)
+
+
+class MLAPlan:
+    """A planned fa2 MLA call: the work rows on the device, the grid and the merge."""
+
+    def __init__(self, problem: Problem, device: Device, params: MLAParams, tiles: MLATiles | None = None):
+        self.problem, self.params = problem, params
+        heads, ckv = problem.num_qo_heads, problem.head_dim_vo
+        qo_lens = np.asarray(params.qo_lens_host, dtype=np.int64)
+        kv_lens = np.asarray(params.kv_lens_host, dtype=np.int64)
+        self.tiles = tiles or mla_tiles(problem, int(qo_lens.max(initial=0)) * heads)
+        row_blocks = -(-(qo_lens * heads) // self.tiles.block_m)
+        chunk = _chunk_tokens(row_blocks, kv_lens, device.sm_count or 8)
+        if chunk and params.workspace is not None:
+            # coarser chunks until their partials fit the float workspace
+            while chunk and partial_bytes(int((qo_lens * -(-kv_lens // chunk)).sum()), heads, ckv) > \
+                    workspace_bytes(params):
+                chunk = chunk * 2 if chunk * 2 < int(kv_lens.max()) else 0
+        elif params.workspace is None:
+            chunk = 0
+        work, merge, partials = _work_rows(qo_lens, kv_lens, heads, self.tiles, chunk)
+        dev = params.qo_indptr.device
+        self.work = torch.from_numpy(work).to(dev)
+        self.grid = (work.shape[0],)
+        self.plse, self.po, _ = carve_partials(params, partials, 1, heads, ckv)
+        self._merge = (DecodeMerge(self.po, self.plse, torch.from_numpy(merge.reshape(-1)).to(dev), merge.shape[0],
+                                   1, heads, ckv) if partials else None)
+
+    def run(self, inputs: MLAInputs) -> None:
+        """Write inputs.out (and inputs.lse) from the plan's tables and the inputs' tensors."""
+        if not self.grid[0]:
+            return
+        p, t, prm = self.problem, self.tiles, self.params
+        out, lse = inputs.out, inputs.lse
+        v_t = isinstance(inputs.v_scale, torch.Tensor)
+        v_scale = 1.0 if v_t or inputs.v_scale is None else float(inputs.v_scale)
+        v_ptr = inputs.v_scale.to(torch.float32).reshape(1) if v_t else out
+        lse_t = lse if lse is not None else out
+        ls = lse.stride() if lse is not None else (0, 0)
+        po = self.po if self.po is not None else out
+        plse = self.plse if self.plse is not None else out
+        launch = bind(_mla_kernel, HEADS=p.num_qo_heads, CKV=p.head_dim_vo, KPE=p.head_dim_kpe, PAGE=p.page_size,
+                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=prm.causal, WRITE_LSE=lse is not None,
+                      V_SCALE_T=v_t, num_warps=t.num_warps, num_stages=t.num_stages)
+        qn, qp, ckv, kpe = inputs.q_nope, inputs.q_pe, inputs.ckv_cache, inputs.kpe_cache
+        launch(self.grid, qn, qp, ckv, kpe, out, lse_t, po, plse, self.work, prm.qo_indptr, prm.kv_indptr,
+               prm.kv_indices, prm.kv_lens, v_ptr, float(prm.sm_scale * LOG2E), v_scale, ckv.shape[0],
+               qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), ckv.stride(0), ckv.stride(1),
+               kpe.stride(0), kpe.stride(1), out.stride(0), out.stride(1), ls[0], ls[1])
+        if self._merge is not None:
+            self._merge(out, lse)
+
+
+def mla_extra_checks(problem: Problem, device: Device) -> list[Reason]:
+    """Combinations Caps cannot express: an fp8 KV type this GPU's Triton converts."""
+    return triton_fp8_kv_reasons(problem.kv_dtype, device.cc)
+
+
+def plan_mla(problem: Problem, device: Device, params: MLAParams, tiles: MLATiles | None = None) -> MLAPlan:
+    """Plan fa2 MLA for ``problem`` on ``device`` from the host lengths in ``params``; ``tiles``
+    replaces `mla_tiles`' choice (sweeps: scripts/sweep_mla.py)."""
+    reasons = mla_extra_checks(problem, device)
+    if reasons:
+        raise Unsupported("fa2 MLA cannot run this problem", {"fa2": reasons})
+    return MLAPlan(problem, device, params, tiles)

@@ -1,0 +1,144 @@
+"""fa2 MLA under the Triton interpreter (CPU), against the float64 oracle.
+
+fp16 q (the interpreter computes bf16 wrongly), fp16 and fp8 KV, split and unsplit plans, causal
+rows that see no key, empty requests, strided inputs, and the wrapper with backend="fa2".
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import flashdispatch as flashinfer
+from flashdispatch.backends.common import TRITON_INTERPRETED
+from flashdispatch.dispatch.caps import check_caps
+from flashdispatch.dispatch.problem import Device
+
+from oracle import assert_close, make_mla_case
+
+pytestmark = pytest.mark.interpreted
+
+if TRITON_INTERPRETED:
+    from flashdispatch.backends.fa2.mla import MLA_CAPS, plan_mla
+
+F16 = torch.float16
+TOL = {F16: 4e-3, torch.float8_e4m3fn: 8e-2, torch.float8_e5m2: 1.5e-1}
+WORKSPACE_BYTES = 16 << 20
+
+
+def _run(case, workspace_bytes: int | None = WORKSPACE_BYTES):
+    case.params.workspace = None if workspace_bytes is None else torch.zeros(workspace_bytes, dtype=torch.uint8)
+    case.inputs.out.fill_(float("nan"))
+    if case.inputs.lse is not None:
+        case.inputs.lse.fill_(float("nan"))
+    plan = plan_mla(case.problem, case.device, case.params)
+    plan.run(case.inputs)
+    return plan
+
+
+def _check(case, **run_kw):
+    ref_out, ref_lse = case.oracle()
+    plan = _run(case, **run_kw)
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])
+    return plan
+
+
+def _case(**kw):
+    kw.setdefault("q_dtype", F16)
+    return make_mla_case(**kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decode_rows_match_the_oracle(page_size, causal):
+    case = _case(qo_lens=[1, 1, 1, 1], kv_lens=[0, 1, 37, 300], page_size=page_size, causal=causal,
+                 seed=page_size)
+    _check(case)
+
+
+@pytest.mark.parametrize("heads", [1, 16, 24])
+def test_incremental_prefill_rows_blocks_across_tokens(heads):
+    """Several query tokens a request, causal: row blocks span tokens (24 heads: blocks of 32
+    rows end inside a token); queries beyond their keys see nothing (0, lse -inf)."""
+    case = _case(qo_lens=[3, 0, 5, 2], kv_lens=[40, 7, 3, 130], num_heads=heads, page_size=16, causal=True,
+                 seed=heads)
+    _check(case)
+
+
+def test_long_requests_split_and_merge():
+    case = _case(qo_lens=[1, 2], kv_lens=[1500, 900], num_heads=4, page_size=16, causal=True, seed=5)
+    plan = _check(case)
+    assert plan.grid[0] > 2 and plan._merge is not None  # the keys were cut into chunks
+
+
+def test_without_workspace_or_with_a_small_one_the_plan_splits_less():
+    """No float workspace: no split; one too small for the finest split: coarser chunks."""
+    case = _case(qo_lens=[1], kv_lens=[2000], num_heads=4, page_size=16, seed=6)
+    assert _check(case, workspace_bytes=None)._merge is None
+    fine = _run(case).grid[0]
+    coarse = _check(case, workspace_bytes=5_000)
+    assert 1 < coarse.grid[0] < fine
+
+
+def test_full_model_dims():
+    """DeepSeek's ckv 512 and kpe 64, with 16 heads of one token in one block."""
+    case = _case(qo_lens=[1, 1], kv_lens=[70, 257], num_heads=16, head_dim_ckv=512, head_dim_kpe=64,
+                 page_size=64, seed=7)
+    _check(case)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_with_a_v_scale(kv_dtype):
+    case = _case(qo_lens=[1, 1, 2], kv_lens=[5, 300, 64], kv_dtype=kv_dtype, v_scale=1.5, page_size=16,
+                 causal=True, seed=8)
+    _check(case)
+
+
+def test_tensor_v_scale_and_no_lse():
+    case = _case(qo_lens=[1, 1], kv_lens=[33, 1000], v_scale=torch.tensor([0.75]), return_lse=False,
+                 page_size=16, seed=9)
+    _check(case)
+
+
+def test_strided_queries_and_one_combined_cache():
+    """q_nope/q_pe as slices of one query tensor and ckv/kpe of one cache (TensorRT-LLM's layout)."""
+    case = _case(qo_lens=[1, 3], kv_lens=[50, 200], page_size=16, causal=True, seed=10)
+    inp = case.inputs
+    q = torch.cat([inp.q_nope, inp.q_pe], -1)
+    cache = torch.cat([inp.ckv_cache, inp.kpe_cache], -1)
+    ckv = inp.q_nope.shape[-1]
+    case.inputs = dataclasses.replace(inp, q_nope=q[..., :ckv], q_pe=q[..., ckv:], ckv_cache=cache[..., :ckv],
+                                      kpe_cache=cache[..., ckv:])
+    _check(case)
+
+
+def test_caps_name_what_fa2_mla_does_not_run():
+    case = _case(qo_lens=[1], kv_lens=[8], head_dim_ckv=96, head_dim_kpe=32)
+    device = Device("cuda", cc=(9, 0), name="H200", sm_count=132)
+    codes = {r.code for r in check_caps(MLA_CAPS, case.problem, device)}
+    assert "head_dim" in codes
+    graph = dataclasses.replace(_case(qo_lens=[1], kv_lens=[8]).problem, use_cuda_graph=True)
+    assert "feature.cuda_graph" in {r.code for r in check_caps(MLA_CAPS, graph, device)}
+    assert not check_caps(MLA_CAPS, _case(qo_lens=[1], kv_lens=[8], head_dim_ckv=512, head_dim_kpe=64).problem,
+                          device)
+
+
+def test_wrapper_with_backend_fa2_matches_the_reference_wrapper():
+    """The FlashInfer example's call sequence (16 heads, ckv 512, kpe 64, page 1) on fa2 and on
+    the reference, out and lse."""
+    torch.manual_seed(11)
+    batch, heads, ckv, kpe, kv_len = 3, 16, 512, 64, 37
+    q_indptr = torch.arange(0, batch + 1).int()
+    kv_lens = torch.full((batch,), kv_len, dtype=torch.int32)
+    kv_indptr = torch.arange(0, batch + 1).int() * kv_len
+    kv_indices = torch.randperm(batch * kv_len).int()
+    q_nope, q_pe = torch.randn(batch, heads, ckv).half(), torch.randn(batch, heads, kpe).half()
+    ckv_c, kpe_c = torch.randn(batch * kv_len, 1, ckv).half(), torch.randn(batch * kv_len, 1, kpe).half()
+    results = []
+    for backend in ("fa2", "reference"):
+        w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(1 << 24, dtype=torch.int8), backend=backend)
+        w.plan(q_indptr, kv_indptr, kv_indices, kv_lens, heads, ckv, kpe, 1, False, 1.0 / (192 ** 0.5), F16, F16)
+        results.append(w.run(q_nope, q_pe, ckv_c, kpe_c, return_lse=True))
+    (o, lse), (ref_o, ref_lse) = results
+    assert_close(o, lse, ref_o.double(), ref_lse.double(), TOL[F16])

@@ -1,0 +1,84 @@
+"""fa2 MLA on a CUDA GPU (``pytest -m gpu``), against the reference backend on the same GPU.
+
+DeepSeek's dims (ckv 512, kpe 64) at 16 and 128 heads, pages of 1 and 64 tokens, bf16, fp16 and
+fp8 e4m3 KV, decode and causal incremental-prefill rows, split long requests, NaN-poisoned
+outputs and cache slots no request uses; `auto` picks fa2 for MLA on a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import flashdispatch as flashinfer
+
+from oracle import assert_close, make_mla_case
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float8_e4m3fn: 8e-2}
+WORKSPACE_BYTES = 128 << 20
+LENGTHS = {
+    "decode": ([1] * 7, [0, 1, 63, 64, 65, 700, 4097]),
+    "prefill": ([1, 4, 0, 2, 6], [10, 300, 5, 2000, 3]),
+    "one-long": ([1], [32768]),
+}
+
+
+def _reference(case):
+    """(out float32, lse) of the reference backend's MLA on fresh buffers."""
+    from flashdispatch.backends.reference import BACKEND
+    backend = BACKEND()
+    problem = case.problem.with_(o_dtype=torch.float32, return_lse=True)
+    inp = case.inputs
+    ref = dataclasses.replace(inp, out=torch.empty(inp.out.shape, dtype=torch.float32, device="cuda"),
+                              lse=torch.empty(inp.out.shape[:2], dtype=torch.float32, device="cuda"))
+    backend.run(backend.plan(problem, case.device, case.params), ref)
+    return ref.out, ref.lse
+
+
+def _check(case):
+    from flashdispatch.backends.fa2.mla import plan_mla
+    ref_out, ref_lse = _reference(case)
+    case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    plan_mla(case.problem, case.device, case.params).run(case.inputs)
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.float16,) * 2,
+                                    (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp16", "fp8kv"])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_grid(lengths, heads, page_size, dtypes):
+    qo_lens, kv_lens = LENGTHS[lengths]
+    case = make_mla_case(qo_lens=qo_lens, kv_lens=kv_lens, num_heads=heads, head_dim_ckv=512, head_dim_kpe=64,
+                         page_size=page_size, causal=lengths == "prefill", q_dtype=dtypes[0], kv_dtype=dtypes[1],
+                         v_scale=1.5 if dtypes[1] != dtypes[0] else None, device="cuda", seed=heads + page_size)
+    _check(case)
+
+
+def test_auto_picks_fa2_and_matches_the_reference_wrapper():
+    torch.manual_seed(12)
+    batch, heads, ckv, kpe, kv_len, page = 4, 128, 512, 64, 1000, 64
+    pages = -(-kv_len // page)
+    kv_indptr = (torch.arange(batch + 1) * pages).int().cuda()
+    kv_indices = torch.randperm(batch * pages).int().cuda()
+    args = (torch.arange(batch + 1).int().cuda(), kv_indptr, kv_indices,
+            torch.full((batch,), kv_len, dtype=torch.int32).cuda(), heads, ckv, kpe, page, False, 1.0 / 192 ** 0.5,
+            torch.bfloat16, torch.bfloat16)
+    q_nope = torch.randn(batch, heads, ckv, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.randn(batch, heads, kpe, dtype=torch.bfloat16, device="cuda")
+    ckv_c = torch.randn(batch * pages, page, ckv, dtype=torch.bfloat16, device="cuda")
+    kpe_c = torch.randn(batch * pages, page, kpe, dtype=torch.bfloat16, device="cuda")
+    results = []
+    for backend in ("auto", "reference"):
+        w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.int8, device="cuda"),
+                                                         backend=backend)
+        w.plan(*args)
+        results.append(w.run(q_nope, q_pe, ckv_c, kpe_c, return_lse=True))
+        if backend == "auto":
+            assert w.decision.backend == "fa2", w.explain()
+    (o, lse), (ref_o, ref_lse) = results
+    assert_close(o, lse, ref_o.float(), ref_lse, TOL[torch.bfloat16])
