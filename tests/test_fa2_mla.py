@@ -118,8 +118,8 @@ def test_caps_name_what_fa2_mla_does_not_run():
     device = Device("cuda", cc=(9, 0), name="H200", sm_count=132)
     codes = {r.code for r in check_caps(MLA_CAPS, case.problem, device)}
     assert "head_dim" in codes
-    graph = dataclasses.replace(_case(qo_lens=[1], kv_lens=[8]).problem, use_cuda_graph=True)
-    assert "feature.cuda_graph" in {r.code for r in check_caps(MLA_CAPS, graph, device)}
+    fp32 = _case(qo_lens=[1], kv_lens=[8], q_dtype=torch.float32).problem
+    assert "dtype" in {r.code for r in check_caps(MLA_CAPS, fp32, device)}
     assert not check_caps(MLA_CAPS, _case(qo_lens=[1], kv_lens=[8], head_dim_ckv=512, head_dim_kpe=64).problem,
                           device)
 
@@ -142,3 +142,68 @@ def test_wrapper_with_backend_fa2_matches_the_reference_wrapper():
         results.append(w.run(q_nope, q_pe, ckv_c, kpe_c, return_lse=True))
     (o, lse), (ref_o, ref_lse) = results
     assert_close(o, lse, ref_o.double(), ref_lse.double(), TOL[F16])
+
+
+def _into(buf: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` written into the front of the fixed buffer ``buf``; that view."""
+    view = buf.reshape(-1)[: data.numel()].view(data.shape)
+    view.copy_(data)
+    return view
+
+
+def test_cuda_graph_plan_replays_a_later_plan():
+    """Under a CUDA graph the grid and every table and partial address stay put across plans with
+    other lengths (same batch, same query tokens), so the first plan's launch (what a graph
+    captured) computes the second plan's result once the fixed buffers hold its inputs."""
+    cases = [_case(qo_lens=[1, 2, 1], kv_lens=lens, page_size=16, causal=True, use_cuda_graph=True, seed=seed)
+             for seed, lens in ((12, [5, 700, 40]), (13, [1500, 0, 333]))]
+    ints, floats = torch.zeros(1 << 20, dtype=torch.uint8), torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    pages = max(c.inputs.ckv_cache.shape[0] for c in cases)
+    bufs = {name: torch.zeros(n, dtype=torch.int32) for name, n in (("qo_indptr", 4), ("kv_indptr", 4),
+                                                                       ("kv_indices", pages), ("kv_lens", 3))}
+    inp = cases[0].inputs
+    fixed = dict(q_nope=torch.zeros_like(inp.q_nope), q_pe=torch.zeros_like(inp.q_pe),
+                 ckv=torch.zeros(pages, 16, 64, dtype=F16), kpe=torch.zeros(pages, 16, 16, dtype=F16),
+                 out=torch.zeros_like(inp.out), lse=torch.zeros_like(inp.lse))
+    plans = []
+    for case in cases:
+        c_in, prm = case.inputs, case.params
+        inputs = dataclasses.replace(
+            c_in, q_nope=_into(fixed["q_nope"], c_in.q_nope), q_pe=_into(fixed["q_pe"], c_in.q_pe),
+            ckv_cache=fixed["ckv"], kpe_cache=fixed["kpe"], out=fixed["out"].fill_(float("nan")),
+            lse=fixed["lse"].fill_(float("nan")))
+        inputs.ckv_cache[: c_in.ckv_cache.shape[0]] = c_in.ckv_cache
+        inputs.kpe_cache[: c_in.kpe_cache.shape[0]] = c_in.kpe_cache
+        params = dataclasses.replace(prm, workspace=floats, int_workspace=ints,
+                                     **{name: _into(bufs[name], getattr(prm, name)) for name in bufs})
+        plans.append(plan_mla(case.problem, case.device, params))
+        plans[0].run(inputs)  # the first plan's launch: the captured graph
+        assert_close(inputs.out, inputs.lse, *case.oracle(), TOL[F16])
+    first, later = plans
+    assert first.grid == later.grid and first._merge is not None
+    for name in ("count", "work", "qo_indptr", "kv_lens", "po", "plse"):
+        assert getattr(first, name).data_ptr() == getattr(later, name).data_ptr(), name
+
+
+def test_cuda_graph_wrapper_on_fa2_replans():
+    """The MLA wrapper with use_cuda_graph=True and its buffers, re-planned with other lengths."""
+    torch.manual_seed(14)
+    heads, ckv, kpe, page = 4, 64, 16, 16
+    bufs = [torch.zeros(n, dtype=torch.int32) for n in (3, 3, 64, 2)]
+    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.zeros(1 << 24, dtype=torch.int8), True, *bufs,
+                                                     backend="fa2")
+    ref = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.zeros(1 << 24, dtype=torch.int8), backend="reference")
+    ckv_c, kpe_c = torch.randn(64, page, ckv).half(), torch.randn(64, page, kpe).half()
+    q_nope, q_pe = torch.randn(2, heads, ckv).half(), torch.randn(2, heads, kpe).half()
+    for lens in ([30, 400], [600, 1]):
+        pages = [-(-n // page) for n in lens]
+        args = (torch.tensor([0, 1, 2]).int(), torch.tensor([0, pages[0], sum(pages)]).int(),
+                torch.randperm(64)[: sum(pages)].int(), torch.tensor(lens).int(), heads, ckv, kpe, page, False, 0.1,
+                F16, F16)
+        results = []
+        for wrapper in (w, ref):
+            wrapper.plan(*args)
+            results.append(wrapper.run(q_nope, q_pe, ckv_c, kpe_c, return_lse=True))
+        (o, lse), (ref_o, ref_lse) = results
+        assert w.decision.backend == "fa2"
+        assert_close(o, lse, ref_o.double(), ref_lse.double(), TOL[F16])

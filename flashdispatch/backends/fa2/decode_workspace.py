@@ -57,5 +57,5 @@ def int_workspace_ints(params: AttentionParams, count: int) -> torch.Tensor:
     iws = params.int_workspace
     have = 0 if iws is None else iws.numel() * iws.element_size()
     if have < count * 4:
-        raise ValueError(f"fa2 decode with use_cuda_graph needs {count * 4} bytes of int workspace, got {have}")
+        raise ValueError(f"fa2 with use_cuda_graph needs {count * 4} bytes of int workspace, got {have}")
     return iws.view(torch.uint8).reshape(-1)[:count * 4].view(torch.int32)

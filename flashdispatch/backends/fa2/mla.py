@@ -26,7 +26,7 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ..base import MLAInputs, MLAParams
 from ..common import TRITON_INTERPRETED, triton_fp8_kv_reasons
-from .decode_workspace import carve_partials, partial_bytes, workspace_bytes
+from .decode_workspace import carve_partials, int_workspace_ints, partial_bytes, workspace_bytes
 from .launch import bind
 from .merge import MERGE_INFO_COLS, DecodeMerge, finish_state
 
@@ -43,7 +43,7 @@ MLA_CAPS = Caps(
     o_dtypes=_HALF,
     head_dims=frozenset((ckv, kpe) for ckv in CKV_DIMS for kpe in KPE_DIMS),
     page_sizes=None,
-    features=frozenset({"causal", "lse", "fp8_kv"}),
+    features=frozenset({"causal", "lse", "fp8_kv", "cuda_graph"}),
     max_q_len_per_req=1 << 16,
 )
 
@@ -51,10 +51,11 @@ LOG2E = 1.0 / math.log(2.0)
 WORK_COLS = 8  # request, first row, key range start, end, first partial (-1: none), chunks, chunk, pad
 MIN_CHUNK_TOKENS = 256  # a split never cuts a request's keys finer than this
 PROGRAMS_PER_SM = 2  # the unsplit grid splits below this many programs per SM
+MAX_GRAPH_CHUNKS = 16  # chunks per request under a CUDA graph (fixed by the capture, whatever the lengths)
 
 
 @triton.jit
-def _mla_kernel(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, work_ptr,
+def _mla_kernel(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, count_ptr, work_ptr,
                 qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, v_scale_ptr,
                 s_mul, v_scale, num_pages,
                 stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_ckv_p, stride_ckv_s,
@@ -62,9 +63,26 @@ def _mla_kernel(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse
                 HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
                 V_SCALE_T: tl.constexpr):
-    """One work row: BLOCK_M query rows of a request against its keys [lo, hi), into out/lse or
-    into the partial of (token, chunk) when the request is split."""
-    w = work_ptr + tl.program_id(0) * 8
+    """Work rows pid, pid + programs, ... of the *count_ptr rows, each BLOCK_M query rows of a
+    request against its keys [lo, hi), into out/lse or into the partial of (token, chunk) when the
+    request is split (a CUDA graph's grid is fixed; the count is the plan's)."""
+    for item in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
+        _mla_item(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, work_ptr + item * 8,
+                  qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, v_scale_ptr, s_mul, v_scale, num_pages,
+                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_ckv_p, stride_ckv_s, stride_kpe_p,
+                  stride_kpe_s, stride_o_t, stride_o_h, stride_l_t, stride_l_h, HEADS, CKV, KPE, PAGE, BLOCK_M,
+                  BLOCK_N, CAUSAL, WRITE_LSE, V_SCALE_T)
+
+
+@triton.jit
+def _mla_item(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, w,
+              qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, v_scale_ptr, s_mul, v_scale, num_pages,
+              stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_ckv_p, stride_ckv_s,
+              stride_kpe_p, stride_kpe_s, stride_o_t, stride_o_h, stride_l_t, stride_l_h,
+              HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+              V_SCALE_T: tl.constexpr):
+    """The work row at ``w``: request, first row, keys [lo, hi), first partial, chunks, chunk."""
     b = tl.load(w)
     m0 = tl.load(w + 1)
     lo = tl.load(w + 2)
@@ -160,29 +178,40 @@ def _chunk_tokens(row_blocks: np.ndarray, kv_lens: np.ndarray, sm_count: int) ->
     if int(row_blocks.sum()) >= target or not len(kv_lens):
         return 0
     work = int((row_blocks * kv_lens).sum())
-    chunk = max(MIN_CHUNK_TOKENS, -(-work // target))
+    chunk = max(MIN_CHUNK_TOKENS, _cdiv(work, target))
     return chunk if chunk < int(kv_lens.max()) else 0
 
 
-def _work_rows(qo_lens: np.ndarray, kv_lens: np.ndarray, heads: int, tiles: MLATiles,
-               chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _graph_chunks(row_blocks: int, total_q: int, heads: int, ckv: int, sm_count: int, workspace: int) -> int:
+    """Chunks of every request's keys under a CUDA graph, from what the graph fixes (the query
+    tokens and heads; not the lengths): about PROGRAMS_PER_SM work rows a SM, as many as the
+    float workspace holds partials for (1: no split)."""
+    chunks = max(1, min(MAX_GRAPH_CHUNKS, _cdiv(sm_count * PROGRAMS_PER_SM, max(row_blocks, 1))))
+    while chunks > 1 and partial_bytes(total_q * chunks, heads, ckv) > workspace:
+        chunks -= 1
+    return chunks
+
+
+def _work_rows(qo_lens: np.ndarray, kv_lens: np.ndarray, heads: int, tiles: MLATiles, chunk: int,
+               chunks: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
     """(work rows [items, WORK_COLS], merge rows [split tokens, MERGE_INFO_COLS], partials) of a
     plan whose requests are cut into chunks of about ``chunk`` keys (0: none cut), evened out over
-    each request in whole key tiles."""
+    each request in whole key tiles; ``chunks`` > 1 instead cuts every request into that many
+    (CUDA graphs: the partials and merge rows do not depend on the lengths; chunks may be empty)."""
     work, merge, partials = [], [], 0
     qo_starts = np.concatenate(([0], np.cumsum(qo_lens)))
     for b, (q_len, kv_len) in enumerate(zip(qo_lens.tolist(), kv_lens.tolist())):
         if q_len == 0:
             continue
-        n = max(1, _cdiv(kv_len, chunk)) if chunk else 1
+        n = chunks or (max(1, _cdiv(kv_len, chunk)) if chunk else 1)
         step = kv_len
         if n > 1:
-            step = _cdiv(_cdiv(kv_len, n), tiles.block_n) * tiles.block_n
-            n = _cdiv(kv_len, step)
+            step = max(_cdiv(_cdiv(kv_len, n), tiles.block_n), 1) * tiles.block_n
+            n = chunks or _cdiv(kv_len, step)
         part = partials if n > 1 else -1
         for m0 in range(0, q_len * heads, tiles.block_m):
             for c in range(n):
-                work.append((b, m0, c * step, min(kv_len, (c + 1) * step), part, n, c, 0))
+                work.append((b, m0, min(kv_len, c * step), min(kv_len, (c + 1) * step), part, n, c, 0))
         if n > 1:
             start = int(qo_starts[b])
             merge.extend((start + t, partials + t * n, n, 0) for t in range(q_len))
@@ -192,30 +221,46 @@ def _work_rows(qo_lens: np.ndarray, kv_lens: np.ndarray, heads: int, tiles: MLAT
 
 
 class MLAPlan:
-    """A planned fa2 MLA call: the work rows on the device, the grid and the merge."""
+    """A planned fa2 MLA call: its tables on the device (one int32 array: the work row count, the
+    query offsets, the kv lengths, the merge rows, the work rows), the grid and the merge.
+
+    Under a CUDA graph the tables go to the wrapper's int workspace at offsets fixed by the batch
+    size and the query token count, every request is cut into the same number of chunks, and the
+    grid is a fixed set of programs that loop over the plan's work rows: a graph captured on one
+    plan replays a later plan with other lengths (same batch size and query tokens)."""
 
     def __init__(self, problem: Problem, device: Device, params: MLAParams, tiles: MLATiles | None = None):
         self.problem, self.params = problem, params
-        heads, ckv = problem.num_qo_heads, problem.head_dim_vo
+        heads, ckv, graph = problem.num_qo_heads, problem.head_dim_vo, problem.use_cuda_graph
         qo_lens = np.asarray(params.qo_lens_host, dtype=np.int64)
         kv_lens = np.asarray(params.kv_lens_host, dtype=np.int64)
-        self.tiles = tiles or mla_tiles(problem, int(qo_lens.max(initial=0)) * heads)
+        batch, total_q, sm_count = len(kv_lens), int(qo_lens.sum()), device.sm_count or 8
+        rows = heads * (_cdiv(total_q, batch) if graph and batch else int(qo_lens.max(initial=0)))
+        self.tiles = tiles or mla_tiles(problem, rows)
         row_blocks = -(-(qo_lens * heads) // self.tiles.block_m)
-        chunk = _chunk_tokens(row_blocks, kv_lens, device.sm_count or 8)
-        if chunk and params.workspace is not None:
+        have = workspace_bytes(params)
+        chunk, chunks = 0, 0
+        if graph:
+            chunks = _graph_chunks(_cdiv(total_q * heads, self.tiles.block_m), total_q, heads, ckv, sm_count, have)
+        elif params.workspace is not None:
+            chunk = _chunk_tokens(row_blocks, kv_lens, sm_count)
             # coarser chunks until their partials fit the float workspace
-            while chunk and partial_bytes(int((qo_lens * -(-kv_lens // chunk)).sum()), heads, ckv) > \
-                    workspace_bytes(params):
+            while chunk and partial_bytes(int((qo_lens * -(-kv_lens // chunk)).sum()), heads, ckv) > have:
                 chunk = chunk * 2 if chunk * 2 < int(kv_lens.max()) else 0
-        elif params.workspace is None:
-            chunk = 0
-        work, merge, partials = _work_rows(qo_lens, kv_lens, heads, self.tiles, chunk)
-        dev = params.qo_indptr.device
-        self.work = torch.from_numpy(work).to(dev)
-        self.grid = (work.shape[0],)
+        work, merge, partials = _work_rows(qo_lens, kv_lens, heads, self.tiles, chunk, chunks)
+        tables = np.concatenate(([len(work)], np.zeros(7, np.int64), [0], np.cumsum(qo_lens), kv_lens,
+                                 merge.reshape(-1), work.reshape(-1))).astype(np.int32)
+        host = torch.from_numpy(tables)
+        if graph:
+            dev_tables = int_workspace_ints(params, tables.size)
+            dev_tables.copy_(host, non_blocking=True)
+        else:
+            dev_tables = host.to(params.qo_indptr.device, non_blocking=True)
+        at = np.cumsum([0, 8, batch + 1, batch, merge.size, work.size])
+        self.count, self.qo_indptr, self.kv_lens, info, self.work = (dev_tables[at[i]:at[i + 1]] for i in range(5))
+        self.grid = (sm_count * PROGRAMS_PER_SM if graph else len(work),)
         self.plse, self.po, _ = carve_partials(params, partials, 1, heads, ckv)
-        self._merge = (DecodeMerge(self.po, self.plse, torch.from_numpy(merge.reshape(-1)).to(dev), merge.shape[0],
-                                   1, heads, ckv) if partials else None)
+        self._merge = DecodeMerge(self.po, self.plse, info, len(merge), 1, heads, ckv) if partials else None
 
     def run(self, inputs: MLAInputs) -> None:
         """Write inputs.out (and inputs.lse) from the plan's tables and the inputs' tensors."""
@@ -234,8 +279,8 @@ class MLAPlan:
                       BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=prm.causal, WRITE_LSE=lse is not None,
                       V_SCALE_T=v_t, num_warps=t.num_warps, num_stages=t.num_stages)
         qn, qp, ckv, kpe = inputs.q_nope, inputs.q_pe, inputs.ckv_cache, inputs.kpe_cache
-        launch(self.grid, qn, qp, ckv, kpe, out, lse_t, po, plse, self.work, prm.qo_indptr, prm.kv_indptr,
-               prm.kv_indices, prm.kv_lens, v_ptr, float(prm.sm_scale * LOG2E), v_scale, ckv.shape[0],
+        launch(self.grid, qn, qp, ckv, kpe, out, lse_t, po, plse, self.count, self.work, self.qo_indptr,
+               prm.kv_indptr, prm.kv_indices, self.kv_lens, v_ptr, float(prm.sm_scale * LOG2E), v_scale, ckv.shape[0],
                qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), ckv.stride(0), ckv.stride(1),
                kpe.stride(0), kpe.stride(1), out.stride(0), out.stride(1), ls[0], ls[1])
         if self._merge is not None:
