@@ -168,7 +168,8 @@ def mla_tiles(problem: Problem, max_rows: int) -> MLATiles:
     return MLATiles(block_m, 32, 8 if wide and block_m > 16 else 4, 2)
 
 
-def _cdiv(a: int, b: int) -> int:
+def _cdiv(a, b):
+    """ceil(a / b) of ints or int arrays."""
     return -(-a // b)
 
 
@@ -197,27 +198,37 @@ def _work_rows(qo_lens: np.ndarray, kv_lens: np.ndarray, heads: int, tiles: MLAT
     """(work rows [items, WORK_COLS], merge rows [split tokens, MERGE_INFO_COLS], partials) of a
     plan whose requests are cut into chunks of about ``chunk`` keys (0: none cut), evened out over
     each request in whole key tiles; ``chunks`` > 1 instead cuts every request into that many
-    (CUDA graphs: the partials and merge rows do not depend on the lengths; chunks may be empty)."""
-    work, merge, partials = [], [], 0
-    qo_starts = np.concatenate(([0], np.cumsum(qo_lens)))
-    for b, (q_len, kv_len) in enumerate(zip(qo_lens.tolist(), kv_lens.tolist())):
-        if q_len == 0:
-            continue
-        n = chunks or (max(1, _cdiv(kv_len, chunk)) if chunk else 1)
-        step = kv_len
-        if n > 1:
-            step = max(_cdiv(_cdiv(kv_len, n), tiles.block_n), 1) * tiles.block_n
-            n = chunks or _cdiv(kv_len, step)
-        part = partials if n > 1 else -1
-        for m0 in range(0, q_len * heads, tiles.block_m):
-            for c in range(n):
-                work.append((b, m0, min(kv_len, c * step), min(kv_len, (c + 1) * step), part, n, c, 0))
-        if n > 1:
-            start = int(qo_starts[b])
-            merge.extend((start + t, partials + t * n, n, 0) for t in range(q_len))
-            partials += q_len * n
-    return (np.asarray(work, dtype=np.int32).reshape(-1, WORK_COLS),
-            np.asarray(merge, dtype=np.int32).reshape(-1, MERGE_INFO_COLS), partials)
+    (CUDA graphs: the partials and merge rows do not depend on the lengths; chunks may be empty).
+    int64 host arrays in, numpy throughout (no loop over requests)."""
+    bn = tiles.block_n
+    if chunks:
+        n = np.full_like(kv_lens, chunks)
+    elif chunk:
+        n = np.maximum(_cdiv(kv_lens, chunk), 1)
+    else:
+        n = np.ones_like(kv_lens)
+    step = np.maximum(_cdiv(_cdiv(kv_lens, n), bn), 1) * bn  # kv / n keys, in whole key tiles
+    if not chunks:
+        n = np.where(n > 1, _cdiv(kv_lens, step), 1)
+    step = np.where(n > 1, step, kv_lens)
+    n = np.where(qo_lens > 0, n, 0)  # a request without queries has no work
+    split = n > 1
+    parts = np.where(split, qo_lens * n, 0)
+    part = np.where(split, np.cumsum(parts) - parts, -1)
+    blocks = _cdiv(qo_lens * heads, tiles.block_m)
+    per = blocks * n
+    req = np.repeat(np.arange(len(kv_lens)), per)
+    k = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+    n_r, kv_r = n[req], kv_lens[req]
+    c = k % np.maximum(n_r, 1)
+    lo = np.minimum(kv_r, c * step[req])
+    work = np.stack([req, k // np.maximum(n_r, 1) * tiles.block_m, lo, np.minimum(kv_r, lo + step[req]), part[req],
+                     n_r, c, np.zeros_like(req)], axis=1)
+    tok_req = np.repeat(np.flatnonzero(split), qo_lens[split])
+    qo_starts = np.cumsum(qo_lens) - qo_lens
+    t = np.arange(len(tok_req)) - np.repeat(np.cumsum(qo_lens[split]) - qo_lens[split], qo_lens[split])
+    merge = np.stack([qo_starts[tok_req] + t, part[tok_req] + t * n[tok_req], n[tok_req], np.zeros_like(t)], axis=1)
+    return work.astype(np.int32), merge.astype(np.int32).reshape(-1, MERGE_INFO_COLS), int(parts.sum())
 
 
 class MLAPlan:
@@ -237,7 +248,7 @@ class MLAPlan:
         batch, total_q, sm_count = len(kv_lens), int(qo_lens.sum()), device.sm_count or 8
         rows = heads * (_cdiv(total_q, batch) if graph and batch else int(qo_lens.max(initial=0)))
         self.tiles = tiles or mla_tiles(problem, rows)
-        row_blocks = -(-(qo_lens * heads) // self.tiles.block_m)
+        row_blocks = _cdiv(qo_lens * heads, self.tiles.block_m)
         have = workspace_bytes(params)
         chunk, chunks = 0, 0
         if graph:
@@ -245,7 +256,7 @@ class MLAPlan:
         elif params.workspace is not None:
             chunk = _chunk_tokens(row_blocks, kv_lens, sm_count)
             # coarser chunks until their partials fit the float workspace
-            while chunk and partial_bytes(int((qo_lens * -(-kv_lens // chunk)).sum()), heads, ckv) > have:
+            while chunk and partial_bytes(int((qo_lens * _cdiv(kv_lens, chunk)).sum()), heads, ckv) > have:
                 chunk = chunk * 2 if chunk * 2 < int(kv_lens.max()) else 0
         work, merge, partials = _work_rows(qo_lens, kv_lens, heads, self.tiles, chunk, chunks)
         tables = np.concatenate(([len(work)], np.zeros(7, np.int64), [0], np.cumsum(qo_lens), kv_lens,
