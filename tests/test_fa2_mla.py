@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,6 +80,46 @@ def test_without_workspace_or_with_a_small_one_the_plan_splits_less():
     fine = _run(case).grid[0]
     coarse = _check(case, workspace_bytes=5_000)
     assert 1 < coarse.grid[0] < fine
+
+
+@pytest.mark.parametrize("mode", ["chunk", "graph"])
+def test_work_rows_cover_every_row_and_key_once(mode):
+    """Random plans: each (token, head) row of a request is in one row block a chunk, the chunks
+    of a request tile [0, kv_len) in whole key tiles, and split requests' partials are distinct,
+    in range, and named by one merge row per token."""
+    from flashdispatch.backends.fa2.mla import MLATiles, _work_rows
+    rng = np.random.default_rng(15)
+    for _ in range(200):
+        batch, heads = int(rng.integers(0, 6)), int(rng.choice([1, 4, 24, 128]))
+        qo, kv = rng.integers(0, 4, batch), rng.integers(0, 3000, batch)
+        tiles = MLATiles(int(rng.choice([16, 32])), int(rng.choice([16, 64])), 4, 2)
+        chunk, chunks = (int(rng.choice([0, 300, 1024])), 0) if mode == "chunk" else (0, int(rng.integers(1, 17)))
+        work, merge, partials = _work_rows(qo, kv, heads, tiles, chunk, chunks)
+        seen_parts = []
+        for b in range(batch):
+            rows = work[work[:, 0] == b]
+            if qo[b] == 0:
+                assert len(rows) == 0
+                continue
+            n, ranges = int(rows[0, 5]), []
+            assert n == (chunks or n)
+            for c in range(n):
+                blocks = rows[rows[:, 6] == c]
+                assert sorted(blocks[:, 1]) == list(range(0, qo[b] * heads, tiles.block_m))
+                assert len(set(map(tuple, blocks[:, 2:4]))) == 1  # one key range per chunk
+                ranges.append((int(blocks[0, 2]), int(blocks[0, 3])))
+            assert ranges[0][0] == 0 and ranges[-1][1] == kv[b]
+            assert all(a[1] == b_[0] for a, b_ in zip(ranges, ranges[1:]))  # contiguous, no overlap
+            assert all(lo % tiles.block_n == 0 or lo == kv[b] for lo, _ in ranges)
+            empty = [lo == hi for lo, hi in ranges]
+            assert not any(empty) or (chunks and empty == sorted(empty)) or kv[b] == 0  # graphs: empty ones last
+            if n > 1:
+                seen_parts += [int(rows[0, 4]) + t * n + c for t in range(qo[b]) for c in range(n)]
+            else:
+                assert (rows[:, 4] == -1).all()
+        assert sorted(seen_parts) == list(range(partials))
+        assert len(merge) == sum(int(q) for q, r in zip(qo, range(batch)) if (work[work[:, 0] == r][:, 5] > 1).any())
+        assert sorted(int(m[1]) + k for m in merge for k in range(m[2])) == list(range(partials))
 
 
 def test_full_model_dims():
