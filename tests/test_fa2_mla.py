@@ -122,6 +122,24 @@ def test_work_rows_cover_every_row_and_key_once(mode):
         assert sorted(int(m[1]) + k for m in merge for k in range(m[2])) == list(range(partials))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_problems_match_the_oracle(seed):
+    """Random batches (empty requests, queries beyond their keys), heads, dims, page sizes, masks,
+    KV dtypes, lse, workspaces, eager or graph plans."""
+    rng = np.random.default_rng(1000 + seed)
+    batch = int(rng.integers(1, 5))
+    causal = bool(rng.integers(2))
+    qo_lens = rng.integers(0 if causal else 1, 4 if causal else 2, batch).tolist()
+    kw = dict(num_heads=int(rng.choice([1, 3, 16, 20])), head_dim_ckv=int(rng.choice([64, 128])),
+              head_dim_kpe=int(rng.choice([16, 32, 64])), page_size=int(rng.choice([1, 5, 16, 64])),
+              kv_dtype=[F16, torch.float8_e4m3fn, torch.float8_e5m2][int(rng.integers(3))],
+              return_lse=bool(rng.integers(2)), use_cuda_graph=bool(rng.integers(2)))
+    case = _case(qo_lens=qo_lens, kv_lens=rng.integers(0, 900, batch).tolist(), causal=causal, seed=seed, **kw)
+    if case.problem.use_cuda_graph:
+        case.params.int_workspace = torch.zeros(1 << 20, dtype=torch.uint8)
+    _check(case, workspace_bytes=int(rng.choice([0, 5_000, WORKSPACE_BYTES])) or None)
+
+
 def test_full_model_dims():
     """DeepSeek's ckv 512 and kpe 64, with 16 heads of one token in one block."""
     case = _case(qo_lens=[1, 1], kv_lens=[70, 257], num_heads=16, head_dim_ckv=512, head_dim_kpe=64,
