@@ -172,6 +172,28 @@ def test_strided_queries_and_one_combined_cache():
     _check(case)
 
 
+def _every_other_column(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view whose last dim has stride 2."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_column_strided_inputs_and_output(split):
+    """Queries, caches and out whose columns are not contiguous (out through a copy, the split's
+    merge included)."""
+    case = _case(qo_lens=[1, 2], kv_lens=[50, 1200], page_size=16, causal=True, seed=16)
+    inp = case.inputs
+    case.inputs = dataclasses.replace(
+        inp, q_nope=_every_other_column(inp.q_nope), q_pe=_every_other_column(inp.q_pe),
+        ckv_cache=_every_other_column(inp.ckv_cache), kpe_cache=_every_other_column(inp.kpe_cache),
+        out=_every_other_column(inp.out))
+    assert case.inputs.out.stride(-1) == 2
+    plan = _check(case, workspace_bytes=WORKSPACE_BYTES if split else None)
+    assert (plan._merge is not None) == split
+
+
 def test_caps_name_what_fa2_mla_does_not_run():
     case = _case(qo_lens=[1], kv_lens=[8], head_dim_ckv=96, head_dim_kpe=32)
     device = Device("cuda", cc=(9, 0), name="H200", sm_count=132)

@@ -13,6 +13,7 @@ unsplit grid would not fill the GPU, each request's keys into chunks whose parti
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -58,9 +59,9 @@ MAX_GRAPH_CHUNKS = 16  # chunks per request under a CUDA graph (fixed by the cap
 def _mla_kernel(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, count_ptr, work_ptr,
                 qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, v_scale_ptr,
                 s_mul, v_scale, num_pages,
-                stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_ckv_p, stride_ckv_s,
-                stride_kpe_p, stride_kpe_s, stride_o_t, stride_o_h, stride_l_t, stride_l_h,
-                HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
+                stride_qn_t, stride_qn_h, stride_qn_d, stride_qp_t, stride_qp_h, stride_qp_d, stride_ckv_p,
+                stride_ckv_s, stride_ckv_d, stride_kpe_p, stride_kpe_s, stride_kpe_d, stride_o_t, stride_o_h,
+                stride_l_t, stride_l_h, HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
                 V_SCALE_T: tl.constexpr):
     """Work rows pid, pid + programs, ... of the *count_ptr rows, each BLOCK_M query rows of a
@@ -69,20 +70,22 @@ def _mla_kernel(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse
     for item in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
         _mla_item(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, work_ptr + item * 8,
                   qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, v_scale_ptr, s_mul, v_scale, num_pages,
-                  stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_ckv_p, stride_ckv_s, stride_kpe_p,
-                  stride_kpe_s, stride_o_t, stride_o_h, stride_l_t, stride_l_h, HEADS, CKV, KPE, PAGE, BLOCK_M,
-                  BLOCK_N, CAUSAL, WRITE_LSE, V_SCALE_T)
+                  stride_qn_t, stride_qn_h, stride_qn_d, stride_qp_t, stride_qp_h, stride_qp_d, stride_ckv_p,
+                  stride_ckv_s, stride_ckv_d, stride_kpe_p, stride_kpe_s, stride_kpe_d, stride_o_t, stride_o_h,
+                  stride_l_t, stride_l_h, HEADS, CKV, KPE, PAGE, BLOCK_M, BLOCK_N, CAUSAL, WRITE_LSE, V_SCALE_T)
 
 
 @triton.jit
 def _mla_item(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, w,
               qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, v_scale_ptr, s_mul, v_scale, num_pages,
-              stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_ckv_p, stride_ckv_s,
-              stride_kpe_p, stride_kpe_s, stride_o_t, stride_o_h, stride_l_t, stride_l_h,
-              HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
+              stride_qn_t, stride_qn_h, stride_qn_d, stride_qp_t, stride_qp_h, stride_qp_d, stride_ckv_p,
+              stride_ckv_s, stride_ckv_d, stride_kpe_p, stride_kpe_s, stride_kpe_d, stride_o_t, stride_o_h,
+              stride_l_t, stride_l_h, HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
               V_SCALE_T: tl.constexpr):
-    """The work row at ``w``: request, first row, keys [lo, hi), first partial, chunks, chunk."""
+    """The work row at ``w``: request, first row, keys [lo, hi), first partial, chunks, chunk.
+    (Unit column strides are Triton's specialisation of 1: contiguous loads.) ``out``'s columns
+    are contiguous (`MLAPlan.run`)."""
     b = tl.load(w)
     m0 = tl.load(w + 1)
     lo = tl.load(w + 2)
@@ -102,9 +105,9 @@ def _mla_item(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_p
     tok = (q_start + t_local).to(tl.int64)
     offs_c = tl.arange(0, CKV)
     offs_p = tl.arange(0, KPE)
-    q_nope = tl.load(qn_ptr + (tok * stride_qn_t + h * stride_qn_h)[:, None] + offs_c[None, :],
+    q_nope = tl.load(qn_ptr + (tok * stride_qn_t + h * stride_qn_h)[:, None] + offs_c[None, :] * stride_qn_d,
                      mask=row_ok[:, None], other=0.0)
-    q_pe = tl.load(qp_ptr + (tok * stride_qp_t + h * stride_qp_h)[:, None] + offs_p[None, :],
+    q_pe = tl.load(qp_ptr + (tok * stride_qp_t + h * stride_qp_h)[:, None] + offs_p[None, :] * stride_qp_d,
                    mask=row_ok[:, None], other=0.0)
     if CAUSAL:
         limit = kv_len - q_len + t_local  # the last key each row sees
@@ -123,9 +126,9 @@ def _mla_item(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_p
         page = tl.load(kv_indices_ptr + page_base + j // PAGE, mask=j_ok, other=0)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never read outside the cache
         slot = (j % PAGE).to(tl.int64)
-        ckv = tl.load(ckv_ptr + (page * stride_ckv_p + slot * stride_ckv_s)[:, None] + offs_c[None, :],
+        ckv = tl.load(ckv_ptr + (page * stride_ckv_p + slot * stride_ckv_s)[:, None] + offs_c[None, :] * stride_ckv_d,
                       mask=j_ok[:, None], other=0.0).to(q_nope.dtype)
-        kpe = tl.load(kpe_ptr + (page * stride_kpe_p + slot * stride_kpe_s)[:, None] + offs_p[None, :],
+        kpe = tl.load(kpe_ptr + (page * stride_kpe_p + slot * stride_kpe_s)[:, None] + offs_p[None, :] * stride_kpe_d,
                       mask=j_ok[:, None], other=0.0).to(q_pe.dtype)
         s = tl.dot(q_nope, tl.trans(ckv)) + tl.dot(q_pe, tl.trans(kpe))
         visible = (j[None, :] <= limit[:, None]) & j_ok[None, :]
@@ -274,8 +277,14 @@ class MLAPlan:
         self._merge = DecodeMerge(self.po, self.plse, info, len(merge), 1, heads, ckv) if partials else None
 
     def run(self, inputs: MLAInputs) -> None:
-        """Write inputs.out (and inputs.lse) from the plan's tables and the inputs' tensors."""
+        """Write inputs.out (and inputs.lse) from the plan's tables and the inputs' tensors (any
+        strides; an ``out`` whose columns are not contiguous is written through a copy)."""
         if not self.grid[0]:
+            return
+        if inputs.out.stride(-1) != 1:
+            out = inputs.out.contiguous()
+            self.run(dataclasses.replace(inputs, out=out))
+            inputs.out.copy_(out)
             return
         p, t, prm = self.problem, self.tiles, self.params
         out, lse = inputs.out, inputs.lse
@@ -292,8 +301,7 @@ class MLAPlan:
         qn, qp, ckv, kpe = inputs.q_nope, inputs.q_pe, inputs.ckv_cache, inputs.kpe_cache
         launch(self.grid, qn, qp, ckv, kpe, out, lse_t, po, plse, self.count, self.work, self.qo_indptr,
                prm.kv_indptr, prm.kv_indices, self.kv_lens, v_ptr, float(prm.sm_scale * LOG2E), v_scale, ckv.shape[0],
-               qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), ckv.stride(0), ckv.stride(1),
-               kpe.stride(0), kpe.stride(1), out.stride(0), out.stride(1), ls[0], ls[1])
+               *qn.stride(), *qp.stride(), *ckv.stride(), *kpe.stride(), out.stride(0), out.stride(1), ls[0], ls[1])
         if self._merge is not None:
             self._merge(out, lse)
 
