@@ -1,5 +1,5 @@
 """Offline compile of the fa2 MLA kernel (sm90 unless --cc says another): registers, spills,
-shared memory, programs per SM and the key loop's tensor-core instructions of each tile config
+shared memory, programs per SM and the key loop's instructions of each tile config
 (no GPU needed).
 
 Compiles ``mla._mla_kernel`` for GPUTarget("cuda", cc, 32) as a launch on contiguous tensors
@@ -34,8 +34,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from decode_registers import PTXAS_GPU, SM_LIMITS, SM_REGISTERS, TRITON_TYPES  # noqa: E402
 from flashdispatch.backends.fa2.mla import _mla_kernel, mla_tiles  # noqa: E402
 from flashdispatch.mla import _mla_problem  # noqa: E402
-from offline_compile import compile_like_launch, ptxas_usage, sass_loop_mix  # noqa: E402
+from offline_compile import compile_like_launch, ptxas_usage, sass_loops  # noqa: E402
 
+MMA = ("HMMA", "HGMMA", "WARPGROUP")
 KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -90,8 +91,10 @@ def main() -> None:
             shared, sm_threads, blocks = SM_LIMITS[args.cc]
             per_sm = min(SM_REGISTERS // (-(-(regs or 255) // 8) * 8 * threads),
                          shared // max(k.metadata.shared + 1024, 1), sm_threads // threads, blocks)
-            count, mix = sass_loop_mix(k.asm["cubin"])
-            mma = ", ".join(f"{op} {n}" for op, n in mix if op in ("HMMA", "HGMMA", "WARPGROUP"))
+            # the key loop: the shortest loop that issues MMAs (the longest is the work row loop around it)
+            loops = [(n, mix) for n, mix in sass_loops(k.asm["cubin"]) if any(op in MMA for op, _ in mix)]
+            count, mix = min(loops, key=lambda loop: loop[0], default=(0, []))
+            mma = ", ".join(f"{op} {n}" for op, n in mix if op in MMA)
             print(f"{heads:5} {name:24} {regs or '?':>5} {spill or 0:7} {k.metadata.shared:8} {per_sm:11}  "
                   f"{count} instructions ({mma or 'no MMA'})", flush=True)
 
