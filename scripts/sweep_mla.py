@@ -4,7 +4,8 @@ Each config (`MLATiles` fields over the default `mla_tiles` choice of the row; t
 is the default) is planned with ``plan_mla(..., tiles)`` and timed as the bench times (median
 of --reps calls, each after the bench's 256 MB write flush and a GPU spin, CUDA events).
 TFLOP/s is `bench.mla.mla_flops` over the time. Each output is compared with the reference
-backend's on the same inputs: "!" after a figure means ||out - ref|| / ||ref|| > --tol.
+backend's on the same inputs: "!" after a figure means ||out - ref|| / ||ref|| > --tol, and the
+script then exits 1 (also where a config raised: its cell names the error).
 
     python scripts/sweep_mla.py --grid '{"block_m": [16, 32, 64], "num_warps": [4, 8]}'
     python scripts/sweep_mla.py --shapes 64x4096 --grid '[{"block_n": 64, "num_stages": 3}]'
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     on_gpu = args.device == "cuda"
     device = device_of(torch.device(args.device))
     print("config".ljust(60) + "".join(s.label.rjust(16) for s in shapes))
+    status = 0
     cases = [row_case(s, args.device, seed) for seed, s in enumerate(shapes)]
     refs = [reference_out(*case) for case in cases]
     for cfg in grid:
@@ -107,14 +109,16 @@ def main(argv=None) -> int:
                 ms = time_ms(lambda: plan.run(inputs), args.reps, on_gpu)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is a cell
                 cells.append(f"{type(e).__name__}"[:15])
+                status = 1
                 continue
             err = ((inputs.out.float() - ref).norm() / ref.norm()).item()
             rate = bench_mla.mla_flops(s) / (ms * 1e-3) / 1e12
+            status = status if err <= args.tol else 1
             cells.append(f"{rate:.1f}" + ("!" if not err <= args.tol else "") + f" ({plan.grid[0]})")
         t = mla_tiles(cases[0][0], shapes[0].heads)
         label = json.dumps(cfg) if cfg else f"default m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages}"
         print(label[:60].ljust(60) + "".join(c.rjust(16) for c in cells), flush=True)
-    return 0
+    return status
 
 
 if __name__ == "__main__":
