@@ -130,7 +130,7 @@ def test_random_problems_match_the_oracle(seed):
     batch = int(rng.integers(1, 5))
     causal = bool(rng.integers(2))
     qo_lens = rng.integers(0 if causal else 1, 4 if causal else 2, batch).tolist()
-    kw = dict(num_heads=int(rng.choice([1, 3, 16, 20])), head_dim_ckv=int(rng.choice([64, 128])),
+    kw = dict(num_heads=int(rng.choice([1, 3, 16, 20])), head_dim_ckv=int(rng.choice([64, 128, 256, 512])),
               head_dim_kpe=int(rng.choice([16, 32, 64])), page_size=int(rng.choice([1, 5, 16, 64])),
               kv_dtype=[F16, torch.float8_e4m3fn, torch.float8_e5m2][int(rng.integers(3))],
               return_lse=bool(rng.integers(2)), use_cuda_graph=bool(rng.integers(2)))
@@ -140,9 +140,10 @@ def test_random_problems_match_the_oracle(seed):
     _check(case, workspace_bytes=int(rng.choice([0, 5_000, WORKSPACE_BYTES])) or None)
 
 
-def test_full_model_dims():
-    """DeepSeek's ckv 512 and kpe 64, with 16 heads of one token in one block."""
-    case = _case(qo_lens=[1, 1], kv_lens=[70, 257], num_heads=16, head_dim_ckv=512, head_dim_kpe=64,
+@pytest.mark.parametrize("ckv, kpe", [(512, 64), (256, 32)])
+def test_wide_latent_dims(ckv, kpe):
+    """DeepSeek's ckv 512 and kpe 64 (and 256 / 32), with 16 heads of one token in one block."""
+    case = _case(qo_lens=[1, 1], kv_lens=[70, 257], num_heads=16, head_dim_ckv=ckv, head_dim_kpe=kpe,
                  page_size=64, seed=7)
     _check(case)
 
