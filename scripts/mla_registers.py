@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
-import itertools
-import json
 import os
 import shutil
 import sys
@@ -35,6 +33,7 @@ from decode_registers import PTXAS_GPU, SM_LIMITS, SM_REGISTERS, TRITON_TYPES  #
 from flashdispatch.backends.fa2.mla import _mla_kernel, mla_tiles  # noqa: E402
 from flashdispatch.mla import _mla_problem  # noqa: E402
 from offline_compile import compile_like_launch, ptxas_usage, sass_loops  # noqa: E402
+from sweep_decode import config_grid  # noqa: E402
 
 MMA = ("HMMA", "HGMMA", "WARPGROUP")
 KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -69,9 +68,7 @@ def main() -> None:
     ap.add_argument("--lse", action="store_true", help="the variant that writes lse")
     ap.add_argument("--cc", type=int, default=90, choices=sorted(SM_LIMITS), help="compute capability x 10")
     args = ap.parse_args()
-    grid = json.loads(args.grid)
-    if isinstance(grid, dict):
-        grid = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    grid = config_grid(args.grid, False)
     q_dtype = torch.bfloat16
     print(f"sm{args.cc}; {args.kv} KV, ckv {args.ckv}, kpe {args.kpe}, page {args.page_size}")
     print(f"{'heads':>5} {'tiles':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}  key loop")

@@ -1,8 +1,8 @@
 """Sweep fa2 MLA tiles over `bench mla` rows: a TFLOP/s table, every result checked.
 
 Each config (`MLATiles` fields over the default `mla_tiles` choice of the row; the row ``{}``
-is the default) is planned with ``plan_mla(..., tiles)`` and timed as the bench times (median
-of --reps calls, each after the bench's 256 MB write flush and a GPU spin, CUDA events).
+is the default) is planned with ``plan_mla(..., tiles)`` and timed as sweep_decode.py times (median
+of --reps calls, each after the bench's 256 MB write flush and a GPU spin, CUDA events; wall time on the CPU).
 TFLOP/s is `bench.mla.mla_flops` over the time. Each output is compared with the reference
 backend's on the same inputs: "!" after a figure means ||out - ref|| / ||ref|| > --tol, and the
 script then exits 1 (also where a config raised: its cell names the error).
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -32,17 +30,9 @@ from flashdispatch.backends.base import MLAInputs, MLAParams  # noqa: E402
 from flashdispatch.bench import mla as bench_mla  # noqa: E402
 from flashdispatch.dispatch.problem import device_of  # noqa: E402
 from flashdispatch.mla import _mla_problem  # noqa: E402
+from sweep_decode import config_grid, median_ms  # noqa: E402  (scripts/, the script's own folder)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def configs(grid_text: str) -> list[dict]:
-    """A JSON list of dicts, or a dict of lists (their product)."""
-    grid = json.loads(grid_text)
-    if isinstance(grid, list):
-        return grid
-    keys = list(grid)
-    return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
 def row_case(s, device: str, seed: int):
@@ -66,16 +56,6 @@ def reference_out(problem, params, inputs) -> torch.Tensor:
     return ref.out
 
 
-def time_ms(fn, reps: int, on_gpu: bool) -> float:
-    if not on_gpu:
-        fn()
-        return float("nan")
-    from flashdispatch.bench.timing import L2Flusher, device_times_ms
-    for _ in range(3):
-        fn()
-    return statistics.median(device_times_ms(fn, reps, L2Flusher(torch.device("cuda"))))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=bench_mla.DEFAULT_SHAPES)
@@ -90,12 +70,14 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = ap.parse_args(argv)
     from flashdispatch.backends.fa2.mla import mla_tiles, plan_mla
+    from flashdispatch.bench.timing import L2Flusher
 
     shapes = bench_mla.parse_mla_shapes(args.shapes, DTYPES[args.dtype], (args.heads, 1), args.head_dim,
                                         args.page_size)
-    grid = ([] if args.no_default else [{}]) + [c for c in configs(args.grid) if c]
-    on_gpu = args.device == "cuda"
-    device = device_of(torch.device(args.device))
+    grid = config_grid(args.grid, not args.no_default)
+    dev = torch.device(args.device)
+    device = device_of(dev)
+    flush = L2Flusher(dev) if dev.type == "cuda" else None
     print("config".ljust(60) + "".join(s.label.rjust(16) for s in shapes))
     status = 0
     cases = [row_case(s, args.device, seed) for seed, s in enumerate(shapes)]
@@ -106,7 +88,8 @@ def main(argv=None) -> int:
             tiles = dataclasses.replace(mla_tiles(problem, s.heads), **cfg)
             try:
                 plan = plan_mla(problem, device, params, tiles)
-                ms = time_ms(lambda: plan.run(inputs), args.reps, on_gpu)
+                plan.run(inputs)  # compiles
+                ms = median_ms(lambda: plan.run(inputs), args.reps, dev, flush)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is a cell
                 cells.append(f"{type(e).__name__}"[:15])
                 status = 1
