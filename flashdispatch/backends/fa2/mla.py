@@ -275,6 +275,18 @@ class MLAPlan:
         self.grid = (sm_count * PROGRAMS_PER_SM if graph else len(work),)
         self.plse, self.po, _ = carve_partials(params, partials, 1, heads, ckv)
         self._merge = DecodeMerge(self.po, self.plse, info, len(merge), 1, heads, ckv) if partials else None
+        self._launchers: dict = {}  # (WRITE_LSE, V_SCALE_T) -> BoundKernel
+
+    def _launcher(self, write_lse: bool, v_t: bool):
+        """The bound kernel of this plan's tiles for a run() with or without lse and a tensor v scale."""
+        launch = self._launchers.get((write_lse, v_t))
+        if launch is None:
+            p, t = self.problem, self.tiles
+            launch = self._launchers[write_lse, v_t] = bind(
+                _mla_kernel, HEADS=p.num_qo_heads, CKV=p.head_dim_vo, KPE=p.head_dim_kpe, PAGE=p.page_size,
+                BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=self.params.causal, WRITE_LSE=write_lse, V_SCALE_T=v_t,
+                num_warps=t.num_warps, num_stages=t.num_stages)
+        return launch
 
     def run(self, inputs: MLAInputs) -> None:
         """Write inputs.out (and inputs.lse) from the plan's tables and the inputs' tensors (any
@@ -286,7 +298,7 @@ class MLAPlan:
             self.run(dataclasses.replace(inputs, out=out))
             inputs.out.copy_(out)
             return
-        p, t, prm = self.problem, self.tiles, self.params
+        prm = self.params
         out, lse = inputs.out, inputs.lse
         v_t = isinstance(inputs.v_scale, torch.Tensor)
         v_scale = 1.0 if v_t or inputs.v_scale is None else float(inputs.v_scale)
@@ -295,10 +307,8 @@ class MLAPlan:
         ls = lse.stride() if lse is not None else (0, 0)
         po = self.po if self.po is not None else out
         plse = self.plse if self.plse is not None else out
-        launch = bind(_mla_kernel, HEADS=p.num_qo_heads, CKV=p.head_dim_vo, KPE=p.head_dim_kpe, PAGE=p.page_size,
-                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=prm.causal, WRITE_LSE=lse is not None,
-                      V_SCALE_T=v_t, num_warps=t.num_warps, num_stages=t.num_stages)
         qn, qp, ckv, kpe = inputs.q_nope, inputs.q_pe, inputs.ckv_cache, inputs.kpe_cache
+        launch = self._launcher(lse is not None, v_t)
         launch(self.grid, qn, qp, ckv, kpe, out, lse_t, po, plse, self.count, self.work, self.qo_indptr,
                prm.kv_indptr, prm.kv_indices, self.kv_lens, v_ptr, float(prm.sm_scale * LOG2E), v_scale, ckv.shape[0],
                *qn.stride(), *qp.stride(), *ckv.stride(), *kpe.stride(), out.stride(0), out.stride(1), ls[0], ls[1])
