@@ -13,7 +13,7 @@ from .backends.base import MLAParams
 from .dispatch.problem import Problem
 from .dispatch.reasons import Unsupported
 from .page import block_table_to_indptr
-from .planned import (WrapperBase, device_int32, host_workload, on_device, plan_refreshing, run_mla,
+from .planned import (WrapperBase, host_workload, on_device, plan_refreshing, run_mla,
                       refuse_runs_after_failure, user_workspace)
 
 LN2 = math.log(2.0)
@@ -28,9 +28,7 @@ def _mla_problem(q_dtype, kv_dtype, o_dtype, num_heads, ckv, kpe, page_size, cau
 
 def _mla_params(qo_indptr_h: np.ndarray, kv_indptr, kv_indices, kv_lens_h: np.ndarray, device, sm_scale, causal,
                 workspace, int_workspace=None) -> MLAParams:
-    qo_indptr, kv_lens = device_int32(device, qo_indptr_h, kv_lens_h)
-    return MLAParams(qo_indptr=qo_indptr, kv_indptr=on_device(kv_indptr, device),
-                     kv_indices=on_device(kv_indices, device), kv_lens=kv_lens,
+    return MLAParams(kv_indptr=on_device(kv_indptr, device), kv_indices=on_device(kv_indices, device),
                      qo_lens_host=(qo_indptr_h[1:] - qo_indptr_h[:-1]).tolist(), kv_lens_host=kv_lens_h.tolist(),
                      sm_scale=sm_scale, causal=causal, workspace=workspace,
                      int_workspace=int_workspace)

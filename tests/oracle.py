@@ -159,12 +159,12 @@ def oracle_mla(problem: Problem, params: MLAParams, inputs: MLAInputs):
     page_size, dim = inputs.ckv_cache.shape[1], inputs.ckv_cache.shape[2]
     heads = problem.num_qo_heads
     v_scale = _scalar(inputs.v_scale)
-    qo_indptr = params.qo_indptr.tolist()
+    qo_indptr = _indptr(params.qo_lens_host)
     out = torch.zeros(len(q_nope), heads, dim, dtype=torch.float64)
     lse = torch.full((len(q_nope), heads), NEG_INF, dtype=torch.float64)
     for b in range(len(qo_indptr) - 1):
         q0, q_len = qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b]
-        kv_len = int(params.kv_lens[b])
+        kv_len = params.kv_lens_host[b]
         tokens = _paged_tokens(params, b, page_size, kv_len)
         for i in range(q_len):
             p = i + kv_len - q_len
@@ -392,8 +392,7 @@ def make_mla_case(*, qo_lens: list[int], kv_lens: list[int], num_heads: int = 8,
                        use_cuda_graph=use_cuda_graph, return_lse=return_lse)
     i32 = lambda x: torch.as_tensor(x, dtype=torch.int32).to(device)  # noqa: E731
     params = MLAParams(
-        qo_indptr=i32(_indptr(qo_lens)), kv_indptr=i32(kv_indptr), kv_indices=indices.to(device),
-        kv_lens=i32(kv_lens), qo_lens_host=list(qo_lens), kv_lens_host=list(kv_lens),
+        kv_indptr=i32(kv_indptr), kv_indices=indices.to(device), qo_lens_host=list(qo_lens), kv_lens_host=list(kv_lens),
         sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim_ckv + head_dim_kpe),
         causal=causal)
     total_q = sum(qo_lens)

@@ -241,8 +241,7 @@ def test_cuda_graph_plan_replays_a_later_plan():
              for seed, lens in ((12, [5, 700, 40]), (13, [1500, 0, 333]))]
     ints, floats = torch.zeros(1 << 20, dtype=torch.uint8), torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     pages = max(c.inputs.ckv_cache.shape[0] for c in cases)
-    bufs = {name: torch.zeros(n, dtype=torch.int32) for name, n in (("qo_indptr", 4), ("kv_indptr", 4),
-                                                                       ("kv_indices", pages), ("kv_lens", 3))}
+    bufs = {name: torch.zeros(n, dtype=torch.int32) for name, n in (("kv_indptr", 4), ("kv_indices", pages))}
     inp = cases[0].inputs
     fixed = dict(q_nope=torch.zeros_like(inp.q_nope), q_pe=torch.zeros_like(inp.q_pe),
                  ckv=torch.zeros(pages, 16, 64, dtype=F16), kpe=torch.zeros(pages, 16, 16, dtype=F16),

@@ -273,12 +273,12 @@ class AttentionInputs:
 
 @dataclass
 class MLAParams:
-    """Plan-time data of MLA paged attention (kv_indptr counts pages, kv_lens tokens)."""
+    """Plan-time data of MLA paged attention: kv_indptr [batch + 1] (pages) and kv_indices on the
+    run device; the query and KV token counts of each request on the host (a backend builds its
+    own device tables from them)."""
 
-    qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
-    kv_lens: torch.Tensor
     qo_lens_host: list[int]
     kv_lens_host: list[int]
     sm_scale: float

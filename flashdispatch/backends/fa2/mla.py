@@ -269,7 +269,7 @@ class MLAPlan:
             dev_tables = int_workspace_ints(params, tables.size)
             dev_tables.copy_(host, non_blocking=True)
         else:
-            dev_tables = host.to(params.qo_indptr.device, non_blocking=True)
+            dev_tables = host.to(params.kv_indptr.device, non_blocking=True)
         at = np.cumsum([0, 8, batch + 1, batch, merge.size, work.size])
         self.count, self.qo_indptr, self.kv_lens, info, self.work = (dev_tables[at[i]:at[i + 1]] for i in range(5))
         self.grid = (sm_count * PROGRAMS_PER_SM if graph else len(work),)

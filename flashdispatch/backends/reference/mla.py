@@ -36,10 +36,10 @@ class MLAPlan:
 
 
 def plan_mla(problem: Problem, params: MLAParams) -> MLAPlan:
-    """Plan MLA on the device of ``params.qo_indptr``; pages of ``problem.page_size`` tokens."""
+    """Plan MLA on the device of ``params.kv_indptr``; pages of ``problem.page_size`` tokens."""
     shape = BatchShape(
         qo_lens=list(params.qo_lens_host), kv_lens=list(params.kv_lens_host), kv_indptr=params.kv_indptr,
         kv_indices=params.kv_indices, page_size=problem.page_size, num_qo_heads=problem.num_qo_heads,
         kv_elems_per_token=problem.head_dim_qk + problem.head_dim_vo)
-    groups = plan_groups(shape, params.qo_indptr.device, Visibility(params.causal, -1))
+    groups = plan_groups(shape, params.kv_indptr.device, Visibility(params.causal, -1))
     return MLAPlan(problem, groups, params.sm_scale)
