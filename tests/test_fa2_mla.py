@@ -58,10 +58,11 @@ def test_decode_rows_match_the_oracle(page_size, causal):
     _check(case)
 
 
-@pytest.mark.parametrize("heads", [1, 16, 24])
+@pytest.mark.parametrize("heads", [1, 6, 16, 24])
 def test_incremental_prefill_rows_blocks_across_tokens(heads):
-    """Several query tokens a request, causal: row blocks span tokens (24 heads: blocks of 32
-    rows end inside a token); queries beyond their keys see nothing (0, lse -inf)."""
+    """Several query tokens a request, causal: row blocks span tokens (blocks of 16, 32 and 64
+    rows; 6 and 24 heads: blocks end inside a token); queries beyond their keys see nothing
+    (0, lse -inf)."""
     case = _case(qo_lens=[3, 0, 5, 2], kv_lens=[40, 7, 3, 130], num_heads=heads, page_size=16, causal=True,
                  seed=heads)
     _check(case)
