@@ -141,6 +141,37 @@ def test_random_problems_match_the_oracle(seed):
     _check(case, workspace_bytes=int(rng.choice([0, 5_000, WORKSPACE_BYTES])) or None)
 
 
+def _ramp_keys(case, request: int, step: float) -> None:
+    """Add ``step`` x (the key's position) to column 0 of request ``request``'s kpe entries and
+    set column 0 of its queries' q_pe to 1: its logits drift by ``step`` a key."""
+    prm, inp = case.params, case.inputs
+    page_size = inp.kpe_cache.shape[1]
+    first = int(prm.kv_indptr[request])
+    for j in range(prm.kv_lens_host[request]):
+        inp.kpe_cache[int(prm.kv_indices[first + j // page_size]), j % page_size, 0] += step * j
+    q0 = sum(prm.qo_lens_host[:request])
+    inp.q_pe[q0:q0 + prm.qo_lens_host[request], :, 0] = 1.0
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_lazy_rescale_matches_the_oracle(split):
+    """The lazy rescale (`MLATiles.lazy_rescale`): logits that climb fast (a rescale every tile),
+    climb slowly (growths below the bound, no rescale), fall, or are noise (q scaled up)."""
+    from flashdispatch.backends.fa2.mla import mla_tiles
+    case = _case(qo_lens=[1, 2, 1, 1], kv_lens=[300, 700, 500, 90], num_heads=16, page_size=16, causal=True,
+                 seed=21)
+    for request, step in ((0, 0.5), (1, 0.01), (2, -0.3)):
+        _ramp_keys(case, request, step)
+    case.inputs.q_nope *= 3
+    ref_out, ref_lse = case.oracle()
+    case.params.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8) if split else None
+    tiles = dataclasses.replace(mla_tiles(case.problem, 32), lazy_rescale=True)
+    plan = plan_mla(case.problem, case.device, case.params, tiles)
+    plan.run(case.inputs)
+    assert (plan._merge is not None) == split
+    assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[F16])
+
+
 @pytest.mark.parametrize("ckv, kpe", [(512, 64), (256, 32)])
 def test_wide_latent_dims(ckv, kpe):
     """DeepSeek's ckv 512 and kpe 64 (and 256 / 32), with 16 heads of one token in one block."""

@@ -52,6 +52,7 @@ LOG2E = 1.0 / math.log(2.0)
 WORK_COLS = 8  # request, first row, key range start, end, first partial (-1: none), chunks, chunk, pad
 MIN_CHUNK_TOKENS = 256  # a split never cuts a request's keys finer than this
 PROGRAMS_PER_SM = 2  # the unsplit grid splits below this many programs per SM
+LAZY_BOUND = tl.constexpr(8.0)  # log2 units: with lazy rescaling, probabilities stay below 2**8
 MAX_GRAPH_CHUNKS = 16  # chunks per request under a CUDA graph (fixed by the capture, whatever the lengths)
 
 
@@ -63,7 +64,7 @@ def _mla_kernel(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse
                 stride_ckv_s, stride_ckv_d, stride_kpe_p, stride_kpe_s, stride_kpe_d, stride_o_t, stride_o_h,
                 stride_l_t, stride_l_h, HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                V_SCALE_T: tl.constexpr):
+                V_SCALE_T: tl.constexpr, LAZY_RESCALE: tl.constexpr):
     """Work rows pid, pid + programs, ... of the *count_ptr rows, each BLOCK_M query rows of a
     request against its keys [lo, hi), into out/lse or into the partial of (token, chunk) when the
     request is split (a CUDA graph's grid is fixed; the count is the plan's)."""
@@ -72,7 +73,8 @@ def _mla_kernel(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse
                   qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, v_scale_ptr, s_mul, v_scale, num_pages,
                   stride_qn_t, stride_qn_h, stride_qn_d, stride_qp_t, stride_qp_h, stride_qp_d, stride_ckv_p,
                   stride_ckv_s, stride_ckv_d, stride_kpe_p, stride_kpe_s, stride_kpe_d, stride_o_t, stride_o_h,
-                  stride_l_t, stride_l_h, HEADS, CKV, KPE, PAGE, BLOCK_M, BLOCK_N, CAUSAL, WRITE_LSE, V_SCALE_T)
+                  stride_l_t, stride_l_h, HEADS, CKV, KPE, PAGE, BLOCK_M, BLOCK_N, CAUSAL, WRITE_LSE, V_SCALE_T,
+                  LAZY_RESCALE)
 
 
 @triton.jit
@@ -82,10 +84,12 @@ def _mla_item(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_p
               stride_ckv_s, stride_ckv_d, stride_kpe_p, stride_kpe_s, stride_kpe_d, stride_o_t, stride_o_h,
               stride_l_t, stride_l_h, HEADS: tl.constexpr, CKV: tl.constexpr, KPE: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-              V_SCALE_T: tl.constexpr):
+              V_SCALE_T: tl.constexpr, LAZY_RESCALE: tl.constexpr):
     """The work row at ``w``: request, first row, keys [lo, hi), first partial, chunks, chunk.
     (Unit column strides are Triton's specialisation of 1: contiguous loads.) ``out``'s columns
-    are contiguous (`MLAPlan.run`)."""
+    are contiguous (`MLAPlan.run`). LAZY_RESCALE: a row's running max moves only when a tile's
+    exceeds it by more than LAZY_BOUND (probabilities then stay below 2**LAZY_BOUND), and the
+    accumulator is rescaled only in tiles where some row's max moved."""
     b = tl.load(w)
     m0 = tl.load(w + 1)
     lo = tl.load(w + 2)
@@ -133,12 +137,21 @@ def _mla_item(qn_ptr, qp_ptr, ckv_ptr, kpe_ptr, out_ptr, lse_ptr, po_ptr, plse_p
         s = tl.dot(q_nope, tl.trans(ckv)) + tl.dot(q_pe, tl.trans(kpe))
         visible = (j[None, :] <= limit[:, None]) & j_ok[None, :]
         s = tl.where(visible, s * s_mul, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_tile = tl.max(s, 1)
+        if LAZY_RESCALE:
+            m_new = tl.where(m_tile > m_i + LAZY_BOUND, m_tile, m_i)
+        else:
+            m_new = tl.maximum(m_i, m_tile)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(ckv.dtype), ckv)
+        if LAZY_RESCALE:
+            if tl.max((m_new != m_i).to(tl.int32), 0) > 0:
+                acc = acc * alpha[:, None]
+        else:
+            acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(ckv.dtype), ckv)
         m_i = m_new
 
     o, lse = finish_state(acc, l_i, m_i, v_scale_ptr, v_scale, V_SCALE_T)
@@ -161,6 +174,7 @@ class MLATiles:
     block_n: int
     num_warps: int
     num_stages: int
+    lazy_rescale: bool = False  # rescale the accumulator only where a row's max grew by > LAZY_BOUND
 
 
 def mla_tiles(problem: Problem, max_rows: int) -> MLATiles:
@@ -287,7 +301,7 @@ class MLAPlan:
             launch = self._launchers[write_lse, v_t] = bind(
                 _mla_kernel, HEADS=p.num_qo_heads, CKV=p.head_dim_vo, KPE=p.head_dim_kpe, PAGE=p.page_size,
                 BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=self.params.causal, WRITE_LSE=write_lse, V_SCALE_T=v_t,
-                num_warps=t.num_warps, num_stages=t.num_stages)
+                LAZY_RESCALE=t.lazy_rescale, num_warps=t.num_warps, num_stages=t.num_stages)
         return launch
 
     def run(self, inputs: MLAInputs) -> None:
