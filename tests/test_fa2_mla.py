@@ -172,6 +172,26 @@ def test_lazy_rescale_matches_the_oracle(split):
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[F16])
 
 
+def test_tiles_from_the_environment(monkeypatch):
+    """FLASHDISPATCH_FA2_MLA_TILES replaces fields of the default tiles (and the result stays
+    right); bad values name the variable, the field and what is accepted."""
+    from flashdispatch.backends.fa2.mla import TILES_ENV, mla_tiles
+    case = _case(qo_lens=[1, 1], kv_lens=[40, 300], num_heads=16, page_size=16, seed=22)
+    monkeypatch.setenv(TILES_ENV, '{"block_n": 16, "lazy_rescale": true}')
+    plan = _check(case)
+    assert plan.tiles == dataclasses.replace(mla_tiles(case.problem, 16), block_n=16, lazy_rescale=True)
+    for value, message in (('{"block_m": 24}', r"block_m=24: expected one of \[16, 32, 64, 128\]"),
+                           ('{"lazy_rescale": 1}', r"lazy_rescale=1: expected one of \[False, True\]"),
+                           ('{"num_warps": true}', "num_warps=True"),
+                           ('{"blockn": 64}', r"unknown fa2 MLA tile fields \['blockn'\]"),
+                           ("block_n=64", "not JSON")):
+        monkeypatch.setenv(TILES_ENV, value)
+        with pytest.raises(ValueError, match=f"^{TILES_ENV}=.*{message}"):
+            plan_mla(case.problem, case.device, case.params)
+    monkeypatch.setenv(TILES_ENV, " ")
+    assert plan_mla(case.problem, case.device, case.params).tiles == mla_tiles(case.problem, 16)
+
+
 @pytest.mark.parametrize("ckv, kpe", [(512, 64), (256, 32)])
 def test_wide_latent_dims(ckv, kpe):
     """DeepSeek's ckv 512 and kpe 64 (and 256 / 32), with 16 heads of one token in one block."""

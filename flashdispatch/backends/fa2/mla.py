@@ -25,8 +25,10 @@ import triton.language as tl
 from ...dispatch.caps import Caps
 from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
+from ...environ import env_get
 from ..base import MLAInputs, MLAParams
 from ..common import TRITON_INTERPRETED, triton_fp8_kv_reasons
+from .decode_env import apply_env
 from .decode_workspace import carve_partials, int_workspace_ints, partial_bytes, workspace_bytes
 from .launch import bind
 from .merge import MERGE_INFO_COLS, DecodeMerge, finish_state
@@ -54,6 +56,7 @@ MIN_CHUNK_TOKENS = 256  # a split never cuts a request's keys finer than this
 PROGRAMS_PER_SM = 2  # the unsplit grid splits below this many programs per SM
 LAZY_BOUND = tl.constexpr(8.0)  # log2 units: with lazy rescaling, probabilities stay below 2**8
 MAX_GRAPH_CHUNKS = 16  # chunks per request under a CUDA graph (fixed by the capture, whatever the lengths)
+TILES_ENV = "FLASHDISPATCH_FA2_MLA_TILES"  # JSON of MLATiles fields over `mla_tiles`' choice
 
 
 @triton.jit
@@ -187,6 +190,29 @@ def mla_tiles(problem: Problem, max_rows: int) -> MLATiles:
     return MLATiles(block_m, 32, 8 if wide and block_m > 16 else 4, 2)
 
 
+def override_tiles(tiles: MLATiles, fields: dict) -> MLATiles:
+    """``tiles`` with ``fields`` (MLATiles field names) replaced, each checked: block_m 16-128 and
+    block_n 16-128 powers of two, num_warps 1-16 a power of two, num_stages 1-6, lazy_rescale a bool."""
+    names = [f.name for f in dataclasses.fields(MLATiles)]
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        raise ValueError(f"unknown fa2 MLA tile fields {unknown}; known: {names}")
+    allowed = {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128), "num_warps": (1, 2, 4, 8, 16),
+               "num_stages": (1, 2, 3, 4, 5, 6), "lazy_rescale": (False, True)}
+    for name, value in fields.items():
+        kind = bool if name == "lazy_rescale" else int
+        if type(value) is not kind or value not in allowed[name]:
+            raise ValueError(f"{name}={value!r}: expected one of {list(allowed[name])}")
+    return dataclasses.replace(tiles, **fields)
+
+
+def env_tiles(tiles: MLATiles) -> MLATiles:
+    """``tiles`` with the fields of FLASHDISPATCH_FA2_MLA_TILES (a JSON object) over it."""
+    text = env_get(TILES_ENV)
+    example = '\'{"block_n": 64, "lazy_rescale": true}\''
+    return apply_env(tiles, text, override_tiles, TILES_ENV, example) if text else tiles
+
+
 def _cdiv(a, b):
     """ceil(a / b) of ints or int arrays."""
     return -(-a // b)
@@ -266,7 +292,7 @@ class MLAPlan:
         kv_lens = np.asarray(params.kv_lens_host, dtype=np.int64)
         batch, total_q, sm_count = len(kv_lens), int(qo_lens.sum()), device.sm_count or 8
         rows = heads * (_cdiv(total_q, batch) if graph and batch else int(qo_lens.max(initial=0)))
-        self.tiles = tiles or mla_tiles(problem, rows)
+        self.tiles = tiles or env_tiles(mla_tiles(problem, rows))
         row_blocks = _cdiv(qo_lens * heads, self.tiles.block_m)
         have = workspace_bytes(params)
         chunk, chunks = 0, 0
@@ -339,7 +365,7 @@ def mla_extra_checks(problem: Problem, device: Device) -> list[Reason]:
 
 def plan_mla(problem: Problem, device: Device, params: MLAParams, tiles: MLATiles | None = None) -> MLAPlan:
     """Plan fa2 MLA for ``problem`` on ``device`` from the host lengths in ``params``; ``tiles``
-    replaces `mla_tiles`' choice (sweeps: scripts/sweep_mla.py)."""
+    replaces `mla_tiles`' choice and FLASHDISPATCH_FA2_MLA_TILES (sweeps: scripts/sweep_mla.py)."""
     reasons = mla_extra_checks(problem, device)
     if reasons:
         raise Unsupported("fa2 MLA cannot run this problem", {"fa2": reasons})
