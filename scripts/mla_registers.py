@@ -42,8 +42,8 @@ KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn
 def compile_tiles(tiles, heads: int, ckv: int, kpe: int, page: int, q_dtype, kv_dtype, cc: int, lse: bool):
     """The CompiledKernel of the MLA kernel with these tiles for sm ``cc``."""
     const = dict(HEADS=heads, CKV=ckv, KPE=kpe, PAGE=page, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                 CAUSAL=False, WRITE_LSE=lse, V_SCALE_T=False, LAZY_RESCALE=tiles.lazy_rescale, stride_qn_d=1, stride_qp_d=1, stride_ckv_d=1,
-                 stride_kpe_d=1)
+                 CAUSAL=False, WRITE_LSE=lse, V_SCALE_T=False, LAZY_RESCALE=tiles.lazy_rescale, stride_qn_d=1,
+                 stride_qp_d=1, stride_ckv_d=1, stride_kpe_d=1)
     pointers = {"qn_ptr": TRITON_TYPES[q_dtype], "qp_ptr": TRITON_TYPES[q_dtype], "out_ptr": TRITON_TYPES[q_dtype],
                 "ckv_ptr": TRITON_TYPES[kv_dtype], "kpe_ptr": TRITON_TYPES[kv_dtype]}
 

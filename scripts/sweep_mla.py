@@ -40,7 +40,8 @@ def row_case(s, device: str, seed: int):
     d = bench_mla.make_mla_data(s, device=device, seed=seed)
     problem = _mla_problem(s.dtype, s.dtype, s.dtype, s.heads, s.head_dim_ckv, s.head_dim_kpe, s.page_size, False)
     lens = np.full(s.batch, s.kv_len, dtype=np.int64)
-    params = MLAParams(kv_indptr=d.kv_indptr, kv_indices=d.kv_indices, qo_lens_host=[1] * s.batch, kv_lens_host=lens.tolist(), sm_scale=1.0 / 192 ** 0.5,
+    params = MLAParams(kv_indptr=d.kv_indptr, kv_indices=d.kv_indices, qo_lens_host=[1] * s.batch,
+                       kv_lens_host=lens.tolist(), sm_scale=1.0 / 192 ** 0.5,
                        workspace=torch.zeros(128 << 20, dtype=torch.uint8, device=device))
     out = torch.empty(s.batch, s.heads, s.head_dim_ckv, dtype=s.dtype, device=device)
     return problem, params, MLAInputs(d.q_nope, d.q_pe, d.ckv_cache, d.kpe_cache, out)
