@@ -101,6 +101,13 @@ def test_auto_picks_first_ok_in_rule_order(fakes):
     assert select(problem("mla"), SM100).backend == "trtllm-gen"
 
 
+def test_auto_runs_mla_on_fa2_on_hopper():
+    """The packaged backends: fa3 and cutlass have no MLA kernels, so sm90 MLA goes to fa2 (not
+    the PyTorch reference)."""
+    d = select(describe_problem("mla"), SM90)
+    assert d.backend == "fa2" and d.order_source.startswith("rule 'hopper-mla'")
+
+
 def test_every_backend_is_checked_and_every_reason_kept(fakes):
     reject(fakes, "fa2", features=NO_SOFT_CAP - {"lse"}, unavailable=())
     d = select(problem(logits_soft_cap=30.0), SM90)

@@ -51,7 +51,7 @@ def test_packaged_defaults_cover_every_op():
     assert set(orders) == set(OPS)
     assert orders["decode"] == ("fa2", "cudnn", "xqa", "trtllm-gen", "reference")
     assert orders["prefill_paged"] == ("fa3", "cudnn", "fa2", "reference")
-    assert orders["mla"] == ("fa3", "cutlass", "reference")  # fa2 only by name until measured on a GPU
+    assert orders["mla"] == ("fa3", "cutlass", "fa2", "reference")
     assert orders["merge"] == ("fa2", "reference")
     assert pol.reference_fallback == "warn" and pol.pins == ()
     assert pol.files == (PACKAGED_LABEL,)
@@ -61,10 +61,10 @@ def test_packaged_defaults_cover_every_op():
     ("decode", SM90, ("fa2", "cudnn", "xqa", "trtllm-gen", "reference"), "rule 'hopper-decode'"),
     ("prefill_paged", SM90, ("fa3", "cudnn", "fa2", "reference"), "rule 'hopper-prefill'"),
     ("prefill_ragged", SM90, ("fa3", "cudnn", "fa2", "reference"), "rule 'hopper-prefill'"),
-    ("mla", SM90, ("fa3", "cutlass", "reference"), "rule 'hopper-mla'"),
+    ("mla", SM90, ("fa3", "cutlass", "fa2", "reference"), "rule 'hopper-mla'"),
     ("merge", SM90, ("fa2", "reference"), "defaults"),
     ("decode", SM80, ("fa2", "cudnn", "xqa", "trtllm-gen", "reference"), "defaults"),
-    ("mla", SM100, ("trtllm-gen", "cutlass", "fa3", "reference"), "rule 'blackwell-mla'"),
+    ("mla", SM100, ("trtllm-gen", "cutlass", "fa3", "fa2", "reference"), "rule 'blackwell-mla'"),
     ("decode", CPU, ("reference",), "rule 'cpu'"),
     ("merge", CPU, ("reference",), "rule 'cpu'"),
 ])
