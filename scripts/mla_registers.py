@@ -31,7 +31,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from decode_registers import PTXAS_GPU, SM_LIMITS, SM_REGISTERS, TRITON_TYPES  # noqa: E402
 from flashdispatch.backends.fa2.mla import _mla_kernel, mla_tiles  # noqa: E402
-from flashdispatch.dispatch.problem import Device  # noqa: E402
 from flashdispatch.mla import _mla_problem  # noqa: E402
 from offline_compile import compile_like_launch, ptxas_usage, sass_loops  # noqa: E402
 from sweep_decode import config_grid  # noqa: E402
@@ -73,11 +72,10 @@ def main() -> None:
     q_dtype = torch.bfloat16
     print(f"sm{args.cc}; {args.kv} KV, ckv {args.ckv}, kpe {args.kpe}, page {args.page_size}")
     print(f"{'heads':>5} {'tiles':24} {'regs':>5} {'spill B':>7} {'shared B':>8} {'programs/SM':>11}  key loop")
-    target = Device("cuda", 0, divmod(args.cc, 10))  # (its shared memory from the compute capability)
     for heads in (int(h) for h in args.heads.split(",")):
         problem = _mla_problem(q_dtype, KV[args.kv], q_dtype, heads, args.ckv, args.kpe, args.page_size, False)
         for overrides in grid:
-            tiles = dataclasses.replace(mla_tiles(problem, heads, target), **overrides)
+            tiles = dataclasses.replace(mla_tiles(problem, heads), **overrides)
             name = f"m{tiles.block_m} n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}" + (
                 " lazy" if tiles.lazy_rescale else "")
             try:

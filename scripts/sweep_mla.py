@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     for cfg in grid:
         cells = []
         for s, (problem, params, inputs), ref in zip(shapes, cases, refs):
-            tiles = dataclasses.replace(mla_tiles(problem, s.heads, device), **cfg)
+            tiles = dataclasses.replace(mla_tiles(problem, s.heads), **cfg)
             try:
                 plan = plan_mla(problem, device, params, tiles)
                 plan.run(inputs)  # compiles
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
             rate = bench_mla.mla_flops(s) / (ms * 1e-3) / 1e12
             status = status if err <= args.tol else 1
             cells.append(f"{rate:.1f}" + ("!" if not err <= args.tol else "") + f" ({plan.grid[0]})")
-        t = mla_tiles(cases[0][0], shapes[0].heads, device)
+        t = mla_tiles(cases[0][0], shapes[0].heads)
         label = json.dumps(cfg) if cfg else f"default m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages}"
         print(label[:60].ljust(60) + "".join(c.rjust(16) for c in cells), flush=True)
     return status

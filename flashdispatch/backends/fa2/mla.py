@@ -27,7 +27,7 @@ from ...dispatch.problem import FP8_DTYPES, Device, Problem
 from ...dispatch.reasons import Reason, Unsupported
 from ...environ import env_get
 from ..base import MLAInputs, MLAParams
-from ..common import TRITON_INTERPRETED, shared_per_block, triton_fp8_kv_reasons
+from ..common import TRITON_INTERPRETED, triton_fp8_kv_reasons
 from .decode_env import apply_env
 from .decode_workspace import carve_partials, int_workspace_ints, partial_bytes, workspace_bytes
 from .launch import bind
@@ -56,7 +56,6 @@ MIN_CHUNK_TOKENS = 256  # a split never cuts a request's keys finer than this
 PROGRAMS_PER_SM = 2  # the unsplit grid splits below this many programs per SM
 LAZY_BOUND = tl.constexpr(8.0)  # log2 units: with lazy rescaling, probabilities stay below 2**8
 MAX_GRAPH_CHUNKS = 16  # chunks per request under a CUDA graph (fixed by the capture, whatever the lengths)
-M64_SHARED = 160 << 10  # 64-row programs (sm90 compile, 16-bit KV, block_n 32, 2 stages: 144 KB) fit
 TILES_ENV = "FLASHDISPATCH_FA2_MLA_TILES"  # JSON of MLATiles fields over `mla_tiles`' choice
 
 
@@ -181,16 +180,13 @@ class MLATiles:
     lazy_rescale: bool = False  # rescale the accumulator only where a row's max grew by > LAZY_BOUND
 
 
-def mla_tiles(problem: Problem, max_rows: int, device: Device) -> MLATiles:
-    """Rows per program: 16 or 32, the least that holds a request's rows (its tokens x heads), and
-    64 on sm90 where a request has more than 32: warpgroup MMAs, half the key re-reads of 32 (H100
-    sweep, session 77, 128 heads, m32 -> m64 over 8 warps: 61-76 -> 74-119 TFLOP/s). Not measured
-    elsewhere, and 64 rows need ~144 KB of shared memory (sm86/89/120 have 99 KB). A [64, 512]
-    float32 accumulator over 8 warps is 128 registers a thread."""
+def mla_tiles(problem: Problem, max_rows: int) -> MLATiles:
+    """Rows per program: 16 where a request has at most 16 rows (its tokens x heads), else 32 (a
+    [32, 512] float32 accumulator over 8 warps is 64 registers a thread). 64 rows over 8 warps ran
+    1.24-1.57x faster on an H100 (warpgroup MMAs; docs/perf-notes.md, fa2 MLA, session 77) but have
+    not been through the GPU tests yet (FLASHDISPATCH_FA2_MLA_TILES='{"block_m": 64}' on sm90;
+    sm86/89 lack the shared memory)."""
     block_m = 16 if max_rows <= 16 else 32
-    if max_rows > 32 and device.cc is not None and (9, 0) <= device.cc < (10, 0) \
-            and shared_per_block(device) >= M64_SHARED:
-        block_m = 64
     wide = problem.head_dim_vo >= 256
     return MLATiles(block_m, 32, 8 if wide and block_m > 16 else 4, 2)
 
@@ -297,7 +293,7 @@ class MLAPlan:
         kv_lens = np.asarray(params.kv_lens_host, dtype=np.int64)
         batch, total_q, sm_count = len(kv_lens), int(qo_lens.sum()), device.sm_count or 8
         rows = heads * (_cdiv(total_q, batch) if graph and batch else int(qo_lens.max(initial=0)))
-        self.tiles = tiles or env_tiles(mla_tiles(problem, rows, device))
+        self.tiles = tiles or env_tiles(mla_tiles(problem, rows))
         row_blocks = _cdiv(qo_lens * heads, self.tiles.block_m)
         have = workspace_bytes(params)
         chunk, chunks = 0, 0
