@@ -60,6 +60,30 @@ def test_grid(lengths, heads, page_size, dtypes):
     _check(case)
 
 
+CANDIDATE_TILES = {"m64": '{"block_m": 64, "num_warps": 8}',
+                   "m64-lazy": '{"block_m": 64, "num_warps": 8, "lazy_rescale": true}',
+                   "n64": '{"block_n": 64}'}
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.float16,) * 2,
+                                    (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp16", "fp8kv"])
+@pytest.mark.parametrize("lengths", ["decode", "prefill"])
+@pytest.mark.parametrize("tiles", list(CANDIDATE_TILES))
+def test_candidate_tiles(tiles, lengths, dtypes, monkeypatch):
+    """Tiles a sweep found faster than the default (docs/perf-notes.md, fa2 MLA), through
+    FLASHDISPATCH_FA2_MLA_TILES, at 128 heads: what must pass before one becomes the default
+    (sm90: 64 rows need more shared memory than sm86/89 have)."""
+    from flashdispatch.backends.fa2.mla import TILES_ENV
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the candidate tiles are for sm90 (64-row programs need ~144 KB of shared memory)")
+    monkeypatch.setenv(TILES_ENV, CANDIDATE_TILES[tiles])
+    qo_lens, kv_lens = LENGTHS[lengths]
+    case = make_mla_case(qo_lens=qo_lens, kv_lens=kv_lens, num_heads=128, head_dim_ckv=512, head_dim_kpe=64,
+                         page_size=64, causal=lengths == "prefill", q_dtype=dtypes[0], kv_dtype=dtypes[1],
+                         v_scale=1.5 if dtypes[1] != dtypes[0] else None, device="cuda", seed=77)
+    _check(case)
+
+
 def test_wrapper_on_fa2_matches_the_reference_wrapper():
     torch.manual_seed(12)
     batch, heads, ckv, kpe, kv_len, page = 4, 128, 512, 64, 1000, 64
@@ -83,9 +107,16 @@ def test_wrapper_on_fa2_matches_the_reference_wrapper():
     assert_close(o, lse, ref_o.float(), ref_lse, TOL[torch.bfloat16])
 
 
-def test_cuda_graph_replay_after_a_replan_equals_the_reference():
+@pytest.mark.parametrize("tiles", ["default", "m64"])
+def test_cuda_graph_replay_after_a_replan_equals_the_reference(tiles, monkeypatch):
     """A graph captured on one plan of a use_cuda_graph wrapper replays a later plan (other
-    lengths and page table, same batch) into the captured output buffer."""
+    lengths and page table, same batch) into the captured output buffer (default tiles, and the
+    64-row candidate on sm90)."""
+    from flashdispatch.backends.fa2.mla import TILES_ENV
+    if tiles != "default":
+        if torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("the candidate tiles are for sm90")
+        monkeypatch.setenv(TILES_ENV, CANDIDATE_TILES[tiles])
     torch.manual_seed(13)
     batch, heads, ckv, kpe, page, pages = 8, 128, 512, 64, 64, 1024
     dev = dict(device="cuda")
