@@ -47,41 +47,46 @@ def _check(case):
     assert_close(case.inputs.out, case.inputs.lse, ref_out, ref_lse, TOL[case.problem.kv_dtype])
 
 
-@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.float16,) * 2,
-                                    (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp16", "fp8kv"])
-@pytest.mark.parametrize("page_size", [1, 64])
-@pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_grid(lengths, heads, page_size, dtypes):
-    qo_lens, kv_lens = LENGTHS[lengths]
-    case = make_mla_case(qo_lens=qo_lens, kv_lens=kv_lens, num_heads=heads, head_dim_ckv=512, head_dim_kpe=64,
-                         page_size=page_size, causal=lengths == "prefill", q_dtype=dtypes[0], kv_dtype=dtypes[1],
-                         v_scale=1.5 if dtypes[1] != dtypes[0] else None, device="cuda", seed=heads + page_size)
-    _check(case)
-
-
+DTYPES = pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.float16,) * 2,
+                                             (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp16", "fp8kv"])
 CANDIDATE_TILES = {"m64": '{"block_m": 64, "num_warps": 8}',
                    "m64-lazy": '{"block_m": 64, "num_warps": 8, "lazy_rescale": true}',
                    "n64": '{"block_n": 64}'}
 
 
-@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.float16,) * 2,
-                                    (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16", "fp16", "fp8kv"])
+def _deepseek_case(lengths: str, heads: int, page_size: int, dtypes: tuple, seed: int):
+    """A case of LENGTHS' ``lengths`` (causal for "prefill") at ckv 512, kpe 64; a v scale with fp8 KV."""
+    qo_lens, kv_lens = LENGTHS[lengths]
+    return make_mla_case(qo_lens=qo_lens, kv_lens=kv_lens, num_heads=heads, head_dim_ckv=512, head_dim_kpe=64,
+                         page_size=page_size, causal=lengths == "prefill", q_dtype=dtypes[0], kv_dtype=dtypes[1],
+                         v_scale=1.5 if dtypes[1] != dtypes[0] else None, device="cuda", seed=seed)
+
+
+def _use_candidate_tiles(name: str, monkeypatch) -> None:
+    """Set FLASHDISPATCH_FA2_MLA_TILES to candidate ``name``; skip off sm90 (64-row programs need
+    ~144 KB of shared memory, more than sm86/89 have)."""
+    from flashdispatch.backends.fa2.mla import TILES_ENV
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the candidate tiles are for sm90 (64-row programs need ~144 KB of shared memory)")
+    monkeypatch.setenv(TILES_ENV, CANDIDATE_TILES[name])
+
+
+@DTYPES
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_grid(lengths, heads, page_size, dtypes):
+    _check(_deepseek_case(lengths, heads, page_size, dtypes, seed=heads + page_size))
+
+
+@DTYPES
 @pytest.mark.parametrize("lengths", ["decode", "prefill"])
 @pytest.mark.parametrize("tiles", list(CANDIDATE_TILES))
 def test_candidate_tiles(tiles, lengths, dtypes, monkeypatch):
     """Tiles a sweep found faster than the default (docs/perf-notes.md, fa2 MLA), through
-    FLASHDISPATCH_FA2_MLA_TILES, at 128 heads: what must pass before one becomes the default
-    (sm90: 64 rows need more shared memory than sm86/89 have)."""
-    from flashdispatch.backends.fa2.mla import TILES_ENV
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the candidate tiles are for sm90 (64-row programs need ~144 KB of shared memory)")
-    monkeypatch.setenv(TILES_ENV, CANDIDATE_TILES[tiles])
-    qo_lens, kv_lens = LENGTHS[lengths]
-    case = make_mla_case(qo_lens=qo_lens, kv_lens=kv_lens, num_heads=128, head_dim_ckv=512, head_dim_kpe=64,
-                         page_size=64, causal=lengths == "prefill", q_dtype=dtypes[0], kv_dtype=dtypes[1],
-                         v_scale=1.5 if dtypes[1] != dtypes[0] else None, device="cuda", seed=77)
-    _check(case)
+    FLASHDISPATCH_FA2_MLA_TILES, at 128 heads: what must pass before one becomes the default."""
+    _use_candidate_tiles(tiles, monkeypatch)
+    _check(_deepseek_case(lengths, 128, 64, dtypes, seed=77))
 
 
 def test_wrapper_on_fa2_matches_the_reference_wrapper():
@@ -112,11 +117,8 @@ def test_cuda_graph_replay_after_a_replan_equals_the_reference(tiles, monkeypatc
     """A graph captured on one plan of a use_cuda_graph wrapper replays a later plan (other
     lengths and page table, same batch) into the captured output buffer (default tiles, and the
     64-row candidate on sm90)."""
-    from flashdispatch.backends.fa2.mla import TILES_ENV
     if tiles != "default":
-        if torch.cuda.get_device_capability()[0] != 9:
-            pytest.skip("the candidate tiles are for sm90")
-        monkeypatch.setenv(TILES_ENV, CANDIDATE_TILES[tiles])
+        _use_candidate_tiles(tiles, monkeypatch)
     torch.manual_seed(13)
     batch, heads, ckv, kpe, page, pages = 8, 128, 512, 64, 64, 1024
     dev = dict(device="cuda")
